@@ -1,0 +1,382 @@
+"""Typed run configuration: dataclass sections, TOML files, `--set section.key=value` overrides.
+
+A run is fully described by one `Config`: defaults, then a TOML file from `configs/`, then
+repeated `--set` overrides, then `validate()`. Every value goes through one coercion routine,
+so a TOML file and the command line accept and refuse the same things. Mistakes fail fast
+with one message that names the fix: an unknown key names the closest valid one, a wrong type
+names the expected type, an impossible combination says what to change.
+
+The resolved configuration is written into the run directory (`Config.save`), so every run
+can be reproduced from its own folder with `--config RUN_DIR/config.toml`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import tomli_w
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from rpt.errors import RptError
+
+
+@dataclass
+class DataConfig:
+    """Where the prepared tokens are (the folder `rpt prepare --out` wrote) and how they are read."""
+
+    path: str = "data/stdlib"
+    # "stream": B contiguous streams per rank, batch k+1 continues batch k (truncated BPTT).
+    # "random": windows at random offsets, nanoGPT style, for stateless training.
+    loader: Literal["stream", "random"] = "stream"
+    # Reset the recurrent state where a document starts (the end-of-document token).
+    reset_at_documents: bool = True
+
+
+@dataclass
+class ModelConfig:
+    """The recurrent language model. `vocab_size = 0` takes the vocabulary of the data."""
+
+    cell: str = "lstm"
+    n_layers: int = 2
+    d_model: int = 256
+    vocab_size: int = 0
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop. Budgets of 0 mean "no limit"; the first budget reached ends the run."""
+
+    seed: int = 0
+    batch_size: int = 16
+    seq_len: int = 64
+    max_steps: int = 1000
+    max_tokens: int = 0
+    max_time: float = 0.0
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    eval_interval: int = 200
+    eval_tokens: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    """Layer pipeline parallelism; data parallelism takes the remaining ranks."""
+
+    pp: Union[int, Literal["auto"]] = 1
+    microbatches: int = 1
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+
+
+@dataclass
+class CommConfig:
+    """Gradient synchronisation across data-parallel ranks."""
+
+    mode: Literal["allreduce", "ps", "ps-sharded", "auto"] = "allreduce"
+    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = "none"
+    powersgd_rank: int = 4
+    topk_fraction: float = 0.01
+    adaptive: bool = False
+    bucket_mb: float = 25.0
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints. `interval = 0` saves only at the end of the run."""
+
+    interval: int = 0
+    keep_last: int = 2
+    keep_best: int = 1
+    async_save: bool = False
+    path: str = ""  # empty: RUN_DIR/checkpoints; may be a shared path or an fsspec URL
+
+
+@dataclass
+class MonitorConfig:
+    """Metrics written by rank 0 and read by `rpt monitor`."""
+
+    log_interval: int = 10
+    tensorboard: bool = True
+    wandb: bool = False
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+
+    # ----------------------------------------------------------------- building
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> "Config":
+        """Defaults, then the TOML file at `path`, then `section.key=value` overrides, then validation."""
+        cfg = cls()
+        if path is not None:
+            cfg.update(read_toml(path), origin=str(path))
+        for item in overrides:
+            key, value = parse_override(item)
+            cfg.set(key, value, origin="--set")
+        cfg.validate()
+        return cfg
+
+    def update(self, tree: dict, origin: str) -> None:
+        for section_name, section_values in tree.items():
+            section = self._section(section_name, origin)
+            if not isinstance(section_values, dict):
+                raise RptError(f"{origin}: [{section_name}] must be a table of keys, got {section_values!r}",
+                               f"write it as a section:  [{section_name}]  followed by key = value lines")
+            for key, value in section_values.items():
+                _set_field(section, section_name, key, value, origin)
+
+    def set(self, dotted_key: str, value: Any, origin: str = "--set") -> None:
+        """Set one `section.key`; `value` may be a typed value or a string from the command line."""
+        if dotted_key.count(".") != 1:
+            raise RptError(f"{origin}: '{dotted_key}' is not of the form section.key",
+                           f"for example: --set train.max_steps=100 (sections: {', '.join(_sections())})")
+        section_name, key = dotted_key.split(".")
+        _set_field(self._section(section_name, origin), section_name, key, value, origin)
+
+    def _section(self, name: str, origin: str):
+        if name not in _sections():
+            raise RptError(f"{origin}: unknown section '{name}'", _suggest(name, _sections(), "section"))
+        return getattr(self, name)
+
+    # ----------------------------------------------------------------- output
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_toml())
+
+    # ----------------------------------------------------------------- checks
+    def validate(self) -> None:
+        """Refuse values and combinations that cannot work, naming the fix."""
+        d, m, t, p, c, k = self.data, self.model, self.train, self.parallel, self.comm, self.checkpoint
+        _positive("model.n_layers", m.n_layers)
+        _positive("model.d_model", m.d_model)
+        _positive("train.batch_size", t.batch_size)
+        _positive("train.seq_len", t.seq_len)
+        _positive("train.grad_accum", t.grad_accum)
+        _positive("parallel.microbatches", p.microbatches)
+        _positive("monitor.log_interval", self.monitor.log_interval)
+        for name in ("train.max_steps", "train.max_tokens", "train.max_time", "train.warmup_steps",
+                     "train.eval_interval", "train.eval_tokens", "train.grad_clip", "train.weight_decay",
+                     "checkpoint.interval", "checkpoint.keep_last", "checkpoint.keep_best", "model.vocab_size"):
+            _non_negative(name, self.get(name))
+        if not 0.0 <= m.dropout < 1.0:
+            raise RptError(f"model.dropout = {m.dropout} is outside [0, 1)", "use a value such as 0.1, or 0 for none")
+        if t.lr <= 0:
+            raise RptError(f"train.lr = {t.lr} must be positive", "a typical value is 3e-3 for small recurrent models")
+        if not 0.0 <= t.min_lr_ratio <= 1.0:
+            raise RptError(f"train.min_lr_ratio = {t.min_lr_ratio} is outside [0, 1]", "use e.g. 0.1")
+        if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
+            raise RptError(f"train.betas = {t.betas} must be two numbers in [0, 1)", "e.g. --set train.betas=[0.9,0.95]")
+        if t.max_steps == 0 and t.max_tokens == 0 and t.max_time == 0:
+            raise RptError("train.max_steps, train.max_tokens and train.max_time are all 0: the run would never end",
+                           "set at least one budget, e.g. --set train.max_steps=1000")
+        if isinstance(p.pp, int):
+            _positive("parallel.pp", p.pp)
+            if p.pp > m.n_layers:
+                raise RptError(f"parallel.pp = {p.pp} is larger than model.n_layers = {m.n_layers}: "
+                               "a pipeline stage needs at least one block",
+                               f"use parallel.pp <= {m.n_layers}, or more layers")
+        if t.batch_size % p.microbatches:
+            raise RptError(f"train.batch_size = {t.batch_size} is not divisible by parallel.microbatches = {p.microbatches}",
+                           "choose a micro-batch count that divides the batch size")
+        if c.compression == "powersgd":
+            _positive("comm.powersgd_rank", c.powersgd_rank)
+        if c.compression == "topk" and not 0.0 < c.topk_fraction <= 1.0:
+            raise RptError(f"comm.topk_fraction = {c.topk_fraction} is outside (0, 1]", "e.g. 0.01 keeps 1% of entries")
+        if c.compression in ("powersgd", "topk") and c.mode in ("ps", "ps-sharded"):
+            raise RptError(f"comm.compression = '{c.compression}' needs a low-rank or sparse all-reduce, "
+                           f"which comm.mode = '{c.mode}' does not do",
+                           "use comm.mode = 'allreduce' with it, or fp16/bf16 compression with a parameter server")
+        if not d.path:
+            raise RptError("data.path is empty", "point it at a folder written by `rpt prepare --out FOLDER`")
+
+    def get(self, dotted_key: str) -> Any:
+        section_name, key = dotted_key.split(".")
+        return getattr(getattr(self, section_name), key)
+
+
+# --------------------------------------------------------------------------- helpers
+
+def read_toml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise RptError(f"config file {path} does not exist", "pass an existing file, e.g. --config configs/tiny-cpu.toml")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise RptError(f"{path} is not valid TOML: {exc}",
+                       "strings need quotes (cell = \"lstm\"), lists brackets ([0.9, 0.95]), sections [name]") from None
+
+
+def parse_override(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise RptError(f"--set '{item}' has no '='", "write it as --set section.key=value")
+    key, value = item.split("=", 1)
+    return key.strip(), value.strip()
+
+
+def _sections() -> list[str]:
+    return [f.name for f in dataclasses.fields(Config)]
+
+
+def _suggest(name: str, valid: list[str], what: str) -> str:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    if close:
+        return f"did you mean '{close[0]}'? valid {what}s: {', '.join(valid)}"
+    return f"valid {what}s: {', '.join(valid)}"
+
+
+def _set_field(section, section_name: str, key: str, value: Any, origin: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if key not in fields:
+        valid = list(fields)
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+        fix = f"did you mean '{section_name}.{close[0]}'?" if close else ""
+        raise RptError(f"{origin}: unknown key '{section_name}.{key}'",
+                       (fix + " " if fix else "") + f"keys of [{section_name}]: {', '.join(valid)}")
+    hint = typing.get_type_hints(type(section))[key]
+    setattr(section, key, coerce(value, hint, f"{section_name}.{key}", origin))
+
+
+def _from_text(text: str) -> Any:
+    """A command-line value read as TOML (numbers, booleans, lists); bare words stay strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def coerce(value: Any, hint: Any, key: str, origin: str) -> Any:
+    """Check `value` against the field type `hint`; text from the command line is read as TOML first."""
+    if isinstance(value, str) and hint is not str:
+        parsed = _from_text(value)
+        if parsed is not value:
+            try:
+                return _coerce_typed(parsed, hint, key, origin)
+            except RptError:
+                if not _accepts_str(hint):
+                    raise
+    return _coerce_typed(value, hint, key, origin)
+
+
+def _accepts_str(hint: Any) -> bool:
+    if hint is str:
+        return True
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return any(isinstance(a, str) for a in typing.get_args(hint))
+    if origin in (Union, types.UnionType):
+        return any(_accepts_str(a) for a in typing.get_args(hint))
+    return False
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        return f"a list of {_type_name(inner)}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
+
+
+def _coerce_typed(value: Any, hint: Any, key: str, origin: str) -> Any:
+    def wrong() -> RptError:
+        return RptError(f"{origin}: {key} = {value!r} is not {_type_name(hint)}",
+                        f"e.g. --set {key}={_example(hint)}")
+
+    kind = typing.get_origin(hint)
+    if kind is Literal:
+        choices = typing.get_args(hint)
+        if value in choices and not isinstance(value, bool):
+            return value
+        raise wrong()
+    if kind in (Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _coerce_typed(value, option, key, origin)
+            except RptError:
+                continue
+        raise wrong()
+    if kind is list:
+        (inner,) = typing.get_args(hint)
+        if isinstance(value, str):
+            value = [_from_text(v.strip()) for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise wrong()
+        try:
+            return [_coerce_typed(v, inner, key, origin) for v in value]
+        except RptError:
+            raise wrong() from None
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise wrong()
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise wrong()
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise wrong()
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise wrong()
+    raise TypeError(f"config field {key} has an unsupported type {hint}")  # a bug in rpt, not user input
+
+
+def _example(hint: Any) -> str:
+    kind = typing.get_origin(hint)
+    if kind is Literal:
+        return str(typing.get_args(hint)[0])
+    if kind in (Union, types.UnionType):
+        return _example(typing.get_args(hint)[0])
+    if kind is list:
+        return f"[{_example(typing.get_args(hint)[0])}]"
+    return {int: "16", float: "0.5", bool: "true", str: "name"}.get(hint, "value")
+
+
+def _positive(name: str, value) -> None:
+    if value <= 0:
+        raise RptError(f"{name} = {value} must be positive", f"set {name} to 1 or more")
+
+
+def _non_negative(name: str, value) -> None:
+    if value < 0:
+        raise RptError(f"{name} = {value} must not be negative", f"set {name} to 0 or more (0 disables it where that makes sense)")

@@ -1,0 +1,1 @@
+"""Data: corpus discovery, byte-level BPE, token shards, and the batch loader."""

@@ -1,0 +1,54 @@
+"""A prepared dataset folder, opened for reading and checked against its own meta.json."""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from rpt.errors import RptError
+
+SPLITS = ("train", "val")
+
+
+class PreparedData:
+    """meta.json + tokenizer.json + one token file per split, read back as numpy memmaps."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        meta_path = self.path / "meta.json"
+        if not meta_path.is_file():
+            raise RptError(f"{self.path} is not a prepared dataset (no meta.json)",
+                           f"run `rpt prepare --input YOUR_TEXT --out {self.path}` first")
+        try:
+            self.meta = json.loads(meta_path.read_text())
+            self.vocab_size = int(self.meta["vocab_size"])
+            self.eot_id = int(self.meta["eot_id"])
+            self.dtype = np.dtype(self.meta["dtype"])
+            splits = self.meta["splits"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RptError(f"{meta_path} is damaged ({exc})", f"prepare the data again with --force") from None
+        for split in SPLITS:
+            file = self.path / splits[split]["file"]
+            expected = int(splits[split]["tokens"]) * self.dtype.itemsize
+            if not file.is_file() or file.stat().st_size != expected:
+                raise RptError(f"{file} does not match meta.json (expected {expected} bytes): the dataset is incomplete",
+                               "prepare the data again with --force")
+
+    def tokens(self, split: str) -> np.ndarray:
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}")
+        info = self.meta["splits"][split]
+        return np.memmap(self.path / info["file"], dtype=self.dtype, mode="r", shape=(int(info["tokens"]),))
+
+    def num_bytes(self, split: str) -> int:
+        """UTF-8 bytes of text behind a split's tokens: the denominator of bits per byte."""
+        return int(self.meta["splits"][split]["bytes"])
+
+    @cached_property
+    def tokenizer(self):
+        from rpt.data.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.path / "tokenizer.json")

@@ -1,0 +1,215 @@
+"""Finding a corpus and reading it as a stream of documents.
+
+Inputs are files, folders (walked recursively) and glob patterns; `.jsonl` files hold one
+document per line in a text field; `.gz` of either is read through gzip. With no input the
+embedded default is used: the source of the running Python's standard library, tests
+excluded, which exists on every machine with Python.
+
+Documents are files and jsonl records, split further where the text itself marks a boundary
+with the end-of-document token. They are read as a stream of *pieces*: about 64K characters,
+cut only where byte-level BPE would start a new pre-token anyway (after a newline that is
+followed by a non-space character), so encoding the pieces gives exactly the tokens of the
+whole document while the encoder gets many independent jobs to run in parallel and memory
+stays bounded by the piece size, whatever the size of a file.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import gzip
+import io
+import json
+import os
+import re
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+from rpt.errors import RptError
+
+EOT = "<|endoftext|>"
+PIECE_CHARS = 1 << 16
+READ_BYTES = 1 << 20
+MAX_CARRY_CHARS = 1 << 26  # a file with no safe cut in 64M characters is cut anyway
+_SAFE_CUT = re.compile(r"\n(?=\S)")
+_REPLACEMENT_UTF8 = "\ufffd".encode()
+_DEFAULT_EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class Source:
+    path: Path
+    size: int  # bytes on disk (compressed size for .gz)
+
+    @property
+    def gzipped(self) -> bool:
+        return self.path.name.lower().endswith(".gz")
+
+    @property
+    def is_jsonl(self) -> bool:
+        name = self.path.name.lower().removesuffix(".gz")
+        return name.endswith((".jsonl", ".ndjson"))
+
+
+@dataclass
+class ReadReport:
+    """What reading the corpus met besides text; it ends up in meta.json and the prepare report."""
+
+    documents: int = 0
+    text_bytes: int = 0
+    replaced_sequences: int = 0  # undecodable byte sequences replaced by U+FFFD
+    skipped_binary: list[str] = field(default_factory=list)
+    bad_jsonl_lines: int = 0
+
+
+def default_corpus_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def discover(inputs: list[str] | None) -> list[Source]:
+    """Expand inputs into a sorted, de-duplicated list of files; missing inputs are errors."""
+    if not inputs:
+        root = default_corpus_root()
+        return [Source(p, p.stat().st_size) for p in _walk(root, suffix=".py", excluded=_DEFAULT_EXCLUDED_DIRS)]
+    found: list[Path] = []
+    for item in inputs:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            found.extend(_walk(path))
+        elif path.is_file():
+            found.append(path)
+        elif glob.has_magic(item):
+            matches = sorted(Path(m) for m in glob.glob(os.path.expanduser(item), recursive=True))
+            files = [m for m in matches if m.is_file()]
+            for m in matches:
+                if m.is_dir():
+                    files.extend(_walk(m))
+            if not files:
+                raise RptError(f"the pattern '{item}' matches no file", "check the pattern; quote it so the shell does not expand it")
+            found.extend(files)
+        else:
+            raise RptError(f"input '{item}' does not exist", "pass existing files, folders or glob patterns to --input")
+    seen: set[Path] = set()
+    sources = []
+    for path in found:
+        key = path.resolve()
+        if key not in seen:
+            seen.add(key)
+            sources.append(Source(path, path.stat().st_size))
+    return sources
+
+
+def _walk(root: Path, suffix: str | None = None, excluded: set[str] = frozenset()) -> list[Path]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in excluded and d != "__pycache__")
+        for name in sorted(filenames):
+            if name.startswith(".") or (suffix and not name.endswith(suffix)):
+                continue
+            out.append(Path(dirpath) / name)
+    return out
+
+
+def iter_pieces(sources: list[Source], report: ReadReport, text_field: str = "text") -> Iterator[tuple[str, bool]]:
+    """Yield (piece, starts_document) over all documents of all sources, in order."""
+    for source in sources:
+        with _open_binary(source) as raw:
+            head = raw.peek(8192)[:8192] if hasattr(raw, "peek") else b""
+            if b"\x00" in head and not source.is_jsonl:
+                report.skipped_binary.append(str(source.path))
+                continue
+            if source.is_jsonl:
+                yield from _jsonl_pieces(raw, report, text_field, source)
+            else:
+                yield from _text_pieces(raw, report)
+
+
+def _open_binary(source: Source) -> BinaryIO:
+    try:
+        raw: BinaryIO = open(source.path, "rb")
+        if source.gzipped:
+            raw = io.BufferedReader(gzip.GzipFile(fileobj=raw))
+        return raw
+    except OSError as exc:
+        raise RptError(f"cannot read {source.path}: {exc.strerror}", "check the file's permissions") from None
+
+
+def _text_pieces(raw: BinaryIO, report: ReadReport) -> Iterator[tuple[str, bool]]:
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    doc = _DocumentCutter(report)
+    while True:
+        try:
+            block = raw.read(READ_BYTES)
+        except (OSError, EOFError) as exc:  # a corrupt .gz
+            raise RptError(f"cannot read {getattr(raw, 'name', 'input')}: {exc}", "re-create or remove the damaged file") from None
+        text = decoder.decode(block, final=not block)
+        report.replaced_sequences += max(0, text.count("\ufffd") - block.count(_REPLACEMENT_UTF8))
+        yield from doc.feed(text)
+        if not block:
+            break
+    yield from doc.finish()
+
+
+def _jsonl_pieces(raw: BinaryIO, report: ReadReport, text_field: str, source: Source) -> Iterator[tuple[str, bool]]:
+    for line in io.TextIOWrapper(raw, encoding="utf-8", errors="replace"):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            text = record[text_field]
+            if not isinstance(text, str):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            report.bad_jsonl_lines += 1
+            continue
+        report.replaced_sequences += text.count("\ufffd")
+        doc = _DocumentCutter(report)
+        yield from doc.feed(text)
+        yield from doc.finish()
+
+
+class _DocumentCutter:
+    """Turns a stream of text into pieces, starting a new document at each end-of-document marker."""
+
+    def __init__(self, report: ReadReport):
+        self.report = report
+        self.carry = ""
+        self.new_doc = True
+
+    def feed(self, text: str) -> Iterator[tuple[str, bool]]:
+        buf = self.carry + text
+        while (idx := buf.find(EOT)) >= 0:
+            yield from self._emit(buf[:idx], final=True)
+            buf = buf[idx + len(EOT):]
+        self.carry = ""
+        yield from self._emit(buf, final=False)
+
+    def finish(self) -> Iterator[tuple[str, bool]]:
+        buf, self.carry = self.carry, ""
+        yield from self._emit(buf, final=True)
+
+    def _emit(self, buf: str, final: bool) -> Iterator[tuple[str, bool]]:
+        last = 0
+        for match in _SAFE_CUT.finditer(buf):
+            cut = match.end()
+            if cut - last >= PIECE_CHARS:
+                yield from self._piece(buf[last:cut])
+                last = cut
+        rest = buf[last:]
+        if final or len(rest) > MAX_CARRY_CHARS:
+            yield from self._piece(rest)
+            rest = ""
+        self.carry = rest
+        if final:
+            self.new_doc = True
+
+    def _piece(self, piece: str) -> Iterator[tuple[str, bool]]:
+        if not piece:
+            return
+        if self.new_doc:
+            self.report.documents += 1
+        self.report.text_bytes += len(piece.encode("utf-8"))
+        yield piece, self.new_doc
+        self.new_doc = False

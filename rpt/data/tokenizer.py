@@ -1,0 +1,83 @@
+"""Byte-level BPE through HF `tokenizers`, and the few facts rpt needs on top of it.
+
+Training, encoding and decoding are the library's. rpt adds: the end-of-document token
+(which also starts every document, so the recurrent state can be reset there), the UTF-8
+byte length of every token id (so bits per byte is exact on any split of the tokens), and
+checks that a tokenizer given by the user is one rpt can use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from rpt.data.sources import EOT
+from rpt.errors import RptError
+
+MIN_VOCAB = 257  # 256 byte tokens + the end-of-document token
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, length: int | None = None) -> Tokenizer:
+    if vocab_size < MIN_VOCAB:
+        raise RptError(f"vocabulary size {vocab_size} is below {MIN_VOCAB} (256 bytes + end-of-document)",
+                       f"use --vocab-size {MIN_VOCAB} or more, e.g. 8192")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
+    return tok
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    path = Path(path)
+    if not path.is_file():
+        raise RptError(f"tokenizer file {path} does not exist", "pass a tokenizer.json written by `rpt prepare` or HF tokenizers")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:  # the library raises plain Exception on malformed files
+        raise RptError(f"{path} is not a tokenizers JSON file: {exc}", "pass a tokenizer.json saved by HF tokenizers") from None
+    if tok.token_to_id(EOT) is None:
+        raise RptError(f"tokenizer {path} has no end-of-document token {EOT}",
+                       "train one with `rpt prepare` (it adds the token) or add it as a special token")
+    token_byte_lengths(tok, where=str(path))  # refuses tokenizers that are not byte-level
+    return tok
+
+
+def eot_id(tok: Tokenizer) -> int:
+    return tok.token_to_id(EOT)
+
+
+def token_byte_lengths(tok: Tokenizer, where: str = "tokenizer") -> np.ndarray:
+    """UTF-8 bytes each token id stands for; special tokens stand for none."""
+    if not isinstance(tok.decoder, decoders.ByteLevel):
+        raise RptError(f"{where} is not a byte-level BPE tokenizer (its decoder is {type(tok.decoder).__name__})",
+                       "use a byte-level BPE tokenizer, e.g. one trained by `rpt prepare`")
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    special = {t.content for t in tok.get_added_tokens_decoder().values()}
+    lengths = np.zeros(tok.get_vocab_size(), dtype=np.int32)
+    for token, idx in tok.get_vocab().items():
+        if token in special:
+            continue
+        if not set(token) <= alphabet:
+            raise RptError(f"{where} is not a byte-level BPE tokenizer (token {token!r})",
+                           "use a byte-level BPE tokenizer, e.g. one trained by `rpt prepare`")
+        lengths[idx] = len(token)
+    return lengths
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,45 @@
+"""Shared fixtures: the real text the tests read, and small prepared datasets built from it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_dir() -> Path:
+    return Path(os.environ.get("RPT_SHARED", REPO.parent / "shared"))
+
+
+@pytest.fixture(scope="session")
+def shakespeare() -> Path:
+    path = shared_dir() / "data" / "tinyshakespeare" / "input.txt"
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: the tests read real text from ../shared (set RPT_SHARED to its location)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def shakespeare_text(shakespeare) -> str:
+    return shakespeare.read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory, shakespeare_text) -> Path:
+    """Real text as 60 documents of varied size, some with non-ASCII and undecodable bytes."""
+    root = tmp_path_factory.mktemp("corpus")
+    speeches = shakespeare_text.split("\n\n")
+    for i in range(60):
+        text = "\n\n".join(speeches[i * 40:(i + 1) * 40])
+        if i % 7 == 0:
+            text += "\nÆsop said: «naïve café» — ΑΒΓ 漢字 🙂\n"
+        data = text.encode("utf-8")
+        if i % 11 == 0:
+            data += b"\xff\xfe broken \xc3\n"
+        sub = root / ("a" if i % 2 else "b")
+        sub.mkdir(exist_ok=True)
+        (sub / f"doc{i:03d}.txt").write_bytes(data)
+    return root

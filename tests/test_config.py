@@ -1,0 +1,95 @@
+"""Configuration: overrides coerce to each field's type; mistakes fail with the fix in the message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rpt.config import Config
+from rpt.errors import RptError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_overrides_coerce_to_field_types():
+    cfg = Config.load(None, ["train.max_steps=1e3", "train.lr=0.01", "model.tie_embeddings=false",
+                             "train.betas=0.8,0.99", "parallel.pp=auto", "train.precision=bf16",
+                             "data.path=123", "model.n_layers=4", "comm.bucket_mb=5"])
+    assert cfg.train.max_steps == 1000 and isinstance(cfg.train.max_steps, int)
+    assert cfg.train.lr == 0.01
+    assert cfg.model.tie_embeddings is False
+    assert cfg.train.betas == [0.8, 0.99]
+    assert cfg.parallel.pp == "auto"
+    assert cfg.train.precision == "bf16"
+    assert cfg.data.path == "123"  # a string field keeps the text as written
+    assert cfg.comm.bucket_mb == 5.0 and isinstance(cfg.comm.bucket_mb, float)
+    assert Config.load(None, ["train.betas=[0.5, 0.6]", "parallel.pp=2"]).parallel.pp == 2
+
+
+def test_toml_file_then_overrides_and_round_trip(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\nd_model = 32\ncell = "gru"\n[train]\nmax_steps = 7\n')
+    cfg = Config.load(path, ["train.max_steps=9"])
+    assert (cfg.model.d_model, cfg.model.cell, cfg.train.max_steps) == (32, "gru", 9)
+    cfg.save(tmp_path / "resolved.toml")
+    assert Config.load(tmp_path / "resolved.toml") == cfg
+
+
+@pytest.mark.parametrize("override, message, fix", [
+    ("train.max_stepz=3", "unknown key 'train.max_stepz'", "did you mean 'train.max_steps'"),
+    ("trian.seed=1", "unknown section 'trian'", "did you mean 'train'"),
+    ("train.max_steps=abc", "is not an integer", "--set train.max_steps="),
+    ("train.precision=fp8", "is not one of 'fp32', 'bf16', 'fp16'", "--set train.precision="),
+    ("model.tie_embeddings=maybe", "is not true or false", "--set model.tie_embeddings=true"),
+    ("train.betas=[a]", "is not a list of a number", "train.betas"),
+    ("parallel.pp=9", "larger than model.n_layers", "parallel.pp <= 2"),
+    ("train.batch_size=0", "must be positive", "train.batch_size"),
+    ("model.dropout=1.5", "outside [0, 1)", "0.1"),
+    ("parallel.microbatches=3", "not divisible", "divides the batch size"),
+    ("train.max_steps=0", "never end", "budget"),
+    ("comm.compression=powersgd", None, None),
+    ("justakey", "has no '='", "section.key=value"),
+    ("nodot=1", "not of the form section.key", "--set train.max_steps"),
+])
+def test_validation_messages_name_the_fix(override, message, fix):
+    if message is None:
+        Config.load(None, [override])  # valid on its own
+        return
+    with pytest.raises(RptError) as info:
+        Config.load(None, [override])
+    assert message in info.value.message
+    assert fix in (info.value.fix or "")
+
+
+def test_impossible_combination_names_the_fix():
+    with pytest.raises(RptError, match="does not do") as info:
+        Config.load(None, ["comm.compression=powersgd", "comm.mode=ps"])
+    assert "allreduce" in info.value.fix
+
+
+def test_malformed_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\ncell = lstm\n")
+    with pytest.raises(RptError, match="not valid TOML"):
+        Config.load(bad)
+    with pytest.raises(RptError, match="does not exist"):
+        Config.load(tmp_path / "none.toml")
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text('[model]\nn_layers = "many"\n')
+    with pytest.raises(RptError, match="model.n_layers = 'many' is not an integer"):
+        Config.load(wrong)
+
+
+@pytest.mark.parametrize("preset", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_preset_loads(preset):
+    Config.load(preset)
+
+
+def test_cli_config_prints_resolved_toml():
+    proc = subprocess.run([sys.executable, "-m", "rpt", "config", "--config", str(REPO / "configs/tiny-cpu.toml"),
+                           "--set", "train.seed=5"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "seed = 5" in proc.stdout and "d_model = 64" in proc.stdout
