@@ -45,14 +45,28 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """The recurrent language model. `vocab_size = 0` takes the vocabulary of the data."""
+    """The recurrent language model (rpt/models). `vocab_size = 0` takes the vocabulary of the data."""
 
-    cell: str = "lstm"
+    cell: str = "lstm"  # lstm, gru, modlstm, mingru, minlstm, or one registered with register_cell
     n_layers: int = 2
     d_model: int = 256
+    d_hidden: int = 0  # the cell's state width; 0: the cell's default (d_model, or 2 x d_model for mingru/minlstm)
     vocab_size: int = 0
     dropout: float = 0.0
     tie_embeddings: bool = True
+    norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
+    mlp_ratio: float = 0.0  # gated MLP sub-layer of this width ratio in every block; 0: none
+    attention_every: int = 0  # causal sliding-window attention sub-layer in every k-th block; 0: none
+    attention_window: int = 128
+    attention_heads: int = 4
+    weight_norm: bool = False  # weight normalisation of the cells' projection matrices
+    # The modified LSTM (cell = "modlstm"); forget_bias applies to lstm too.
+    gate: str = "sigmoid"  # sigmoid, hard_sigmoid, exp (xLSTM-style, stabilised), or one registered with register_gate
+    gate_norm: bool = False
+    coupled_gates: bool = False
+    forget_bias: float = 1.0
+    peepholes: bool = False
+    imports: list[str] = field(default_factory=list)  # modules to import first (they may register cells and gates)
 
 
 @dataclass
@@ -189,6 +203,21 @@ class Config:
                      "train.eval_interval", "train.eval_tokens", "train.grad_clip", "train.weight_decay",
                      "checkpoint.interval", "checkpoint.keep_last", "checkpoint.keep_best", "model.vocab_size"):
             _non_negative(name, self.get(name))
+        _non_negative("model.d_hidden", m.d_hidden)
+        _non_negative("model.mlp_ratio", m.mlp_ratio)
+        _non_negative("model.attention_every", m.attention_every)
+        if m.attention_every:
+            _positive("model.attention_window", m.attention_window)
+            _positive("model.attention_heads", m.attention_heads)
+            if m.d_model % m.attention_heads:
+                raise RptError(f"model.d_model = {m.d_model} is not divisible by model.attention_heads = {m.attention_heads}",
+                               "choose a head count that divides d_model")
+        modlstm_only = {k: v for k, v in (("gate", "sigmoid"), ("gate_norm", False), ("coupled_gates", False),
+                                         ("peepholes", False)) if getattr(m, k) != v}
+        if modlstm_only and m.cell in ("lstm", "gru", "mingru", "minlstm"):
+            keys = ", ".join(f"model.{k}" for k in modlstm_only)
+            raise RptError(f"{keys} only apply to model.cell = 'modlstm' (the cell is '{m.cell}')",
+                           f"set model.cell = 'modlstm', or leave {keys} at the default")
         if not 0.0 <= m.dropout < 1.0:
             raise RptError(f"model.dropout = {m.dropout} is outside [0, 1)", "use a value such as 0.1, or 0 for none")
         if t.lr <= 0:

@@ -1,0 +1,81 @@
+"""What every recurrent cell is: three forms of one recurrence, with an explicit state.
+
+A cell maps x: [B, T, d_model] to y: [B, T, d_model] and a state (a tuple of [B, size]
+tensors) to the state after the last step. Every cell has three forms, as
+flash-linear-attention keeps for its ops, and the tests hold them equal, gradients included:
+
+- `step(x_t, state)`: one token; the readable spec of the recurrence, and what generation runs.
+- `reference(x, state, reset)`: the spec over a sequence, `step` in a plain loop.
+- `forward(x, state, reset)`: the fast training path (cuDNN/oneDNN, a parallel scan, a fused kernel).
+
+`reset[b, t]` (bool) sets row b's state back to the initial (zero) state before x[b, t] is read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+State = tuple[torch.Tensor, ...]
+
+
+class Cell(nn.Module):
+    name = "cell"
+
+    def __init__(self, d_model: int, d_hidden: int):
+        super().__init__()
+        self.d_model, self.d_hidden = d_model, d_hidden
+
+    # --- what a cell defines
+    def state_sizes(self) -> list[int]:
+        raise NotImplementedError
+
+    def step(self, x_t: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, state: State | None = None, reset: torch.Tensor | None = None):
+        raise NotImplementedError
+
+    def flops_per_token(self) -> int:
+        """Forward multiply-adds x 2 of the cell's matrix products per token (elementwise work not counted)."""
+        raise NotImplementedError
+
+    # --- shared
+    def init_state(self, batch: int, device=None, dtype=None) -> State:
+        p = next(self.parameters())
+        return tuple(torch.zeros(batch, n, device=device or p.device, dtype=dtype or p.dtype) for n in self.state_sizes())
+
+    def reference(self, x: torch.Tensor, state: State | None = None, reset: torch.Tensor | None = None):
+        state = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
+        ys = []
+        for t in range(x.shape[1]):
+            if reset is not None:
+                state = reset_rows(state, reset[:, t])
+            y, state = self.step(x[:, t], state)
+            ys.append(y)
+        return torch.stack(ys, dim=1), state
+
+
+def reset_rows(state: State, mask: torch.Tensor) -> State:
+    """Zero the rows of every state tensor where mask (bool [B]) is set."""
+    keep = (~mask).to(state[0].dtype)[:, None]
+    return tuple(s * keep for s in state)
+
+
+def over_segments(run, x: torch.Tensor, state: State, reset: torch.Tensor | None):
+    """Run a whole-sequence kernel that cannot reset mid-sequence (nn.LSTM, nn.GRU) between reset columns.
+
+    The sequence is cut at every column where some row resets; documents are long next to a
+    training window, so most batches are one or two segments.
+    """
+    if reset is None or not bool(reset.any()):
+        return run(x, state)
+    T = x.shape[1]
+    cols = torch.nonzero(reset.any(dim=0)).flatten().tolist()
+    bounds = sorted(set([0, *cols, T]))
+    ys = []
+    for a, b in zip(bounds, bounds[1:]):
+        state = reset_rows(state, reset[:, a])
+        y, state = run(x[:, a:b], state)
+        ys.append(y)
+    return torch.cat(ys, dim=1), state

@@ -1,0 +1,61 @@
+"""Classic LSTM (Hochreiter & Schmidhuber 1997, with forget gate), PyTorch's gate layout (i, f, g, o).
+
+The fast path is torch's fused LSTM kernel (cuDNN on GPU, oneDNN on CPU), called with this
+cell's own parameters so that regularisers such as weight normalisation work on them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from rpt.models.cells.base import Cell, over_segments
+from rpt.models.registry import register_cell
+
+
+@register_cell("lstm")
+class LSTM(Cell):
+    def __init__(self, d_model: int, d_hidden: int = 0, forget_bias: float = 1.0, **_):
+        super().__init__(d_model, d_hidden or d_model)
+        H, D = self.d_hidden, d_model
+        self.w_ih = nn.Parameter(torch.empty(4 * H, D))
+        self.w_hh = nn.Parameter(torch.empty(4 * H, H))
+        self.b_ih = nn.Parameter(torch.zeros(4 * H))
+        self.b_hh = nn.Parameter(torch.zeros(4 * H))
+        bound = 1 / math.sqrt(H)
+        for w in (self.w_ih, self.w_hh):
+            nn.init.uniform_(w, -bound, bound)
+        with torch.no_grad():
+            self.b_ih[H:2 * H] = forget_bias
+        self.proj = nn.Linear(H, D, bias=False) if H != D else None
+
+    def state_sizes(self):
+        return [self.d_hidden, self.d_hidden]
+
+    def step(self, x_t, state):
+        h, c = state
+        gates = x_t @ self.w_ih.T + self.b_ih + h @ self.w_hh.T + self.b_hh
+        i, f, g, o = gates.chunk(4, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        return self._out(h), (h, c)
+
+    def forward(self, x, state=None, reset=None):
+        state = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
+        weights = [self.w_ih, self.w_hh, self.b_ih, self.b_hh]
+
+        def run(xs, st):
+            y, h, c = torch.lstm(xs, (st[0][None], st[1][None]), weights, True, 1, 0.0, self.training, False, True)
+            return y, (h[0], c[0])
+
+        y, state = over_segments(run, x, state, reset)
+        return self._out(y), state
+
+    def _out(self, h):
+        return self.proj(h) if self.proj is not None else h
+
+    def flops_per_token(self):
+        H, D = self.d_hidden, self.d_model
+        return 2 * 4 * H * (D + H) + (2 * H * D if self.proj is not None else 0)

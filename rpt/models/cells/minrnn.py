@@ -1,0 +1,73 @@
+"""minGRU and minLSTM (Feng et al. 2024, "Were RNNs All We Needed?").
+
+Their gates read the input only, so the recurrence is linear in h,
+    h_t = a_t * h_{t-1} + b_t,
+and the whole sequence runs as one parallel scan (rpt.models.scan) after one input projection:
+    minGRU:  z = sigmoid(W_z x),  h~ = W_h x,                 a = 1 - z,         b = z * h~
+    minLSTM: f = sigmoid(W_f x),  i = sigmoid(W_i x), h~ = W_h x,  a = f / (f + i),  b = i / (f + i) * h~
+The hidden state is wider than the model (d_hidden, default 2 * d_model) and projected back
+down, as in the paper's expansion. A reset sets a_t = 0: the carry is dropped at that step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rpt.models.cells.base import Cell
+from rpt.models.registry import register_cell
+from rpt.models.scan import linear_scan
+
+
+class _MinRNN(Cell):
+    n_proj = 2
+
+    def __init__(self, d_model: int, d_hidden: int = 0, **_):
+        super().__init__(d_model, d_hidden or 2 * d_model)
+        self.in_proj = nn.Linear(d_model, self.n_proj * self.d_hidden)
+        self.out_proj = nn.Linear(self.d_hidden, d_model, bias=False)
+
+    def state_sizes(self):
+        return [self.d_hidden]
+
+    def coefficients(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a, b) of the linear recurrence from the projected input u."""
+        raise NotImplementedError
+
+    def step(self, x_t, state):
+        (h,) = state
+        a, b = self.coefficients(self.in_proj(x_t))
+        h = a * h + b
+        return self.out_proj(h), (h,)
+
+    def forward(self, x, state=None, reset=None):
+        (h0,) = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
+        a, b = self.coefficients(self.in_proj(x))
+        if reset is not None:
+            a = a * (~reset).to(a.dtype)[..., None]
+        h = linear_scan(a, b, h0)
+        return self.out_proj(h), (h[:, -1],)
+
+    def flops_per_token(self):
+        return 2 * self.d_model * self.d_hidden * (self.n_proj + 1)
+
+
+@register_cell("mingru")
+class MinGRU(_MinRNN):
+    n_proj = 2
+
+    def coefficients(self, u):
+        z_pre, h_tilde = u.chunk(2, dim=-1)
+        z = torch.sigmoid(z_pre)
+        return 1 - z, z * h_tilde
+
+
+@register_cell("minlstm")
+class MinLSTM(_MinRNN):
+    n_proj = 3
+
+    def coefficients(self, u):
+        f_pre, i_pre, h_tilde = u.chunk(3, dim=-1)
+        f, i = torch.sigmoid(f_pre), torch.sigmoid(i_pre)
+        total = f + i
+        return f / total, i / total * h_tilde

@@ -1,0 +1,86 @@
+"""`RecurrentLM`: embedding -> blocks -> norm -> head, carrying a recurrent state between calls.
+
+    logits, state = model(tokens, state, reset_mask)   # training: the whole chunk, fast paths
+    logits, state = model.step(token, state)           # generation: one token, constant memory
+
+The state is a list with one entry per block (the cell's state, and the attention cache where
+a block has one). Training carries it from batch to batch, detached (truncated BPTT).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from rpt.config import ModelConfig
+from rpt.errors import RptError
+from rpt.models.block import Block, make_norm
+from rpt.models.sampling import sample_next
+
+
+class RecurrentLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise RptError("model.vocab_size is not set", "take it from the data (meta.json) or set model.vocab_size")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = make_norm(cfg)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        else:
+            nn.init.normal_(self.head.weight, std=0.02)
+
+    def init_state(self, batch: int, device=None, dtype=None) -> list:
+        return [b.init_state(batch, device, dtype) for b in self.blocks]
+
+    def forward(self, tokens: torch.Tensor, state: list | None = None, reset_mask: torch.Tensor | None = None):
+        """tokens: [B, T] int64; reset_mask: [B, T] bool (reset the state before reading that token)."""
+        x = self.embed(tokens)
+        state = state if state is not None else self.init_state(tokens.shape[0], tokens.device)
+        new_state = []
+        for block, s in zip(self.blocks, state):
+            x, s = block(x, s, reset_mask)
+            new_state.append(s)
+        return self.head(self.norm(x)), new_state
+
+    def step(self, token: torch.Tensor, state: list | None = None):
+        """token: [B] int64. The single-step forms of every cell: what generation runs."""
+        x = self.embed(token)
+        state = state if state is not None else self.init_state(token.shape[0], token.device)
+        new_state = []
+        for block, s in zip(self.blocks, state):
+            x, s = block(x, s, step=True)
+            new_state.append(s)
+        return self.head(self.norm(x)), new_state
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, generator: torch.Generator | None = None) -> Iterator[int]:
+        """Yield new token ids one at a time. prompt: [T] int64. Memory does not grow with the length."""
+        was_training = self.training
+        self.eval()
+        try:
+            logits, state = self(prompt[None])
+            logits = logits[:, -1]
+            for _ in range(max_new_tokens):
+                token = sample_next(logits, temperature, top_k, top_p, generator)
+                yield int(token[0])
+                logits, state = self.step(token, state)
+        finally:
+            self.train(was_training)
+
+    def num_params(self, embeddings: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n if embeddings else n - self.embed.weight.numel()
+
+    def flops_per_token(self, training: bool = True) -> int:
+        """Matrix-product FLOPs per token: every block's cell (recurrent products included), attention,
+        MLP and the output head; x3 for forward + backward when training. The embedding lookup is free."""
+        forward = sum(b.flops_per_token() for b in self.blocks) + 2 * self.cfg.d_model * self.cfg.vocab_size
+        return 3 * forward if training else forward
