@@ -14,7 +14,8 @@ One step (the spec; `step` below is this, line by line):
         m_t = max(P_f + m_{t-1}, P_i)                 (m_{t-1} = -inf for a fresh state)
         i = exp(P_i - m_t);  f = exp(P_f + m_{t-1} - m_t)
         c_t = f * c_{t-1} + i * z;  n_t = f * n_{t-1} + i;  h_t = sigmoid(P_o) * c_t / n_t
-      h does not depend on m (c and n carry the same factor exp(-m)), so m takes no gradient.
+      m is a constant to differentiation (the state, initial m included, is read at fixed m): h
+      does not depend on the choice of m, since c and n carry the same factor exp(-m).
 
 The fast path (`ModLSTMFunction`) is a fused sequence kernel with a hand-written backward:
 the input projection for all steps is one GEMM, the loop does only what depends on h_{t-1}
@@ -95,7 +96,7 @@ class ModLSTM(Cell):
         gates = dict(zip(self.groups, P.unbind(1)))
         if self.exp:
             h, c, n, m = state
-            m_prev = torch.where(n > 0, m, torch.full_like(m, -math.inf))
+            m_prev = torch.where(n > 0, m.detach(), torch.full_like(m, -math.inf))
             m = torch.maximum(gates["f"] + m_prev, gates["i"]).detach()
             i, f = torch.exp(gates["i"] - m), torch.exp(gates["f"] + m_prev - m)
             z = torch.tanh(gates["z"])

@@ -1,0 +1,142 @@
+"""Benchmark: every cell's fast path, forward + backward, at equal parameters per layer; and generation.
+
+Hardware efficiency is the honest measure (issue 3): achieved FLOP/s, from `flops_per_token()`
+and tokens/s, over the fp32 matmul peak measured in the same run (the best of a few GEMM shapes).
+nn.LSTM with hidden 512 (2.1M parameters) is the reference; each cell's width is chosen to
+match its parameter count. Two shapes: B=16 x T=256 and B=2 x T=2048. Prints markdown rows.
+
+    .venv/bin/python benchmarks/cells.py [--repeats 3] [--device cpu|cuda] [--gen-tokens 100,10000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import time
+from datetime import date
+
+import torch
+
+from rpt.config import ModelConfig
+from rpt.models import RecurrentLM
+from rpt.models.block import build_cell
+
+D = 512
+# (name, config overrides) at about 2.1M parameters per layer, like nn.LSTM(512, 512)
+CELLS = [
+    ("lstm", dict(cell="lstm")),
+    ("gru", dict(cell="gru", d_hidden=576)),
+    ("modlstm", dict(cell="modlstm")),
+    ("modlstm-exp", dict(cell="modlstm", gate="exp")),
+    ("modlstm-ln-peep", dict(cell="modlstm", gate_norm=True, peepholes=True)),
+    ("mingru", dict(cell="mingru", d_hidden=1344)),
+    ("minlstm", dict(cell="minlstm", d_hidden=1024)),
+]
+SHAPES = [(16, 256), (2, 2048)]
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats):
+    fn()  # warm-up
+    sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def matmul_peak(device, repeats) -> float:
+    best = 0.0
+    for m, k, n in [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 512, 2048), (4096, 2048, 512)]:
+        a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+        dt = timed(lambda: [a @ b for _ in range(5)], device, repeats)
+        best = max(best, 5 * 2 * m * k * n / dt)
+    return best
+
+
+def fwd_bwd(module, x, reference=False):
+    def run():
+        y, _ = module.reference(x) if reference else module(x)
+        y.sum().backward()
+    return run
+
+
+def bench_cells(device, repeats, peak):
+    rows = []
+    for B, T in SHAPES:
+        x = torch.randn(B, T, D, device=device, requires_grad=True)
+        torch.manual_seed(0)
+        ref = torch.nn.LSTM(D, D, batch_first=True).to(device)
+        ref_flops = 3 * 2 * 4 * D * (D + D)
+        ref_tps = B * T / timed(lambda: ref(x)[0].sum().backward(), device, repeats)
+        rows.append(("nn.LSTM", B, T, sum(p.numel() for p in ref.parameters()), ref_tps, ref_tps * ref_flops, ref_tps, None))
+        for name, over in CELLS:
+            cell = build_cell(ModelConfig(d_model=D, **over)).to(device)
+            tps = B * T / timed(fwd_bwd(cell, x), device, repeats)
+            ref_speed = None
+            if name.startswith("modlstm"):  # its own sequential reference, on a quarter of the sequence
+                xs = x[:, : T // 4].detach().requires_grad_()
+                ref_speed = B * (T // 4) / timed(fwd_bwd(cell, xs, reference=True), device, 1)
+            params = sum(p.numel() for p in cell.parameters())
+            rows.append((name, B, T, params, tps, tps * 3 * cell.flops_per_token(), ref_tps, ref_speed))
+    print(f"\nmatmul peak {peak / 1e9:.0f} GFLOP/s (fp32, best of 4 GEMM shapes, this run)\n")
+    print("| cell | B x T | params | tokens/s | GFLOP/s | efficiency | vs nn.LSTM | vs own reference |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, B, T, params, tps, flops, ref_tps, ref_speed in rows:
+        own = f"{tps / ref_speed:.1f}x" if ref_speed else ""
+        print(f"| {name} | {B} x {T} | {params / 1e6:.2f}M | {tps:,.0f} | {flops / 1e9:.0f} | {flops / peak:.2f} | "
+              f"{tps / ref_tps:.2f} | {own} |")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def bench_generation(device, lengths):
+    print("\n| generation | new tokens | tokens/s | state numel | RSS growth |")
+    print("|---|---|---|---|---|")
+    for cell in ("lstm", "mingru", "modlstm"):
+        torch.manual_seed(0)
+        cfg = ModelConfig(cell=cell, vocab_size=8192, d_model=256, n_layers=4, attention_every=2, attention_window=64)
+        model = RecurrentLM(cfg).to(device)
+        prompt = torch.randint(0, 8192, (16,), device=device)
+        for n in lengths:
+            before = rss_bytes()
+            t = time.perf_counter()
+            count = sum(1 for _ in model.generate(prompt, n, temperature=1.0, top_k=50))
+            dt = time.perf_counter() - t
+            state = model(prompt[None])[1]
+            numel = sum(t.numel() for block in state for part in block for t in part)
+            print(f"| {cell} 4x256 + attention | {count:,} | {count / dt:,.0f} | {numel:,} | "
+                  f"{(rss_bytes() - before) / 2**20:+.1f} MiB |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--gen-tokens", default="100,10000")
+    ap.add_argument("--skip-generation", action="store_true")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    name = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.machine()} {os.cpu_count()} cores"
+    print(f"{date.today()} | {name} | torch {torch.__version__} | commit {commit} | threads {torch.get_num_threads()}")
+    peak = matmul_peak(device, args.repeats)
+    bench_cells(device, args.repeats, peak)
+    if not args.skip_generation:
+        bench_generation(device, [int(n) for n in args.gen_tokens.split(",")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The language model: causality (attention included), state carry, generation by steps, resets, deep stacks."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from rpt.config import ModelConfig
+from rpt.models import RecurrentLM
+from rpt.models.sampling import sample_next
+
+CELLS = ["lstm", "gru", "modlstm", "mingru", "minlstm"]
+V = 50
+
+
+def lm(cell: str, **kw) -> RecurrentLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(cell=cell, vocab_size=V, d_model=16, n_layers=3, attention_every=2, attention_window=4,
+                      attention_heads=2, mlp_ratio=2.0, **kw)
+    return RecurrentLM(cfg).double().eval()
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_causal_changing_a_token_changes_no_earlier_logit(cell):
+    model = lm(cell)
+    x = torch.randint(0, V, (2, 14))
+    base, _ = model(x)
+    for t in (0, 5, 13):
+        x2 = x.clone()
+        x2[:, t] = (x2[:, t] + 1) % V
+        out, _ = model(x2)
+        torch.testing.assert_close(out[:, :t], base[:, :t], rtol=0, atol=0)
+        assert not torch.allclose(out[:, t], base[:, t])
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_chunks_with_state_equal_one_pass_and_steps_equal_forward(cell):
+    model = lm(cell)
+    x = torch.randint(0, V, (2, 15))
+    reset = torch.zeros(2, 15, dtype=torch.bool)
+    reset[0, 9] = True
+    whole, _ = model(x, reset_mask=reset)
+    state, outs = None, []
+    for a in range(0, 15, 4):  # chunks shorter than, equal to and not aligned with the attention window
+        out, state = model(x[:, a:a + 4], state, reset[:, a:a + 4])
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, 1), whole)
+    state = None
+    for t in range(9):  # the single-step forms (no reset before t=9)
+        out, state = model.step(x[:, t], state)
+        torch.testing.assert_close(out, whole[:, t])
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_reset_mask_starts_a_fresh_document(cell):
+    model = lm(cell)
+    x = torch.randint(0, V, (1, 12))
+    reset = torch.zeros(1, 12, dtype=torch.bool)
+    reset[0, 7] = True
+    out, _ = model(x, reset_mask=reset)
+    fresh, _ = model(x[:, 7:])
+    torch.testing.assert_close(out[:, 7:], fresh)
+
+
+def test_generation_memory_is_constant_in_length():
+    model = lm("lstm")
+    state_sizes = []
+    for n in (5, 60):
+        prompt = torch.randint(0, V, (3,))
+        _, state = model(prompt[None])
+        for _ in range(n):
+            _, state = model.step(torch.tensor([1]), state)
+        state_sizes.append(sum(t.numel() for block in state for part in block for t in part))
+    assert state_sizes[0] == state_sizes[1]
+    g = torch.Generator().manual_seed(0)
+    tokens = list(model.generate(torch.tensor([1, 2, 3]), 20, temperature=0.8, top_k=10, top_p=0.9, generator=g))
+    assert len(tokens) == 20 and all(0 <= t < V for t in tokens)
+
+
+def test_sampling_rules():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    assert sample_next(logits, temperature=0).item() == 1
+    g = torch.Generator().manual_seed(0)
+    drawn = {sample_next(logits, top_k=2, generator=g).item() for _ in range(200)}
+    assert drawn == {1, 3}
+    # top_p = 0.6: token 1 alone holds ~64% of the mass, so only it survives
+    drawn = {sample_next(logits, top_p=0.6, generator=g).item() for _ in range(100)}
+    assert drawn == {1}
+
+
+@pytest.mark.parametrize("cell", ["lstm", "mingru", "modlstm"])
+def test_48_block_stack_trains(cell):
+    torch.manual_seed(0)
+    cfg = ModelConfig(cell=cell, vocab_size=64, d_model=32, n_layers=48)
+    model = RecurrentLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x = torch.randint(0, 64, (4, 17))
+    losses = []
+    for _ in range(50):
+        logits, _ = model(x[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), x[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def test_flops_per_token_counts_cells_attention_mlp_and_head():
+    model = lm("lstm")
+    D = 16
+    cell = 2 * 4 * D * (D + D)
+    attn = 2 * 4 * D * D + 2 * 2 * 4 * D
+    mlp = 2 * 3 * D * 32
+    assert model.flops_per_token(training=False) == 3 * cell + attn + 3 * mlp + 2 * D * V
+    assert model.flops_per_token() == 3 * model.flops_per_token(training=False)
+
+
+def test_models_never_import_torch_distributed():
+    root = Path(__file__).resolve().parents[2] / "rpt" / "models"
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            module = node.module if isinstance(node, ast.ImportFrom) else ""
+            assert not any("torch.distributed" in n for n in names + [module or ""]), path
