@@ -69,10 +69,15 @@ class _LinearScan(torch.autograd.Function):
     def backward(ctx, grad_h):
         a, h, h0 = ctx.saved_tensors
         # g_t = a_{t+1} g_{t+1} + grad_h_t: the same scan, backwards in time, with a shifted by one.
-        a_next = torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], dim=1)
-        g = _chunked_scan(a_next.flip(1), grad_h.flip(1), torch.zeros_like(h0)).flip(1)
-        h_prev = torch.cat([h0[:, None], h[:, :-1]], dim=1)
-        grad_a = g * h_prev if ctx.needs_input_grad[0] else None
+        a_next_reversed = torch.empty_like(a)  # a_{t+1}, in reversed time order, 0 past the end
+        a_next_reversed[:, 0] = 0
+        a_next_reversed[:, 1:] = a[:, 1:].flip(1)
+        g = _chunked_scan(a_next_reversed, grad_h.flip(1), torch.zeros_like(h0)).flip(1)
+        grad_a = None
+        if ctx.needs_input_grad[0]:  # g_t * h_{t-1}, without materialising h_{t-1}
+            grad_a = torch.empty_like(a)
+            torch.mul(g[:, 1:], h[:, :-1], out=grad_a[:, 1:])
+            torch.mul(g[:, 0], h0, out=grad_a[:, 0])
         grad_h0 = a[:, 0] * g[:, 0] if ctx.needs_input_grad[2] else None
         return grad_a, g, grad_h0
 

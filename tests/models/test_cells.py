@@ -170,3 +170,19 @@ def test_unknown_cell_and_gate_name_the_fix():
         build_cell(ModelConfig(cell="modlstm", gate="tanh2"))
     with pytest.raises(RptError, match="exponential gate"):
         build_cell(ModelConfig(cell="modlstm", gate="exp", coupled_gates=True))
+
+
+def test_gru_library_path_matches_the_fused_kernel():
+    cell = make("gru")
+    x = torch.randn(2, 9, D, dtype=torch.float64, requires_grad=True)
+    reset = torch.zeros(2, 9, dtype=torch.bool)
+    reset[1, 3] = True
+    state = random_state(cell, 2)
+    y_fused, s_fused = cell(x, state, reset)
+    y_lib, s_lib = cell.library_path(x, state, reset)  # torch.gru, what runs on GPU
+    torch.testing.assert_close(y_fused, y_lib)
+    torch.testing.assert_close(s_fused[0], s_lib[0])
+    g1 = torch.autograd.grad(y_fused.sum(), [x, *cell.parameters()])
+    g2 = torch.autograd.grad(y_lib.sum(), [x, *cell.parameters()])
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)

@@ -1,6 +1,10 @@
 """Classic GRU (Cho et al. 2014), PyTorch's formulation and gate layout (r, z, n).
 
-The fast path is torch's fused GRU kernel (cuDNN on GPU, oneDNN on CPU) with this cell's parameters.
+Fast paths: on GPU, torch's fused GRU (cuDNN). On CPU torch's GRU has no oneDNN kernel (only
+its LSTM has one) and runs a small-batch GEMM per step, about 0.2 of the matmul peak at B=2;
+there `GRUFunction` runs instead: a fused sequence kernel with a hand-written backward, like
+the modified LSTM's (input projections and weight gradients as single GEMMs, the per-step
+product packed for oneDNN, every factor that does not depend on the recurrence precomputed).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 from torch import nn
 
 from rpt.models.cells.base import Cell, over_segments
+from rpt.models.cells.packed_linear import PackedLinear
 from rpt.models.registry import register_cell
 
 
@@ -43,14 +48,23 @@ class GRU(Cell):
 
     def forward(self, x, state=None, reset=None):
         state = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
+        if x.is_cuda:
+            y, state = self.library_path(x, state, reset)
+        else:
+            keep = None if reset is None else (~reset).to(x.dtype).transpose(0, 1).contiguous()
+            y, h = GRUFunction.apply(keep, x, self.w_ih, self.w_hh, self.b_ih, self.b_hh, state[0])
+            state = (h,)
+        return self._out(y), state
+
+    def library_path(self, x, state, reset):
+        """torch's fused GRU (cuDNN on GPU), cut at reset columns."""
         weights = [self.w_ih, self.w_hh, self.b_ih, self.b_hh]
 
         def run(xs, st):
             y, h = torch.gru(xs, st[0][None], weights, True, 1, 0.0, self.training, False, True)
             return y, (h[0],)
 
-        y, state = over_segments(run, x, state, reset)
-        return self._out(y), state
+        return over_segments(run, x, state, reset)
 
     def _out(self, h):
         return self.proj(h) if self.proj is not None else h
@@ -58,3 +72,65 @@ class GRU(Cell):
     def flops_per_token(self):
         H, D = self.d_hidden, self.d_model
         return 2 * 3 * H * (D + H) + (2 * H * D if self.proj is not None else 0)
+
+
+class GRUFunction(torch.autograd.Function):
+    """Time-major buffers ([T, B, ...]) so that every step's slice is contiguous."""
+
+    @staticmethod
+    def forward(ctx, keep, x, w_ih, w_hh, b_ih, b_hh, h0):
+        B, T, D = x.shape
+        H = w_hh.shape[1]
+        xt = x.transpose(0, 1).reshape(T * B, D)
+        XP = torch.addmm(b_ih, xt, w_ih.T).view(T, B, 3, H)
+        W = PackedLinear(w_hh, B)
+        bias = b_hh.expand(B, 3 * H).contiguous()
+        HP = x.new_empty(T, B, 3, H)  # h_{t-1} W_hh^T + b_hh, whose n part the backward needs
+        gates = x.new_empty(T, B, 3, H)  # r, z, n
+        hs = x.new_empty(T, B, H)
+        h = h0
+        keeps = keep[:, :, None].unbind(0) if keep is not None else [None] * T
+        for xp, hp, g, out, kt in zip(XP.unbind(0), HP.unbind(0), gates.unbind(0), hs.unbind(0), keeps):
+            if kt is not None:
+                h = h * kt
+            hp.copy_(W(h, bias).view(B, 3, H))
+            r, z, n = g.unbind(1)
+            torch.sigmoid(xp[:, :2] + hp[:, :2], out=g[:, :2])
+            torch.tanh(torch.addcmul(xp[:, 2], r, hp[:, 2]), out=n)
+            h = torch.addcmul(n, z, h - n, out=out)
+        ctx.save_for_backward(keep, x, w_ih, w_hh, h0, HP, gates, hs)
+        return hs.transpose(0, 1).contiguous(), h
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_h):
+        keep, x, w_ih, w_hh, h0, HP, gates, hs = ctx.saved_tensors
+        T, B, _, H = gates.shape
+        D = x.shape[2]
+        h_prev = torch.cat([h0[None], hs[:-1]])
+        if keep is not None:
+            h_prev = h_prev * keep[:, :, None]
+        r, z, n = gates.unbind(2)
+        # dpre = dh * K for every gate, precomputed for all steps: nothing here depends on the recurrence.
+        K_n = (1 - z) * (1 - n * n)
+        K_z = (h_prev - n) * z * (1 - z)
+        K_r = K_n * HP[:, :, 2] * r * (1 - r)
+        KX = torch.stack([K_r, K_z, K_n], dim=2)  # d/d(x-projection)
+        KH = torch.stack([K_r, K_z, K_n * r], dim=2)  # d/d(h-projection)
+        dXP, dHP = torch.empty_like(gates), torch.empty_like(gates)
+        WT = PackedLinear(w_hh.T.contiguous(), B)
+        grad_y = grad_y.transpose(0, 1)
+        dh = grad_h if grad_h is not None else x.new_zeros(B, H)
+        keeps = keep[:, :, None].unbind(0) if keep is not None else [None] * T
+        steps = zip(grad_y.unbind(0), KX.unbind(0), KH.unbind(0), dXP.unbind(0), dHP.unbind(0), z.unbind(0), keeps)
+        for gy, kx, kh, dxp, dhp, zt, kt in reversed(list(steps)):
+            dh = dh + gy
+            torch.mul(dh[:, None], kx, out=dxp)
+            torch.mul(dh[:, None], kh, out=dhp)
+            dh = WT(dhp.view(B, 3 * H), dh * zt)
+            if kt is not None:
+                dh = dh * kt
+        dXPf, dHPf = dXP.view(T * B, 3 * H), dHP.view(T * B, 3 * H)
+        grad_x = (dXPf @ w_ih).view(T, B, D).transpose(0, 1)
+        grad_w_ih = dXPf.T @ x.transpose(0, 1).reshape(T * B, D)
+        grad_w_hh = dHPf.T @ h_prev.reshape(T * B, H)
+        return None, grad_x, grad_w_ih, grad_w_hh, dXPf.sum(0), dHPf.sum(0), dh

@@ -148,7 +148,8 @@ class ModLSTMFunction(torch.autograd.Function):
         XP = (torch.addmm(bias, xt, w_x.T) if bias is not None else xt @ w_x.T).view(T, B, G * H)
         W = PackedLinear(w_h, B)
         acts = x.new_empty(T, B, G, H)  # gate values
-        pre = x.new_empty(T, B, G, H) if not cell.exp else None  # gate inputs (a user gate's grad may need them)
+        # Gate inputs, kept only for a gate whose derivative needs its input (sigmoid's needs only its output).
+        pre = x.new_empty(T, B, G, H) if not cell.exp and cell.gate_fn.fn is not torch.sigmoid else None
         cs, hs = x.new_empty(T, B, H), x.new_empty(T, B, H)
         ns = x.new_empty(T, B, H) if cell.exp else None
         ln_in = x.new_empty(T, B, G, H) if cell.gate_norm else None
@@ -156,52 +157,55 @@ class ModLSTMFunction(torch.autograd.Function):
         h, c = state[0], state[1]
         n, m = (state[2], state[3]) if cell.exp else (None, None)
         gi = {g: k for k, g in enumerate(cell.groups)}
-        for t in range(T):
-            if keep is not None:
-                k = keep[t, :, None]
-                h, c = h * k, c * k
+        n_dc = G - 1  # gates driven by dc: (i, f, z) or (f, z); the output gate is last
+        use_sigmoid = cell.gate_fn is not None and cell.gate_fn.fn is torch.sigmoid
+        keeps = keep[:, :, None].unbind(0) if keep is not None else [None] * T
+        ns_t = ns.unbind(0) if cell.exp else [None] * T
+        for t, (xp, a, c_out, h_out, n_out, kt) in enumerate(
+                zip(XP.unbind(0), acts.unbind(0), cs.unbind(0), hs.unbind(0), ns_t, keeps)):
+            if kt is not None:
+                h, c = h * kt, c * kt
                 if cell.exp:
-                    n, m = n * k, m * k
-            P = W(h, XP[t]).view(B, G, H)
+                    n, m = n * kt, m * kt
+            P = W(h, xp).view(B, G, H)
             if cell.gate_norm:
                 ln_in[t] = P
                 P, mean, rstd = torch.native_layer_norm(P, (H,), None, None, LN_EPS)
                 ln_stats[t, 0], ln_stats[t, 1] = mean, rstd
                 P = torch.addcmul(ln_b, P, ln_w)
-            a = acts[t]
             if cell.exp:
+                P_i, P_f, P_z, P_o = P.unbind(1)
+                a_i, a_f, a_z, a_o = a.unbind(1)
                 m_prev = torch.where(n > 0, m, torch.full_like(m, -math.inf))
-                m = torch.maximum(P[:, gi["f"]] + m_prev, P[:, gi["i"]])
-                torch.exp(P[:, gi["i"]] - m, out=a[:, gi["i"]])
-                torch.exp(P[:, gi["f"]] + m_prev - m, out=a[:, gi["f"]])
-                torch.tanh(P[:, gi["z"]], out=a[:, gi["z"]])
-                torch.sigmoid(P[:, gi["o"]], out=a[:, gi["o"]])
-                f = a[:, gi["f"]]
-                c = torch.addcmul(f * c, a[:, gi["i"]], a[:, gi["z"]])
-                n = torch.add(f * n, a[:, gi["i"]])
-                h = a[:, gi["o"]] * c / n
-                ns[t] = n
+                m = torch.maximum(P_f + m_prev, P_i)
+                torch.exp(P_i - m, out=a_i)
+                torch.exp(P_f + m_prev - m, out=a_f)
+                torch.tanh(P_z, out=a_z)
+                torch.sigmoid(P_o, out=a_o)
+                c = torch.addcmul(a_f * c, a_i, a_z, out=c_out)
+                n = torch.addcmul(a_i, a_f, n, out=n_out)
+                h = torch.mul(a_o, c / n, out=h_out)
+                continue
+            if cell.peepholes:
+                P[:, :n_dc - 1] += cell_peep_in(peep, c)  # i (and f) read c_{t-1}
+            gate_in = P[:, :n_dc - 1]  # (i, f) or (f)
+            if use_sigmoid:
+                torch.sigmoid(gate_in, out=a[:, :n_dc - 1])
             else:
-                if cell.peepholes:
-                    P[:, :G - 2] += cell_peep_in(peep, c)  # i (and f), before the nonlinearity
-                f_idx = gi["f"]
-                if cell.coupled:
-                    a[:, f_idx] = cell.gate_fn.fn(P[:, f_idx])
-                    f, i = a[:, f_idx], 1 - a[:, f_idx]
-                else:
-                    a[:, :2] = cell.gate_fn.fn(P[:, :2])
-                    i, f = a[:, 0], a[:, 1]
-                torch.tanh(P[:, gi["z"]], out=a[:, gi["z"]])
-                c = torch.addcmul(f * c, i, a[:, gi["z"]])
-                if cell.peepholes:
-                    P[:, G - 1] += peep[-1] * c
-                torch.sigmoid(P[:, G - 1], out=a[:, G - 1])
-                h = a[:, G - 1] * torch.tanh(c)
+                a[:, :n_dc - 1] = cell.gate_fn.fn(gate_in)
+            torch.tanh(P[:, n_dc - 1], out=a[:, n_dc - 1])
+            a_f, a_z = a[:, gi["f"]], a[:, n_dc - 1]
+            a_i = 1 - a_f if cell.coupled else a[:, 0]
+            c = torch.addcmul(a_f * c, a_i, a_z, out=c_out)
+            if cell.peepholes:
+                P[:, G - 1] += peep[-1] * c
+            torch.sigmoid(P[:, G - 1], out=a[:, G - 1])
+            h = torch.mul(a[:, G - 1], torch.tanh(c), out=h_out)
+            if pre is not None:
                 pre[t] = P
-            cs[t], hs[t] = c, h
         ctx.cell = cell
         ctx.save_for_backward(keep, x, w_x, w_h, ln_w, peep, acts, pre, cs, hs, ns, ln_in, ln_stats, *state)
-        final = (h, c, n, m) if cell.exp else (h, c)
+        final = (h.clone(), c.clone(), n.clone(), m) if cell.exp else (h.clone(), c.clone())  # not views of saved buffers
         return (hs.transpose(0, 1).contiguous(), *final)
 
     @staticmethod
@@ -240,7 +244,8 @@ class ModLSTMFunction(torch.autograd.Function):
             K_c = o * (1 - tc * tc)
             if cell.peepholes:
                 K_c = K_c + K_o * peep[-1]
-            gf = cell.gate_fn.grad(pre[:, :, gi["f"]], f)
+            gate_input = (lambda g: pre[:, :, gi[g]]) if pre is not None else (lambda g: None)
+            gf = cell.gate_fn.grad(gate_input("f"), f)
             if cell.coupled:
                 i = 1 - f
                 K_f = (c_prev - z) * gf
@@ -248,7 +253,7 @@ class ModLSTMFunction(torch.autograd.Function):
                 K_cc = f + K_f * peep[0] if cell.peepholes else f
             else:
                 i = acts[:, :, gi["i"]]
-                K_i = z * cell.gate_fn.grad(pre[:, :, gi["i"]], i)
+                K_i = z * cell.gate_fn.grad(gate_input("i"), i)
                 K_f = c_prev * gf
                 K_dc = torch.stack([K_i, K_f, i * (1 - z * z)], dim=2)  # (i, f, z)
                 K_cc = f + K_i * peep[0] + K_f * peep[1] if cell.peepholes else f
@@ -261,23 +266,25 @@ class ModLSTMFunction(torch.autograd.Function):
         dh = grad_final[0] if grad_final[0] is not None else zeros
         dc = grad_final[1] if grad_final[1] is not None else zeros
         dn = (grad_final[2] if grad_final[2] is not None else zeros) if cell.exp else None
-        for t in range(T - 1, -1, -1):
-            dh = dh + grad_y[t]
-            dc = torch.addcmul(dc, dh, K_c[t])
-            torch.mul(dh, K_o[t], out=dP[t, :, G - 1])
-            torch.mul(dc[:, None], K_dc[t], out=dP[t, :, :G - 1])
+        keeps = keep3.unbind(0) if keep3 is not None else [None] * T
+        per_step = zip(range(T), grad_y.unbind(0), K_c.unbind(0), K_o.unbind(0), K_dc.unbind(0), K_cc.unbind(0),
+                       dP.unbind(0), dP_raw.unbind(0), keeps)
+        for t, gy, k_c, k_o, k_dc, k_cc, dp, dp_raw, kt in reversed(list(per_step)):
+            dh = dh + gy
+            dc = torch.addcmul(dc, dh, k_c)
+            torch.mul(dh, k_o, out=dp[:, G - 1])
+            torch.mul(dc[:, None], k_dc, out=dp[:, :G - 1])
             if cell.exp:
                 dn = torch.addcmul(dn, dh, K_n[t])
-                dP[t, :, :2].addcmul_(dn[:, None], K_dn[t])
-                dn = dn * f[t] if keep is None else dn * f[t] * keep3[t]
+                dp[:, :2].addcmul_(dn[:, None], K_dn[t])
+                dn = dn * k_cc  # K_cc is f (with the reset folded in)
             if cell.gate_norm:
-                mean, rstd = ln_stats[t, 0], ln_stats[t, 1]
-                dP_raw[t] = torch.ops.aten.native_layer_norm_backward(
-                    dP[t] * ln_w, ln_in[t], (H,), mean, rstd, None, None, (True, False, False))[0]
-            dc = dc * K_cc[t]
-            dh = WT(dP_raw[t].view(B, G * H))
-            if keep is not None:
-                dh = dh * keep3[t]
+                dp_raw.copy_(torch.ops.aten.native_layer_norm_backward(
+                    dp * ln_w, ln_in[t], (H,), ln_stats[t, 0], ln_stats[t, 1], None, None, (True, False, False))[0])
+            dc = dc * k_cc
+            dh = WT(dp_raw.view(B, G * H))
+            if kt is not None:
+                dh = dh * kt
         dPf = dP_raw.view(T * B, G * H)
         xt = x.transpose(0, 1).reshape(T * B, D)
         grad_x = (dPf @ w_x).view(T, B, D).transpose(0, 1)
