@@ -40,6 +40,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace a different dataset in --out")
     p.set_defaults(func=_cmd_prepare)
 
+    p = sub.add_parser("train", help="train a model (one process, --nproc N local processes, or under torchrun)",
+                       description="Train a recurrent language model. Everything the run writes goes into --run-dir.")
+    _add_config_flags(p)
+    p.add_argument("--run-dir", type=Path, help="where the run writes (default: runs/CONFIG-TIMESTAMP)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --run-dir from its newest complete checkpoint (its config.toml unless --config)")
+    p.add_argument("--nproc", type=int, default=1, help="launch this many local worker processes (data parallel)")
+    p.add_argument("--max-restarts", type=int, default=0, help="restart failed workers this often, from the newest checkpoint")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run's checkpoint")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--checkpoint", default="best", help="best, latest, or a checkpoint folder")
+    p.add_argument("--data", help="another prepared dataset (same tokenizer) to evaluate on")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("generate", help="stream text from a run's checkpoint")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--prompt", default="")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--checkpoint", default="best", help="best, latest, or a checkpoint folder")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.set_defaults(func=_cmd_generate)
+
     p = sub.add_parser("config", help="print the resolved configuration (defaults + --config + --set), validated")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_config)
@@ -77,6 +107,54 @@ def format_prepare_report(meta: dict, out: Path) -> str:
     if report["bad_jsonl_lines"]:
         lines.append(f"  note        {report['bad_jsonl_lines']} jsonl lines without a text field were skipped")
     return "\n".join(lines)
+
+
+def _cmd_train(args) -> None:
+    from rpt.config import Config
+    from rpt.train.run import default_run_dir, train
+
+    if args.resume and args.run_dir is None:
+        raise RptError("--resume needs the run to continue", "name it with --run-dir RUN_DIR")
+    if args.nproc < 1:
+        raise RptError(f"--nproc {args.nproc} must be 1 or more", "e.g. --nproc 2")
+    config_path = args.config
+    if args.resume and config_path is None and (args.run_dir / "config.toml").is_file():
+        config_path = str(args.run_dir / "config.toml")
+    cfg = Config.load(config_path, args.overrides)
+    run_dir = args.run_dir or default_run_dir(args.config)
+    _check_writable(run_dir)
+    summary = train(cfg, run_dir, args.resume, args.nproc, args.max_restarts, args.device)
+    if summary is not None:
+        print(f"val loss {summary['val_loss']:.4f}  ppl {summary['val_ppl']:.2f}  bpb {summary['val_bpb']:.4f}  "
+              f"({summary['steps']} steps, {summary['tokens']:,} tokens, {summary['tokens_per_second']:,.0f} tokens/s)")
+    print(run_dir / "summary.json")
+
+
+def _check_writable(run_dir: Path) -> None:
+    probe = run_dir
+    while not probe.exists():
+        probe = probe.parent
+    import os
+
+    if not os.access(probe, os.W_OK):
+        raise RptError(f"cannot write the run directory {run_dir} ({probe} is not writable)",
+                       "choose a --run-dir you can write to")
+
+
+def _cmd_eval(args) -> None:
+    from rpt.train.run import eval_run
+
+    r = eval_run(args.run_dir, args.checkpoint, args.device, args.data)
+    print(f"{r['checkpoint']}\nval loss {r['loss']:.4f}  ppl {r['ppl']:.2f}  bpb {r['bpb']:.4f}  "
+          f"({r['tokens']:,} tokens, {r['bytes']:,} bytes)")
+
+
+def _cmd_generate(args) -> None:
+    from rpt.train.run import generate_text
+
+    print(args.prompt, end="")
+    generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                  args.seed, args.checkpoint, args.device)
 
 
 def _cmd_config(args) -> None:

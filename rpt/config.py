@@ -88,8 +88,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     grad_accum: int = 1
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    eval_interval: int = 200
-    eval_tokens: int = 0
+    eval_interval: int = 200  # steps between validations; 0: only at the end
+    eval_tokens: int = 0  # tokens of a periodic validation; 0: the whole split (the final one always is)
+    max_bad_steps: int = 25  # stop after this many optimiser steps in a row with non-finite gradients
 
 
 @dataclass
@@ -199,6 +200,10 @@ class Config:
         _positive("train.grad_accum", t.grad_accum)
         _positive("parallel.microbatches", p.microbatches)
         _positive("monitor.log_interval", self.monitor.log_interval)
+        _positive("train.max_bad_steps", t.max_bad_steps)
+        if t.batch_size % t.grad_accum:
+            raise RptError(f"train.batch_size = {t.batch_size} is not divisible by train.grad_accum = {t.grad_accum}",
+                           "the batch is split into grad_accum equal micro-batches; choose a divisor")
         for name in ("train.max_steps", "train.max_tokens", "train.max_time", "train.warmup_steps",
                      "train.eval_interval", "train.eval_tokens", "train.grad_clip", "train.weight_decay",
                      "checkpoint.interval", "checkpoint.keep_last", "checkpoint.keep_best", "model.vocab_size"):

@@ -49,7 +49,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if tok.token_to_id(EOT) is None:
         raise RptError(f"tokenizer {path} has no end-of-document token {EOT}",
                        "train one with `rpt prepare` (it adds the token) or add it as a special token")
-    token_byte_lengths(tok, where=str(path))  # refuses tokenizers that are not byte-level
+    token_bytes(tok, where=str(path))  # refuses tokenizers that are not byte-level
     return tok
 
 
@@ -57,22 +57,44 @@ def eot_id(tok: Tokenizer) -> int:
     return tok.token_to_id(EOT)
 
 
-def token_byte_lengths(tok: Tokenizer, where: str = "tokenizer") -> np.ndarray:
-    """UTF-8 bytes each token id stands for; special tokens stand for none."""
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level map inverted: the printable character that stands for each byte -> the byte.
+
+    Printable bytes stand for themselves; the other 68 are given the code points from 256 on, in order.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def token_bytes(tok: Tokenizer, where: str = "tokenizer") -> list[bytes]:
+    """The UTF-8 bytes each token id stands for; special tokens stand for none."""
     if not isinstance(tok.decoder, decoders.ByteLevel):
         raise RptError(f"{where} is not a byte-level BPE tokenizer (its decoder is {type(tok.decoder).__name__})",
                        "use a byte-level BPE tokenizer, e.g. one trained by `rpt prepare`")
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    alphabet = byte_level_alphabet()
     special = {t.content for t in tok.get_added_tokens_decoder().values()}
-    lengths = np.zeros(tok.get_vocab_size(), dtype=np.int32)
+    table = [b""] * tok.get_vocab_size()
     for token, idx in tok.get_vocab().items():
         if token in special:
             continue
-        if not set(token) <= alphabet:
+        try:
+            table[idx] = bytes(alphabet[ch] for ch in token)
+        except KeyError:
             raise RptError(f"{where} is not a byte-level BPE tokenizer (token {token!r})",
-                           "use a byte-level BPE tokenizer, e.g. one trained by `rpt prepare`")
-        lengths[idx] = len(token)
-    return lengths
+                           "use a byte-level BPE tokenizer, e.g. one trained by `rpt prepare`") from None
+    return table
+
+
+def token_byte_lengths(tok: Tokenizer, where: str = "tokenizer") -> np.ndarray:
+    """UTF-8 bytes each token id stands for (0 for special tokens): exact bits per byte on any split."""
+    return np.array([len(b) for b in token_bytes(tok, where)], dtype=np.int32)
 
 
 def file_sha256(path: str | Path) -> str:

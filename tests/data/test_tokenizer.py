@@ -56,3 +56,12 @@ def test_load_refuses_unusable_tokenizers(tmp_path, tok):
         load_tokenizer(tmp_path / "wordlevel.json")
     tok.save(str(tmp_path / "good.json"))
     assert load_tokenizer(tmp_path / "good.json").get_vocab_size() == tok.get_vocab_size()
+
+
+def test_token_bytes_decode_like_the_tokenizer(tok, shakespeare_text):
+    from rpt.data.tokenizer import token_bytes
+
+    table = token_bytes(tok)
+    for text in (shakespeare_text[400_000:405_000], EXTRA):
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert b"".join(table[i] for i in ids).decode("utf-8") == text

@@ -1,0 +1,1 @@
+"""Parallelism applied from outside the model: processes and devices, data and pipeline parallel."""

@@ -1,0 +1,100 @@
+"""Processes, devices and the process group.
+
+Three ways to run `rpt train`, one code path:
+- one process: no process group, world size 1;
+- under `torchrun` (on each node): the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, ...);
+- `--nproc N`: rpt launches N local workers itself through torch's elastic launcher, the
+  same machinery torchrun uses, so `--max-restarts` behaves exactly as under torchrun.
+
+Each rank takes `cuda:LOCAL_RANK` when CUDA is there, else the CPU; `--device` overrides. The
+backend follows the device: gloo for CPU tensors, NCCL for CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rpt.errors import RptError
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(requested: str | None, local_rank: int) -> torch.device:
+    if requested in (None, "", "auto"):
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise RptError("--device cuda was asked for, but CUDA is not available", "use --device cpu, or auto")
+        return torch.device(f"cuda:{local_rank}")
+    if requested == "cpu":
+        return torch.device("cpu")
+    raise RptError(f"unknown device '{requested}'", "use --device auto, cpu or cuda")
+
+
+def setup(device: str | None = None) -> Dist:
+    """Join the process group when launched as one of several ranks; otherwise run alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = pick_device(device, local_rank)
+    if world > 1 and not dist.is_initialized():
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
+    return Dist(rank, world, local_rank, dev)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def restart_count() -> int:
+    """How many times the elastic launcher has restarted this worker group (0 on the first run)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> None:
+    """Run `entrypoint(*args)` in `nproc` local workers through torch's elastic launcher."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"rpt-{os.getpid()}",
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
+                          monitor_interval=0.5, start_method="spawn")
+    try:
+        elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as exc:
+        first = next(iter(exc.failures.values()), None)
+        detail = f" (rank {first.local_rank}: {first.message})" if first is not None else ""
+        raise RptError(f"a training worker failed after {max_restarts} restart(s){detail}",
+                       "read the rank's log in RUN_DIR/logs/; --max-restarts N retries from the newest checkpoint") from None

@@ -1,0 +1,1 @@
+"""Training: the loop, optimiser, checkpoints, evaluation and generation."""

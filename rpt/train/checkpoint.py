@@ -1,0 +1,212 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP), atomic by a manifest written last.
+
+    CHECKPOINTS/step_00001200/
+        .metadata, __*.distcp      model + optimiser, saved by DCP (replicated tensors written once)
+        extras/rank0.pt ...        what differs per rank: loader position, RNG states, recurrent state
+        manifest.json              written by rank 0 after every rank finished: step, val loss, file checksums
+
+A checkpoint is complete only when its manifest exists and every file matches its size and
+checksum, so a crash in the middle of a save leaves the previous checkpoint the newest usable
+one, and a damaged newest checkpoint is skipped with a warning naming it. Retention keeps the
+last `keep_last` and the best `keep_best` (lowest validation loss). The folder may be a local
+or shared path, or an fsspec URL (`file://`, `s3://` with s3fs installed, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import time
+import warnings
+from concurrent.futures import Future
+
+import fsspec
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+
+from rpt.errors import RptError
+
+log = logging.getLogger("rpt.checkpoint")
+# DCP warns that it "assumes a single process" whenever no process group exists: that is rpt's one-process mode.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+MANIFEST = "manifest.json"
+PREFIX = "step_"
+
+
+class Checkpointer:
+    def __init__(self, root: str, rank: int = 0, world_size: int = 1, keep_last: int = 2, keep_best: int = 1,
+                 async_save: bool = False):
+        self.fs, self.root = fsspec.core.url_to_fs(str(root))
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
+        self.local = "file" in protocols
+        self.rank, self.world_size = rank, world_size
+        self.keep_last, self.keep_best = keep_last, keep_best
+        self.async_save = async_save
+        self._pending: tuple[Future, str, int, float | None] | None = None
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int, model, optimizer, extras: dict, val_loss: float | None = None) -> str:
+        """Save (all ranks call this). With async_save the write goes on in the background."""
+        self.finish_pending()
+        path = f"{self.root}/{PREFIX}{step:08d}"
+        if self.rank == 0:
+            self.fs.makedirs(f"{path}/extras", exist_ok=True)
+        _barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with self.fs.open(f"{path}/extras/rank{self.rank}.pt", "wb") as f:
+            buf = io.BytesIO()
+            torch.save(extras, buf)
+            f.write(buf.getvalue())
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.async_save:
+            future = dcp.async_save(state, storage_writer=self._writer(path))
+            self._pending = (future, path, step, val_loss)
+        else:
+            dcp.save(state, storage_writer=self._writer(path))
+            self._commit(path, step, val_loss)
+        return path
+
+    def finish_pending(self) -> None:
+        if self._pending is not None:
+            future, path, step, val_loss = self._pending
+            self._pending = None
+            future.result()
+            self._commit(path, step, val_loss)
+
+    def _commit(self, path: str, step: int, val_loss: float | None) -> None:
+        _barrier()  # every rank's files are written
+        if self.rank == 0:
+            files = {}
+            for full in sorted(self.fs.find(path)):
+                rel = full[len(path) + 1:]
+                if rel != MANIFEST:
+                    files[rel] = {"bytes": self.fs.size(full), "sha256": self._sha256(full)}
+            manifest = {"step": step, "val_loss": val_loss, "world_size": self.world_size, "time": time.time(),
+                        "files": files}
+            with self.fs.open(f"{path}/{MANIFEST}", "w") as f:
+                f.write(json.dumps(manifest, indent=1))
+            self._retain()
+        _barrier()
+
+    def _writer(self, path: str):
+        if self.local:
+            return dcp.FileSystemWriter(path)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        return FsspecWriter(self._url(path))
+
+    def _reader(self, path: str):
+        if self.local:
+            return dcp.FileSystemReader(path)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        return FsspecReader(self._url(path))
+
+    def _url(self, path: str) -> str:
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        return f"{protocol}://{path}"
+
+    def _sha256(self, path: str) -> str:
+        h = hashlib.sha256()
+        with self.fs.open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
+
+    def _retain(self) -> None:
+        complete = self.complete()
+        keep = {p for p, _ in complete[-self.keep_last:]} if self.keep_last else set()
+        scored = [(m["val_loss"], p) for p, m in complete if m.get("val_loss") is not None]
+        keep |= {p for _, p in sorted(scored)[: self.keep_best]}
+        newest = complete[-1][0] if complete else None
+        for path in self._step_dirs():
+            done = any(path == p for p, _ in complete)
+            if (done and path not in keep) or (not done and newest is not None and path < newest):
+                self.fs.rm(path, recursive=True)
+
+    # ------------------------------------------------------------------ finding
+    def _step_dirs(self) -> list[str]:
+        if not self.fs.exists(self.root):
+            return []
+        return sorted(p.rstrip("/") for p in self.fs.ls(self.root, detail=False)
+                      if p.rstrip("/").rsplit("/", 1)[-1].startswith(PREFIX))
+
+    def complete(self, verify: bool = False) -> list[tuple[str, dict]]:
+        """(path, manifest) of every checkpoint whose manifest exists, oldest first; `verify` checks the files."""
+        out = []
+        for path in self._step_dirs():
+            try:
+                with self.fs.open(f"{path}/{MANIFEST}") as f:
+                    manifest = json.loads(f.read())
+            except (FileNotFoundError, ValueError):
+                continue
+            if verify:
+                problem = self._verify(path, manifest)
+                if problem:
+                    log.warning("skipping damaged checkpoint %s: %s", path, problem)
+                    continue
+            out.append((path, manifest))
+        return out
+
+    def _verify(self, path: str, manifest: dict) -> str | None:
+        for rel, info in manifest.get("files", {}).items():
+            full = f"{path}/{rel}"
+            if not self.fs.exists(full):
+                return f"{rel} is missing"
+            if self.fs.size(full) != info["bytes"]:
+                return f"{rel} has {self.fs.size(full)} bytes, the manifest says {info['bytes']}"
+            if self._sha256(full) != info["sha256"]:
+                return f"{rel} does not match its checksum"
+        return None
+
+    def latest(self) -> str | None:
+        found = self.complete(verify=True)
+        return found[-1][0] if found else None
+
+    def best(self) -> str | None:
+        found = [(m["val_loss"], p) for p, m in self.complete(verify=True) if m.get("val_loss") is not None]
+        return min(found)[1] if found else self.latest()
+
+    # ------------------------------------------------------------------ loading
+    def load(self, path: str, model, optimizer=None) -> dict:
+        """Load model (and optimiser) state into place; returns this rank's extras."""
+        if optimizer is not None:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+        else:
+            model_sd, optim_sd = get_model_state_dict(model), None
+        check_shapes(self._reader(path).read_metadata(), model_sd, path)
+        state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, storage_reader=self._reader(path))
+        if optimizer is not None:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:
+            model.load_state_dict(state["model"])
+        extras_path = f"{path}/extras/rank{self.rank}.pt"
+        if not self.fs.exists(extras_path):
+            raise RptError(f"{path} has no state for rank {self.rank} (saved with another world size)",
+                           "resume with the world size the checkpoint was written with")
+        with self.fs.open(extras_path, "rb") as f:
+            return torch.load(io.BytesIO(f.read()), weights_only=False)
+
+
+def check_shapes(metadata, model_sd: dict, path: str) -> None:
+    """Refuse a checkpoint of another model shape, listing every key that differs."""
+    saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    problems = []
+    for key, tensor in model_sd.items():
+        if key not in saved:
+            problems.append(f"{key}: not in the checkpoint")
+        elif hasattr(saved[key], "size") and tuple(saved[key].size) != tuple(tensor.shape):
+            problems.append(f"{key}: checkpoint {tuple(saved[key].size)}, model {tuple(tensor.shape)}")
+    problems += [f"{key}: in the checkpoint, not in the model" for key in saved if key not in model_sd]
+    if problems:
+        listed = "\n    ".join(problems[:20]) + (f"\n    ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise RptError(f"the checkpoint {path} holds a model of another shape:\n    {listed}",
+                       "resume with the model settings of that run (its config.toml), or start a new run directory")
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

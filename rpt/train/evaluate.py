@@ -1,0 +1,58 @@
+"""Validation loss, perplexity and bits per byte, over the validation split (or its first eval_tokens).
+
+Every rank reads its own contiguous streams of the split, carrying the recurrent state from
+window to window as training does; the sums of nats, tokens and UTF-8 bytes are then added
+across ranks. Bits per byte = total nats / bytes / ln 2, with each target token's exact byte
+length, so it compares models across tokenizers (the end-of-document token has 0 bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rpt.errors import RptError
+
+
+@torch.no_grad()
+def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size: int, seq_len: int,
+             device: torch.device, rank: int = 0, world_size: int = 1, max_tokens: int = 0,
+             eot_id: int | None = None, autocast=nullcontext) -> dict:
+    was_training = model.training
+    model.eval()
+    n, T = len(tokens), seq_len
+    B = max(1, min(batch_size, (n - 1) // (world_size * T)))
+    stream_len = (n - 1) // (world_size * B)
+    windows = stream_len // T
+    if windows == 0:
+        raise RptError(f"the validation split ({n} tokens) is shorter than {world_size} x seq_len {T}",
+                       "prepare with a larger --val-fraction, or lower train.seq_len")
+    if max_tokens:
+        windows = max(1, min(windows, max_tokens // (world_size * B * T)))
+    starts = (np.arange(rank * B, rank * B + B, dtype=np.int64) * stream_len)[:, None] + np.arange(T + 1)
+    lengths = torch.from_numpy(byte_lengths.astype(np.int64))
+    nats = torch.zeros((), dtype=torch.float64, device=device)
+    n_bytes = torch.zeros((), dtype=torch.float64, device=device)
+    state = None
+    for k in range(windows):
+        chunk = torch.from_numpy(tokens[starts + k * T].astype(np.int64))
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        reset = (x == eot_id) if eot_id is not None else None
+        with autocast():
+            logits, state = model(x.to(device), state, None if reset is None else reset.to(device))
+        nats += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.to(device).reshape(-1),
+                                reduction="sum").double()
+        n_bytes += lengths[y].sum().double().to(device)
+    counts = torch.stack([nats, n_bytes, torch.tensor(float(windows * B * T), dtype=torch.float64, device=device)])
+    if world_size > 1:
+        dist.all_reduce(counts)
+    total_nats, total_bytes, total_tokens = counts.tolist()
+    model.train(was_training)
+    loss = total_nats / total_tokens
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bpb": total_nats / max(total_bytes, 1.0) / math.log(2),
+            "tokens": int(total_tokens), "bytes": int(total_bytes)}

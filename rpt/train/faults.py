@@ -1,0 +1,48 @@
+"""Fault injection for tests: make a chosen rank fail at a chosen step, as real faults do.
+
+    RPT_FAULT="kill@5"            rank 0 kills itself (SIGKILL) when step 5 begins
+    RPT_FAULT="kill@5:rank=1"     rank 1 does
+    RPT_FAULT="nan@3"             the loss of step 3 becomes NaN on every rank (non-finite gradients)
+    RPT_FAULT="nan@3-99"          steps 3 to 99
+
+A worker that the elastic launcher restarted (TORCHELASTIC_RESTART_COUNT > 0) does not kill
+itself again, so a restarted run can finish. Unset, this costs one dictionary lookup per step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    first: int
+    last: int
+    rank: int | None
+
+    def active(self, step: int, rank: int) -> bool:
+        return self.first <= step <= self.last and (self.rank is None or self.rank == rank)
+
+
+def from_env() -> Fault | None:
+    spec = os.environ.get("RPT_FAULT", "")
+    if not spec:
+        return None
+    head, *options = spec.split(":")
+    kind, _, steps = head.partition("@")
+    first, _, last = steps.partition("-")
+    opts = dict(o.split("=", 1) for o in options)
+    rank = int(opts["rank"]) if "rank" in opts else (0 if kind == "kill" else None)
+    return Fault(kind, int(first), int(last or first), rank)
+
+
+def maybe_kill(fault: Fault | None, step: int, rank: int) -> None:
+    if fault and fault.kind == "kill" and fault.active(step, rank) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def poisons_loss(fault: Fault | None, step: int, rank: int) -> bool:
+    return bool(fault and fault.kind == "nan" and fault.active(step, rank))

@@ -1,0 +1,52 @@
+"""AdamW with parameter groups, and the learning-rate schedule.
+
+Weight decay applies to the matrices of the cells, attention, MLP and head; not to norms,
+biases, residual gates, peepholes or the embedding (decaying a tied embedding decays the
+head too, and decaying gates and norms pulls them towards zero, not towards their init).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rpt.config import TrainConfig
+
+NO_DECAY_NAMES = ("embed", "norm", "gate", "bias", "peep", "ln_")
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if p.dim() < 2 or any(k in name for k in NO_DECAY_NAMES) or leaf.startswith(("b_", "original0")):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
+                             fused=None if torch.cuda.is_available() else False)
+
+
+def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
+    """Linear warm-up over warmup_steps, then cosine or linear decay to min_lr_ratio * lr.
+
+    `progress` in [0, 1] is how much of the run's budget is spent: the largest of
+    steps / max_steps, tokens / max_tokens and seconds / max_time among the budgets set, so the
+    decay ends with the run whichever budget ends it.
+    """
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, max(0.0, progress))
+    floor = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "linear":
+        return floor + (cfg.lr - floor) * (1 - progress)
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))

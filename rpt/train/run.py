@@ -1,0 +1,126 @@
+"""Entry points behind `rpt train`, `rpt eval` and `rpt generate`.
+
+`train_worker` is what every rank runs, whether rpt runs alone, under torchrun, or as one of
+the workers that `--nproc` launches (it is a top-level function so that the launcher can start
+it in a fresh process). Each rank logs to RUN_DIR/logs/rank{R}.log; rank 0 also talks to the terminal.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from rpt.config import Config
+from rpt.errors import RptError
+from rpt.parallel import launch
+from rpt.runtime import keep_freed_memory
+
+
+def default_run_dir(config_path: str | None) -> Path:
+    name = Path(config_path).stem if config_path else "default"
+    return Path("runs") / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("rpt")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, progress: bool = True) -> dict:
+    from rpt.train.trainer import Trainer
+
+    keep_freed_memory()
+    run_dir = Path(run_dir)
+    d = launch.setup(device)
+    setup_logging(run_dir, d.rank)
+    try:
+        trainer = Trainer(cfg, run_dir, d, resume=resume or launch.restart_count() > 0, progress=progress)
+        return trainer.run()
+    except RptError as exc:
+        logging.getLogger("rpt").error("%s", exc)
+        raise
+    finally:
+        launch.teardown()
+
+
+def train(cfg: Config, run_dir: Path, resume: bool, nproc: int, max_restarts: int, device: str | None) -> dict | None:
+    """Run training here (one process, or this rank under torchrun) or launch `nproc` local workers."""
+    if nproc > 1:
+        launch.launch_local(nproc, max_restarts, train_worker, cfg, str(run_dir), resume, device)
+        summary_path = run_dir / "summary.json"
+        return json.loads(summary_path.read_text()) if summary_path.exists() else None
+    return train_worker(cfg, str(run_dir), resume, device)
+
+
+def load_run(run_dir: str | Path, checkpoint: str = "best", device: str | None = None):
+    """(config, model with weights, tokenizer, data) of a finished or running run directory."""
+    from rpt.data.dataset import PreparedData
+    from rpt.data.tokenizer import load_tokenizer
+    from rpt.models import RecurrentLM
+    from rpt.train.checkpoint import Checkpointer
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise RptError(f"{run_dir} is not a run directory (no config.toml)", "pass the folder `rpt train` wrote, e.g. runs/NAME")
+    cfg = Config.load(run_dir / "config.toml")
+    dev = launch.pick_device(device, 0)
+    model = RecurrentLM(cfg.model).to(dev)
+    ck = Checkpointer(cfg.checkpoint.path or str(run_dir / "checkpoints"))
+    path = {"best": ck.best, "latest": ck.latest}.get(checkpoint, lambda: checkpoint)()
+    if path is None:
+        raise RptError(f"{run_dir} has no complete checkpoint yet", "wait for the first checkpoint, or train longer")
+    ck.load(path, model)
+    model.eval()
+    tokenizer = load_tokenizer(run_dir / "tokenizer.json")
+    return cfg, model, tokenizer, path
+
+
+def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str | None) -> dict:
+    from rpt.data.dataset import PreparedData
+    from rpt.data.tokenizer import token_byte_lengths
+    from rpt.train.evaluate import evaluate
+
+    keep_freed_memory()
+    cfg, model, tokenizer, path = load_run(run_dir, checkpoint, device)
+    data = PreparedData(data_path or cfg.data.path)
+    if data.meta["tokenizer_sha256"] != json.loads((Path(run_dir) / "meta.json").read_text())["tokenizer_sha256"]:
+        raise RptError(f"the data at {data.path} was tokenized with another tokenizer than the run's",
+                       "evaluate on data prepared with the run's tokenizer (rpt prepare --tokenizer RUN_DIR/tokenizer.json)")
+    dev = next(model.parameters()).device
+    result = evaluate(model, data.tokens("val"), token_byte_lengths(tokenizer), batch_size=cfg.train.batch_size,
+                      seq_len=cfg.train.seq_len, device=dev,
+                      eot_id=data.eot_id if cfg.data.reset_at_documents else None)
+    return {**result, "checkpoint": path}
+
+
+def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                  seed: int | None, checkpoint: str, device: str | None, out=sys.stdout) -> str:
+    """Stream generated text to `out` as it is sampled; returns it."""
+    from rpt.data.tokenizer import eot_id, token_bytes
+
+    cfg, model, tokenizer, _ = load_run(run_dir, checkpoint, device)
+    dev = next(model.parameters()).device
+    ids = [eot_id(tokenizer)] + tokenizer.encode(prompt, add_special_tokens=False).ids  # a document starts with EOT
+    table = token_bytes(tokenizer)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    generator = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
+    pieces = []
+    for token in model.generate(torch.tensor(ids, device=dev), max_new_tokens, temperature, top_k, top_p, generator):
+        text = decoder.decode(table[token])
+        if text:
+            pieces.append(text)
+            out.write(text)
+            out.flush()
+    tail = decoder.decode(b"", final=True)
+    out.write(tail + "\n")
+    return "".join(pieces) + tail

@@ -1,0 +1,303 @@
+"""The training loop: one process or many, truncated BPTT, mixed precision, budgets, checkpoints.
+
+    for each step:
+        batch = next(loader)                                # [B, T] per rank, rows continue the last batch
+        for each micro-batch (rows of the batch):           # gradient accumulation, no sync until the last
+            logits, state = model(x, state, reset)          # autocast; the state carries over, detached
+            scaler.scale(loss / accum).backward()           # DDP all-reduces buckets during backward
+        unscale, clip the global norm, AdamW step (skipped when the gradients are not finite)
+        log / evaluate / checkpoint / check the budgets
+
+Everything a run writes goes into its run directory: config.toml, meta.json of the data,
+logs/rank*.log, metrics.jsonl, checkpoints/, summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from rpt.config import Config
+from rpt.data.dataset import PreparedData
+from rpt.data.stream import TokenStream
+from rpt.data.tokenizer import token_byte_lengths
+from rpt.errors import RptError
+from rpt.models import RecurrentLM
+from rpt.models.state import all_finite, cat_rows, detach_state, rows
+from rpt.parallel.launch import Dist
+from rpt.train import faults
+from rpt.train.checkpoint import Checkpointer
+from rpt.train.evaluate import evaluate
+from rpt.train.optim import build_optimizer, lr_at
+
+log = logging.getLogger("rpt.train")
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: Path, dist_info: Dist, resume: bool = False, progress: bool = True):
+        self.cfg, self.run_dir, self.d = cfg, Path(run_dir), dist_info
+        self.device = dist_info.device
+        t = cfg.train
+        self.data = PreparedData(cfg.data.path)
+        if cfg.model.vocab_size == 0:
+            cfg.model.vocab_size = self.data.vocab_size
+        elif cfg.model.vocab_size < self.data.vocab_size:
+            raise RptError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the data's vocabulary "
+                           f"({self.data.vocab_size})", "set model.vocab_size = 0 to take it from the data")
+        self.byte_lengths = token_byte_lengths(self.data.tokenizer)
+        self._write_run_files()
+
+        torch.manual_seed(t.seed)  # the same initial model on every rank
+        self.model = RecurrentLM(cfg.model).to(self.device)
+        self.ddp = DDP(self.model, bucket_cap_mb=cfg.comm.bucket_mb) if dist_info.enabled else None
+        self.optimizer = build_optimizer(self.model, t)
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
+        self.loader = TokenStream(self.data.tokens("train"), t.batch_size, t.seq_len, rank=dist_info.rank,
+                                  world_size=dist_info.world_size, seed=t.seed, mode=cfg.data.loader,
+                                  eot_id=self.data.eot_id)
+        self.state = self.model.init_state(t.batch_size, self.device)
+        ck = cfg.checkpoint
+        self.checkpointer = Checkpointer(ck.path or str(self.run_dir / "checkpoints"), dist_info.rank,
+                                         dist_info.world_size, ck.keep_last, ck.keep_best, ck.async_save)
+        self.step = self.tokens = self.skipped_steps = self.bad_streak = 0
+        self.elapsed_before = 0.0  # training seconds of earlier runs of this run directory
+        self.last_eval: dict | None = None
+        self.progress = progress and dist_info.is_main
+        self.fault = faults.from_env()
+        torch.manual_seed(t.seed + 1000 * dist_info.rank)  # dropout differs per rank
+        random.seed(t.seed + dist_info.rank)
+        np.random.seed(t.seed + dist_info.rank)
+        if resume:
+            self._resume()
+
+    # ------------------------------------------------------------------ the step
+    def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimiser step over one batch; returns (mean loss, gradient norm)."""
+        t = self.cfg.train
+        model = self.ddp or self.model
+        x, y, reset = (v.to(self.device, non_blocking=True) for v in batch)
+        reset = reset if self.cfg.data.reset_at_documents else None
+        micro = t.batch_size // t.grad_accum
+        loss_sum, new_states = torch.zeros((), device=self.device), []
+        for k in range(t.grad_accum):
+            part = slice(k * micro, (k + 1) * micro)
+            sync = self.ddp is None or k == t.grad_accum - 1
+            with (nullcontext() if sync else self.ddp.no_sync()), self._autocast():
+                logits, state = model(x[part], rows(self.state, part), None if reset is None else reset[part])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y[part].flatten())
+                if faults.poisons_loss(self.fault, self.step, self.d.rank):
+                    loss = loss * float("nan")
+            self.scaler.scale(loss / t.grad_accum).backward()
+            loss_sum += loss.detach()
+            new_states.append(detach_state(state))
+        self.state = cat_rows(new_states)
+
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
+        scale_before = self.scaler.get_scale()
+        if torch.isfinite(grad_norm):  # the same on every rank: the gradients were all-reduced
+            self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        skipped = not torch.isfinite(grad_norm) or self.scaler.get_scale() < scale_before
+        self.skipped_steps += skipped
+        self.bad_streak = self.bad_streak + 1 if skipped else 0
+        if skipped and not all_finite(self.state):
+            self.state = self.model.init_state(t.batch_size, self.device)
+        return loss_sum / t.grad_accum, grad_norm
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict:
+        t, ck = self.cfg.train, self.cfg.checkpoint
+        started = time.perf_counter()
+        window_tokens, window_start = 0, time.perf_counter()
+        bar = tqdm(total=t.max_steps or None, initial=self.step, disable=not self.progress or None, dynamic_ncols=True,
+                   unit="step", desc="train")
+        log.info("training %s parameters on %s, world size %d", f"{self.model.num_params():,}", self.device,
+                 self.d.world_size)
+        try:
+            while True:
+                elapsed = self.elapsed_before + time.perf_counter() - started
+                if self._budget_spent(elapsed):
+                    break
+                faults.maybe_kill(self.fault, self.step, self.d.rank)
+                lr = lr_at(self.step, self._progress(elapsed), t)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                loss, grad_norm = self.train_step(next(self.loader))
+                self.step += 1
+                self.tokens += t.batch_size * t.seq_len * self.d.world_size
+                window_tokens += t.batch_size * t.seq_len * self.d.world_size
+                if self.bad_streak >= t.max_bad_steps:
+                    raise RptError(f"{self.bad_streak} optimiser steps in a row had non-finite gradients "
+                                   f"(step {self.step}); the run stopped",
+                                   "lower train.lr, raise train.warmup_steps or use precision fp32/bf16; "
+                                   f"the last good checkpoint is {self.checkpointer.latest() or 'none'}")
+                if self.step % self.cfg.monitor.log_interval == 0:
+                    rate = window_tokens / (time.perf_counter() - window_start)
+                    self._log_step(self._mean_across_ranks(loss), grad_norm.item(), lr, rate, bar)
+                    window_tokens, window_start = 0, time.perf_counter()
+                bar.update(1)
+                if t.eval_interval and self.step % t.eval_interval == 0:
+                    self._evaluate(final=False)
+                if ck.interval and self.step % ck.interval == 0:
+                    self._save(time.perf_counter() - started)
+        finally:
+            bar.close()
+        wall = time.perf_counter() - started
+        log.info("parameter digest %s", param_digest(self.model))  # ranks compare equal under data parallel
+        final = self._evaluate(final=True)
+        self._save(wall)
+        self.checkpointer.finish_pending()
+        return self._summary(wall, final)
+
+    # ------------------------------------------------------------------ pieces
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def _budget_spent(self, elapsed: float) -> bool:
+        t = self.cfg.train
+        done = ((t.max_steps and self.step >= t.max_steps) or (t.max_tokens and self.tokens >= t.max_tokens)
+                or (t.max_time and elapsed >= t.max_time))
+        if t.max_time and self.d.enabled:  # clocks differ: rank 0's word ends the run on every rank together
+            flag = torch.tensor([float(bool(done))], device=self.device)
+            dist.broadcast(flag, src=0)
+            done = bool(flag.item())
+        return bool(done)
+
+    def _progress(self, elapsed: float) -> float:
+        t = self.cfg.train
+        parts = [self.step / t.max_steps if t.max_steps else 0.0, self.tokens / t.max_tokens if t.max_tokens else 0.0,
+                 elapsed / t.max_time if t.max_time else 0.0]
+        return max(parts)
+
+    def _mean_across_ranks(self, value: torch.Tensor) -> float:
+        if self.d.enabled:
+            value = value.detach().clone()
+            dist.all_reduce(value)
+            value /= self.d.world_size
+        return value.item()
+
+    def _log_step(self, loss: float, grad_norm: float, lr: float, tokens_per_s: float, bar) -> None:
+        record = {"kind": "train", "step": self.step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm,
+                  "lr": lr, "tokens_per_s": tokens_per_s, "skipped_steps": self.skipped_steps, "time": time.time()}
+        log.info(json.dumps(record))
+        if self.d.is_main:
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}")
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def _evaluate(self, final: bool) -> dict:
+        t = self.cfg.train
+        result = evaluate(self.model, self.data.tokens("val"), self.byte_lengths, batch_size=t.batch_size,
+                          seq_len=t.seq_len, device=self.device, rank=self.d.rank, world_size=self.d.world_size,
+                          max_tokens=0 if final else t.eval_tokens,
+                          eot_id=self.data.eot_id if self.cfg.data.reset_at_documents else None,
+                          autocast=self._autocast)
+        self.last_eval = {**result, "step": self.step}
+        record = {"kind": "eval", "step": self.step, "final": final, **result, "time": time.time()}
+        log.info(json.dumps(record))
+        if self.d.is_main:
+            tqdm.write(f"step {self.step}: val loss {result['loss']:.4f}, ppl {result['ppl']:.2f}, "
+                       f"bpb {result['bpb']:.4f}" + (" (final, whole split)" if final else ""))
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return result
+
+    def _save(self, seconds_this_run: float) -> None:
+        extras = {
+            "step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
+            "elapsed": self.elapsed_before + seconds_this_run, "loader": self.loader.state_dict(),
+            "state": self.state, "scaler": self.scaler.state_dict(), "last_eval": self.last_eval,
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None},
+        }
+        val = self.last_eval["loss"] if self.last_eval and self.last_eval["step"] == self.step else None
+        self.checkpointer.save(self.step, self.model, self.optimizer, extras, val_loss=val)
+
+    def _resume(self) -> None:
+        path = self.checkpointer.latest()
+        if path is None:
+            log.info("no complete checkpoint to resume from; starting fresh")
+            return
+        extras = self.checkpointer.load(path, self.model, self.optimizer)
+        self.step, self.tokens = extras["step"], extras["tokens"]
+        self.skipped_steps, self.elapsed_before = extras["skipped_steps"], extras["elapsed"]
+        self.loader.load_state_dict(extras["loader"])
+        self.state = [tuple(tuple(t.to(self.device) for t in part) for part in block) for block in extras["state"]]
+        self.scaler.load_state_dict(extras["scaler"])
+        self.last_eval = extras["last_eval"]
+        rng = extras["rng"]
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if rng["cuda"] is not None:
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        log.info("resumed from %s at step %d", path, self.step)
+        if self.d.is_main:
+            tqdm.write(f"resumed from {path} at step {self.step}")
+
+    def _write_run_files(self) -> None:
+        if not self.d.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg.save(self.run_dir / "config.toml")
+        for name in ("meta.json", "tokenizer.json"):  # the run directory stands on its own
+            shutil.copyfile(self.data.path / name, self.run_dir / name)
+
+    def _summary(self, wall: float, final: dict) -> dict:
+        grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        steps_this_run = max(1, self.step)
+        comm = grad_bytes if self.d.enabled else 0  # DDP all-reduces every gradient once per optimiser step
+        summary = {
+            "steps": self.step, "tokens": self.tokens, "wall_seconds": round(wall, 3),
+            "tokens_per_second": self.tokens / max(wall + self.elapsed_before, 1e-9),
+            "train_loss": self._last_train_loss(), "val_loss": final["loss"], "val_ppl": final["ppl"],
+            "val_bpb": final["bpb"], "val_tokens": final["tokens"], "val_bytes": final["bytes"],
+            "world_size": self.d.world_size, "comm_mode": self.cfg.comm.mode if self.d.enabled else "none",
+            "compression": self.cfg.comm.compression, "comm_bytes_total": comm * steps_this_run,
+            "comm_bytes_per_step": comm, "exposed_comm_fraction": None,
+            "params": self.model.num_params(), "flops_per_token": self.model.flops_per_token(),
+            "skipped_steps": self.skipped_steps, "precision": self.cfg.train.precision, "device": str(self.device),
+        }
+        if self.d.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    def _last_train_loss(self) -> float | None:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return None
+        last = None
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("kind") == "train":
+                last = record["loss"]
+        return last
+
+
+def param_digest(model: torch.nn.Module) -> str:
+    """sha256 over every parameter's bytes, in order: equal digests mean bit-identical replicas."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
