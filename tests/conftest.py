@@ -43,3 +43,13 @@ def small_corpus(tmp_path_factory, shakespeare_text) -> Path:
         sub.mkdir(exist_ok=True)
         (sub / f"doc{i:03d}.txt").write_bytes(data)
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory, small_corpus) -> Path:
+    """The small corpus prepared with a 300-token vocabulary (hash split, 20% validation)."""
+    from rpt.data.prepare import PrepareOptions, prepare
+
+    out = tmp_path_factory.mktemp("data") / "tiny"
+    prepare(PrepareOptions(out=out, inputs=[str(small_corpus)], vocab_size=300, val_fraction=0.2, progress=False))
+    return out

@@ -154,7 +154,7 @@ class Trainer:
                 bar.update(1)
                 if t.eval_interval and self.step % t.eval_interval == 0:
                     self._evaluate(final=False)
-                if ck.interval and self.step % ck.interval == 0:
+                if ck.interval and self.step % ck.interval == 0 and self.bad_streak == 0:  # keep good ones good
                     self._save(time.perf_counter() - started)
         finally:
             bar.close()

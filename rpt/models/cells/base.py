@@ -13,6 +13,8 @@ flash-linear-attention keeps for its ops, and the tests hold them equal, gradien
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -79,3 +81,19 @@ def over_segments(run, x: torch.Tensor, state: State, reset: torch.Tensor | None
         y, state = run(x[:, a:b], state)
         ys.append(y)
     return torch.cat(ys, dim=1), state
+
+
+@contextmanager
+def full_precision(x: torch.Tensor):
+    """Run a recurrence in float32 under mixed precision: autocast off inside, inputs cast by the caller.
+
+    Long recurrences accumulate rounding step after step, oneDNN has no fp16 LSTM on CPU, and the
+    fused kernels are written for one dtype; the projections around a cell still run in the
+    autocast dtype.
+    """
+    with torch.autocast(x.device.type, enabled=False):
+        yield
+
+
+def as_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from rpt.models.cells.base import Cell, over_segments
+from rpt.models.cells.base import Cell, as_fp32, full_precision, over_segments
 from rpt.models.cells.packed_linear import PackedLinear
 from rpt.models.registry import register_cell
 
@@ -51,8 +51,10 @@ class GRU(Cell):
         if x.is_cuda:
             y, state = self.library_path(x, state, reset)
         else:
-            keep = None if reset is None else (~reset).to(x.dtype).transpose(0, 1).contiguous()
-            y, h = GRUFunction.apply(keep, x, self.w_ih, self.w_hh, self.b_ih, self.b_hh, state[0])
+            with full_precision(x):
+                x = as_fp32(x)
+                keep = None if reset is None else (~reset).to(x.dtype).transpose(0, 1).contiguous()
+                y, h = GRUFunction.apply(keep, x, self.w_ih, self.w_hh, self.b_ih, self.b_hh, state[0])
             state = (h,)
         return self._out(y), state
 

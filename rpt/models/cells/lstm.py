@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from rpt.models.cells.base import Cell, over_segments
+from rpt.models.cells.base import Cell, as_fp32, full_precision, over_segments
 from rpt.models.registry import register_cell
 
 
@@ -50,7 +50,11 @@ class LSTM(Cell):
             y, h, c = torch.lstm(xs, (st[0][None], st[1][None]), weights, True, 1, 0.0, self.training, False, True)
             return y, (h[0], c[0])
 
-        y, state = over_segments(run, x, state, reset)
+        if x.is_cuda:  # cuDNN runs the autocast dtype
+            y, state = over_segments(run, x, state, reset)
+        else:
+            with full_precision(x):
+                y, state = over_segments(run, as_fp32(x), state, reset)
         return self._out(y), state
 
     def _out(self, h):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rpt.models.cells.base import Cell
+from rpt.models.cells.base import Cell, as_fp32, full_precision
 from rpt.models.registry import register_cell
 from rpt.models.scan import linear_scan
 
@@ -42,10 +42,12 @@ class _MinRNN(Cell):
 
     def forward(self, x, state=None, reset=None):
         (h0,) = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
-        a, b = self.coefficients(self.in_proj(x))
-        if reset is not None:
-            a = a * (~reset).to(a.dtype)[..., None]
-        h = linear_scan(a, b, h0)
+        u = self.in_proj(x)
+        with full_precision(u):
+            a, b = self.coefficients(as_fp32(u))
+            if reset is not None:
+                a = a * (~reset).to(a.dtype)[..., None]
+            h = linear_scan(a, b, h0)
         return self.out_proj(h), (h[:, -1],)
 
     def flops_per_token(self):

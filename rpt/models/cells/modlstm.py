@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from rpt.errors import RptError
-from rpt.models.cells.base import Cell
+from rpt.models.cells.base import Cell, as_fp32, full_precision
 from rpt.models.cells.packed_linear import PackedLinear
 from rpt.models.registry import GateFunction, get_gate, register_cell
 
@@ -123,9 +123,11 @@ class ModLSTM(Cell):
     # ------------------------------------------------------------------ the fast path
     def forward(self, x, state=None, reset=None):
         state = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
-        keep = None if reset is None else (~reset).to(x.dtype).transpose(0, 1).contiguous()  # [T, B]
-        outs = ModLSTMFunction.apply(self, keep, x, self.w_x, self.w_h, self.bias, self.ln_weight, self.ln_bias,
-                                     self.peep, *state)
+        with full_precision(x):
+            x = as_fp32(x)
+            keep = None if reset is None else (~reset).to(x.dtype).transpose(0, 1).contiguous()  # [T, B]
+            outs = ModLSTMFunction.apply(self, keep, x, self.w_x, self.w_h, self.bias, self.ln_weight, self.ln_bias,
+                                         self.peep, *state)
         y, state = outs[0], tuple(outs[1:])
         return self._out(y), state
 

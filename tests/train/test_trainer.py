@@ -1,0 +1,132 @@
+"""The training loop on one process: budgets, accumulation, clipping with a scaler, precisions,
+non-finite steps, checkpoints and the errors a user can cause."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from rpt.errors import RptError
+from rpt.train.trainer import Trainer
+
+
+
+def train_losses(run_dir):
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+
+def test_runs_to_max_steps_and_writes_the_run_directory(make_cfg, tmp_path, solo):
+    summary = Trainer(make_cfg("train.max_steps=12"), tmp_path / "r", solo, progress=False).run()
+    assert summary["steps"] == 12 and summary["tokens"] == 12 * 4 * 16
+    for name in ("config.toml", "meta.json", "tokenizer.json", "metrics.jsonl", "summary.json"):
+        assert (tmp_path / "r" / name).is_file(), name
+    saved = json.loads((tmp_path / "r" / "summary.json").read_text())
+    for key in ("steps", "tokens", "wall_seconds", "tokens_per_second", "train_loss", "val_loss", "val_ppl", "val_bpb",
+                "val_tokens", "val_bytes", "world_size", "comm_mode", "compression", "comm_bytes_total",
+                "comm_bytes_per_step", "exposed_comm_fraction", "params"):
+        assert key in saved, key
+    assert saved["val_bpb"] == pytest.approx(saved["val_loss"] * saved["val_tokens"] / saved["val_bytes"] / 0.6931471805599453)
+    losses = train_losses(tmp_path / "r")
+    assert sum(losses[-3:]) < sum(losses[:3])
+
+
+def test_token_and_time_budgets(make_cfg, tmp_path, solo):
+    summary = Trainer(make_cfg("train.max_steps=0", "train.max_tokens=300"), tmp_path / "a", solo, progress=False).run()
+    assert summary["tokens"] >= 300 and summary["steps"] == 5  # 64 tokens a step
+    start = time.perf_counter()
+    summary = Trainer(make_cfg("train.max_steps=0", "train.max_time=1.5"), tmp_path / "b", solo, progress=False).run()
+    assert summary["wall_seconds"] >= 1.5 and time.perf_counter() - start < 30
+    summary = Trainer(make_cfg("train.max_steps=1000000", "train.max_time=1.0"), tmp_path / "c", solo,
+                      progress=False).run()
+    assert summary["steps"] < 1000000
+
+
+def test_accumulating_two_halves_equals_one_batch(make_cfg, tmp_path, solo):
+    params = []
+    for accum in (1, 2):
+        trainer = Trainer(make_cfg(f"train.grad_accum={accum}", "train.weight_decay=0"), tmp_path / f"acc{accum}", solo,
+                          progress=False)
+        batch = trainer.loader.batch(0)
+        for _ in range(3):  # the state carries across steps as well
+            trainer.train_step(batch)
+        params.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
+    torch.testing.assert_close(params[0], params[1], rtol=1e-5, atol=1e-6)
+
+
+def _norm_at_step(trainer):
+    seen = []
+    original = trainer.optimizer.step
+
+    def step(*a, **k):
+        grads = [p.grad for g in trainer.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        seen.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+        return original(*a, **k)
+
+    trainer.optimizer.step = step
+    return seen
+
+
+def test_clipping_applies_to_unscaled_gradients_with_a_loss_scaler(make_cfg, tmp_path, solo):
+    norms = {}
+    for precision in ("fp32", "fp16"):
+        trainer = Trainer(make_cfg(f"train.precision={precision}", "train.grad_clip=0.05"), tmp_path / precision, solo,
+                          progress=False)
+        seen = _norm_at_step(trainer)
+        trainer.train_step(trainer.loader.batch(0))
+        norms[precision] = seen[0]
+    assert norms["fp32"] == pytest.approx(0.05, rel=1e-4)
+    assert norms["fp16"] == pytest.approx(0.05, rel=1e-2)  # not 0.05 x the loss scale (65536)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_paths_train_on_cpu(make_cfg, tmp_path, precision, solo):
+    fp32 = Trainer(make_cfg(), tmp_path / "fp32", solo, progress=False)
+    mixed = Trainer(make_cfg(f"train.precision={precision}"), tmp_path / precision, solo, progress=False)
+    batch = fp32.loader.batch(0)
+    loss32, _ = fp32.train_step(batch)
+    loss_mixed, _ = mixed.train_step(batch)
+    assert torch.isfinite(loss_mixed) and loss_mixed.item() == pytest.approx(loss32.item(), rel=2e-2)
+    summary = mixed.run()
+    assert summary["precision"] == precision and summary["val_loss"] < 7.0
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(make_cfg, tmp_path, monkeypatch, solo):
+    monkeypatch.setenv("RPT_FAULT", "nan@2")
+    trainer = Trainer(make_cfg(), tmp_path / "once", solo, progress=False)
+    summary = trainer.run()
+    assert summary["skipped_steps"] == 1 and summary["steps"] == 6
+    monkeypatch.setenv("RPT_FAULT", "nan@2-99")
+    trainer = Trainer(make_cfg("train.max_bad_steps=3", "checkpoint.interval=1", "train.max_steps=20"),
+                      tmp_path / "always", solo, progress=False)
+    with pytest.raises(RptError, match="3 optimiser steps in a row had non-finite gradients") as info:
+        trainer.run()
+    assert "step_00000002" in info.value.fix  # the last good checkpoint is named and kept
+
+
+def test_resume_with_another_model_shape_lists_the_keys(make_cfg, tmp_path, solo):
+    Trainer(make_cfg("train.max_steps=2"), tmp_path / "r", solo, progress=False).run()
+    with pytest.raises(RptError, match="another shape") as info:
+        Trainer(make_cfg("model.d_model=48", "train.max_steps=4"), tmp_path / "r", solo, resume=True, progress=False)
+    assert "embed.weight: checkpoint (300, 32), model (300, 48)" in info.value.message
+    assert "config.toml" in info.value.fix
+
+
+def test_checkpoints_keep_last_and_best(make_cfg, tmp_path, solo):
+    cfg = make_cfg("train.max_steps=8", "checkpoint.interval=2", "train.eval_interval=2", "checkpoint.keep_last=2",
+                   "checkpoint.keep_best=1")
+    trainer = Trainer(cfg, tmp_path / "r", solo, progress=False)
+    trainer.run()
+    complete = trainer.checkpointer.complete(verify=True)
+    steps = [m["step"] for _, m in complete]
+    best = min((m["val_loss"], m["step"]) for _, m in complete)[1]
+    assert steps[-2:] == [6, 8] and best in steps and len(steps) <= 3
+
+
+def test_bad_data_path_and_small_vocabulary(make_cfg, tmp_path, solo):
+    with pytest.raises(RptError, match="not a prepared dataset"):
+        Trainer(make_cfg(f"data.path={tmp_path}"), tmp_path / "r", solo, progress=False)
+    with pytest.raises(RptError, match="smaller than the data's vocabulary"):
+        Trainer(make_cfg("model.vocab_size=100"), tmp_path / "r", solo, progress=False)
