@@ -12,8 +12,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+DEMO_RUN := runs/demo-$(shell date +%Y%m%d-%H%M%S)
+
 demo: $(STAMP)
 	$(PY) -m rpt prepare --out data/stdlib
+	$(PY) -m rpt train --config configs/demo-cpu.toml --run-dir $(DEMO_RUN)
+	@echo; echo "A sample from the trained model:"; echo
+	$(PY) -m rpt generate $(DEMO_RUN) --prompt "def parse_args(" --max-new-tokens 150 --seed 0
+	@echo
+	@echo "Next:"
+	@echo "  $(PY) -m rpt eval $(DEMO_RUN)                      # validation loss, perplexity, bits per byte"
+	@echo "  $(PY) -m rpt generate $(DEMO_RUN) --prompt 'class '  # more samples"
+	@echo "  $(PY) -m rpt train --run-dir $(DEMO_RUN) --resume --set train.max_time=600   # train on"
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -123,6 +123,8 @@ def _cmd_train(args) -> None:
     cfg = Config.load(config_path, args.overrides)
     run_dir = args.run_dir or default_run_dir(args.config)
     _check_writable(run_dir)
+    if not args.resume and (run_dir / "config.toml").exists():
+        raise RptError(f"{run_dir} already holds a run", f"continue it with --resume, or choose another --run-dir")
     summary = train(cfg, run_dir, args.resume, args.nproc, args.max_restarts, args.device)
     if summary is not None:
         print(f"val loss {summary['val_loss']:.4f}  ppl {summary['val_ppl']:.2f}  bpb {summary['val_bpb']:.4f}  "

@@ -83,12 +83,28 @@ class Checkpointer:
             files = {}
             for full in sorted(self.fs.find(path)):
                 rel = full[len(path) + 1:]
-                if rel != MANIFEST:
+                if not rel.startswith(MANIFEST):
                     files[rel] = {"bytes": self.fs.size(full), "sha256": self._sha256(full)}
             manifest = {"step": step, "val_loss": val_loss, "world_size": self.world_size, "time": time.time(),
                         "files": files}
-            with self.fs.open(f"{path}/{MANIFEST}", "w") as f:
-                f.write(json.dumps(manifest, indent=1))
+            self._write_manifest(path, manifest)
+            self._retain()
+        _barrier()
+
+    def _write_manifest(self, path: str, manifest: dict) -> None:
+        """Write beside, then move into place: a reader sees the old manifest or the new one, never half."""
+        with self.fs.open(f"{path}/{MANIFEST}.tmp", "w") as f:
+            f.write(json.dumps(manifest, indent=1))
+        self.fs.mv(f"{path}/{MANIFEST}.tmp", f"{path}/{MANIFEST}")
+
+    def set_val_loss(self, step: int, val_loss: float) -> None:
+        """Attach a validation loss to a complete checkpoint (its manifest), for keep_best."""
+        if self.rank == 0:
+            path = f"{self.root}/{PREFIX}{step:08d}/{MANIFEST}"
+            with self.fs.open(path) as f:
+                manifest = json.loads(f.read())
+            manifest["val_loss"] = val_loss
+            self._write_manifest(path.rsplit("/", 1)[0], manifest)
             self._retain()
         _barrier()
 

@@ -76,6 +76,7 @@ class Trainer:
         self.step = self.tokens = self.skipped_steps = self.bad_streak = 0
         self.elapsed_before = 0.0  # training seconds of earlier runs of this run directory
         self.last_eval: dict | None = None
+        self.last_saved_step = -1
         self.progress = progress and dist_info.is_main
         self.fault = faults.from_env()
         torch.manual_seed(t.seed + 1000 * dist_info.rank)  # dropout differs per rank
@@ -161,7 +162,11 @@ class Trainer:
         wall = time.perf_counter() - started
         log.info("parameter digest %s", param_digest(self.model))  # ranks compare equal under data parallel
         final = self._evaluate(final=True)
-        self._save(wall)
+        if self.last_saved_step == self.step:  # saved by the interval at this very step: record its loss
+            self.checkpointer.finish_pending()
+            self.checkpointer.set_val_loss(self.step, final["loss"])
+        else:
+            self._save(wall)
         self.checkpointer.finish_pending()
         return self._summary(wall, final)
 
@@ -230,6 +235,7 @@ class Trainer:
         }
         val = self.last_eval["loss"] if self.last_eval and self.last_eval["step"] == self.step else None
         self.checkpointer.save(self.step, self.model, self.optimizer, extras, val_loss=val)
+        self.last_saved_step = self.step
 
     def _resume(self) -> None:
         path = self.checkpointer.latest()

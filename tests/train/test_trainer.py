@@ -130,3 +130,31 @@ def test_bad_data_path_and_small_vocabulary(make_cfg, tmp_path, solo):
         Trainer(make_cfg(f"data.path={tmp_path}"), tmp_path / "r", solo, progress=False)
     with pytest.raises(RptError, match="smaller than the data's vocabulary"):
         Trainer(make_cfg("model.vocab_size=100"), tmp_path / "r", solo, progress=False)
+
+
+@pytest.mark.parametrize("where", ["file", "memory", "async"])
+def test_checkpoints_to_urls_and_in_the_background_resume(make_cfg, tmp_path, solo, where):
+    path = {"file": f"file://{tmp_path}/ck", "memory": f"memory://ck-{tmp_path.name}", "async": ""}[where]
+    extra = ["checkpoint.async_save=true"] if where == "async" else [f"checkpoint.path={path}"]
+    first = Trainer(make_cfg("train.max_steps=3", "checkpoint.interval=2", *extra), tmp_path / "r", solo,
+                    progress=False)
+    first.run()
+    assert [m["step"] for _, m in first.checkpointer.complete(verify=True)][-1] == 3
+    resumed = Trainer(make_cfg("train.max_steps=5", *extra), tmp_path / "r", solo, resume=True, progress=False)
+    assert resumed.step == 3
+    for a, b in zip(first.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+    assert resumed.run()["steps"] == 5
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(make_cfg, tmp_path, solo, caplog):
+    trainer = Trainer(make_cfg("train.max_steps=4", "checkpoint.interval=2", "checkpoint.keep_last=3"), tmp_path / "r",
+                      solo, progress=False)
+    trainer.run()
+    newest = trainer.checkpointer.complete()[-1][0]
+    shard = next(p for p in (tmp_path / "r" / "checkpoints").glob("step_00000004/*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-7])  # truncated
+    with caplog.at_level("WARNING", logger="rpt.checkpoint"):
+        assert trainer.checkpointer.latest().endswith("step_00000002")
+    assert "step_00000004" in caplog.text and "bytes" in caplog.text
+    assert newest.endswith("step_00000004")
