@@ -59,6 +59,11 @@ def setup(device: str | None = None) -> Dist:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local_rank)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if dev.type == "cpu" and local_world > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # N workers on one machine each take a share of its cores; oversubscribed they thrash (measured:
+        # 2 workers x 2 threads on 2 cores ran at 0.17 of one process's speed each).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if world > 1 and not dist.is_initialized():
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
