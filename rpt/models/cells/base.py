@@ -13,6 +13,7 @@ flash-linear-attention keeps for its ops, and the tests hold them equal, gradien
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import torch
@@ -56,6 +57,32 @@ class Cell(nn.Module):
             y, state = self.step(x[:, t], state)
             ys.append(y)
         return torch.stack(ys, dim=1), state
+
+
+class GatedRNNCell(Cell):
+    """Parameters in PyTorch's RNN layout for `n_gates` gate groups (w_ih, w_hh, b_ih, b_hh), as LSTM and GRU
+    keep them, so torch's fused kernels take them as they are; a projection back to d_model when d_hidden differs."""
+
+    n_gates = 1
+
+    def __init__(self, d_model: int, d_hidden: int = 0, **_):
+        super().__init__(d_model, d_hidden or d_model)
+        G, H, D = self.n_gates, self.d_hidden, d_model
+        self.w_ih = nn.Parameter(torch.empty(G * H, D))
+        self.w_hh = nn.Parameter(torch.empty(G * H, H))
+        self.b_ih = nn.Parameter(torch.zeros(G * H))
+        self.b_hh = nn.Parameter(torch.zeros(G * H))
+        bound = 1 / math.sqrt(H)
+        for w in (self.w_ih, self.w_hh):
+            nn.init.uniform_(w, -bound, bound)
+        self.proj = nn.Linear(H, D, bias=False) if H != D else None
+
+    def _out(self, h):
+        return self.proj(h) if self.proj is not None else h
+
+    def flops_per_token(self):
+        H, D = self.d_hidden, self.d_model
+        return 2 * self.n_gates * H * (D + H) + (2 * H * D if self.proj is not None else 0)
 
 
 def reset_rows(state: State, mask: torch.Tensor) -> State:

@@ -9,29 +9,16 @@ product packed for oneDNN, every factor that does not depend on the recurrence p
 
 from __future__ import annotations
 
-import math
-
 import torch
-from torch import nn
 
-from rpt.models.cells.base import Cell, as_fp32, full_precision, over_segments
+from rpt.models.cells.base import GatedRNNCell, as_fp32, full_precision, over_segments
 from rpt.models.cells.packed_linear import PackedLinear
 from rpt.models.registry import register_cell
 
 
 @register_cell("gru")
-class GRU(Cell):
-    def __init__(self, d_model: int, d_hidden: int = 0, **_):
-        super().__init__(d_model, d_hidden or d_model)
-        H, D = self.d_hidden, d_model
-        self.w_ih = nn.Parameter(torch.empty(3 * H, D))
-        self.w_hh = nn.Parameter(torch.empty(3 * H, H))
-        self.b_ih = nn.Parameter(torch.zeros(3 * H))
-        self.b_hh = nn.Parameter(torch.zeros(3 * H))
-        bound = 1 / math.sqrt(H)
-        for w in (self.w_ih, self.w_hh):
-            nn.init.uniform_(w, -bound, bound)
-        self.proj = nn.Linear(H, D, bias=False) if H != D else None
+class GRU(GatedRNNCell):
+    n_gates = 3
 
     def state_sizes(self):
         return [self.d_hidden]
@@ -67,13 +54,6 @@ class GRU(Cell):
             return y, (h[0],)
 
         return over_segments(run, x, state, reset)
-
-    def _out(self, h):
-        return self.proj(h) if self.proj is not None else h
-
-    def flops_per_token(self):
-        H, D = self.d_hidden, self.d_model
-        return 2 * 3 * H * (D + H) + (2 * H * D if self.proj is not None else 0)
 
 
 class GRUFunction(torch.autograd.Function):

@@ -6,30 +6,21 @@ cell's own parameters so that regularisers such as weight normalisation work on 
 
 from __future__ import annotations
 
-import math
-
 import torch
-from torch import nn
 
-from rpt.models.cells.base import Cell, as_fp32, full_precision, over_segments
+from rpt.models.cells.base import GatedRNNCell, as_fp32, full_precision, over_segments
 from rpt.models.registry import register_cell
 
 
 @register_cell("lstm")
-class LSTM(Cell):
+class LSTM(GatedRNNCell):
+    n_gates = 4
+
     def __init__(self, d_model: int, d_hidden: int = 0, forget_bias: float = 1.0, **_):
-        super().__init__(d_model, d_hidden or d_model)
-        H, D = self.d_hidden, d_model
-        self.w_ih = nn.Parameter(torch.empty(4 * H, D))
-        self.w_hh = nn.Parameter(torch.empty(4 * H, H))
-        self.b_ih = nn.Parameter(torch.zeros(4 * H))
-        self.b_hh = nn.Parameter(torch.zeros(4 * H))
-        bound = 1 / math.sqrt(H)
-        for w in (self.w_ih, self.w_hh):
-            nn.init.uniform_(w, -bound, bound)
+        super().__init__(d_model, d_hidden)
+        H = self.d_hidden
         with torch.no_grad():
             self.b_ih[H:2 * H] = forget_bias
-        self.proj = nn.Linear(H, D, bias=False) if H != D else None
 
     def state_sizes(self):
         return [self.d_hidden, self.d_hidden]
@@ -56,10 +47,3 @@ class LSTM(Cell):
             with full_precision(x):
                 y, state = over_segments(run, as_fp32(x), state, reset)
         return self._out(y), state
-
-    def _out(self, h):
-        return self.proj(h) if self.proj is not None else h
-
-    def flops_per_token(self):
-        H, D = self.d_hidden, self.d_model
-        return 2 * 4 * H * (D + H) + (2 * H * D if self.proj is not None else 0)
