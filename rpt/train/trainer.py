@@ -126,8 +126,10 @@ class Trainer:
         t, ck = self.cfg.train, self.cfg.checkpoint
         started = time.perf_counter()
         window_tokens, window_start = 0, time.perf_counter()
-        bar = tqdm(total=t.max_steps or None, initial=self.step, disable=not self.progress or None, dynamic_ncols=True,
-                   unit="step", desc="train")
+        # The bar counts per mille of the budget spent (steps, tokens or time, whichever ends the run first),
+        # so it shows an ETA for every kind of budget.
+        bar = tqdm(total=1000, initial=0, disable=not self.progress or None, dynamic_ncols=True, desc="train",
+                   bar_format="{desc} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]")
         log.info("training %s parameters on %s, world size %d", f"{self.model.num_params():,}", self.device,
                  self.d.world_size)
         try:
@@ -152,7 +154,8 @@ class Trainer:
                     rate = window_tokens / (time.perf_counter() - window_start)
                     self._log_step(self._mean_across_ranks(loss), grad_norm.item(), lr, rate, bar)
                     window_tokens, window_start = 0, time.perf_counter()
-                bar.update(1)
+                done = int(1000 * min(1.0, self._progress(self.elapsed_before + time.perf_counter() - started)))
+                bar.update(done - bar.n)
                 if t.eval_interval and self.step % t.eval_interval == 0:
                     self._evaluate(final=False)
                 if ck.interval and self.step % ck.interval == 0 and self.bad_streak == 0:  # keep good ones good
@@ -204,7 +207,7 @@ class Trainer:
                   "lr": lr, "tokens_per_s": tokens_per_s, "skipped_steps": self.skipped_steps, "time": time.time()}
         log.info(json.dumps(record))
         if self.d.is_main:
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}")
+            bar.set_postfix(step=self.step, loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}")
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 

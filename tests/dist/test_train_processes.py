@@ -59,3 +59,4 @@ def test_resume_after_a_killed_run_equals_the_uninterrupted_run(tmp_path, tiny_d
     assert [b[s] for s in range(7, 11)] == [a[s] for s in range(7, 11)]  # exactly, not approximately
     sa, sb = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("full", "cut"))
     assert sa["val_loss"] == sb["val_loss"] and sa["steps"] == sb["steps"] == 10
+
