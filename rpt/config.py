@@ -130,7 +130,7 @@ class MonitorConfig:
     """Metrics written by rank 0 and read by `rpt monitor`."""
 
     log_interval: int = 10
-    tensorboard: bool = True
+    tensorboard: bool = False
     wandb: bool = False
 
 

@@ -51,6 +51,7 @@ class Trainer:
         self.cfg, self.run_dir, self.d = cfg, Path(run_dir), dist_info
         self.device = dist_info.device
         t = cfg.train
+        refuse_unbuilt(cfg)
         self.data = PreparedData(cfg.data.path)
         if cfg.model.vocab_size == 0:
             cfg.model.vocab_size = self.data.vocab_size
@@ -310,3 +311,18 @@ def param_digest(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def refuse_unbuilt(cfg: Config) -> None:
+    """Settings whose machinery is not in this version: refused rather than silently ignored."""
+    c, p = cfg.comm, cfg.parallel
+    if c.mode not in ("allreduce", "auto") or c.compression != "none" or c.adaptive:
+        raise RptError(f"comm.mode = '{c.mode}', comm.compression = '{c.compression}', comm.adaptive = {c.adaptive}: "
+                       "this version synchronises gradients with DDP's all-reduce only",
+                       "use comm.mode = 'allreduce', comm.compression = 'none', comm.adaptive = false")
+    if p.pp != 1:
+        raise RptError(f"parallel.pp = {p.pp}: this version has no pipeline parallelism yet",
+                       "use parallel.pp = 1 (data parallelism over all ranks)")
+    if cfg.monitor.tensorboard or cfg.monitor.wandb:
+        raise RptError("monitor.tensorboard / monitor.wandb: this version writes metrics.jsonl only",
+                       "set both to false; RUN_DIR/metrics.jsonl holds every logged step and evaluation")

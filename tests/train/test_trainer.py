@@ -158,3 +158,10 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(make_cfg, tmp_pa
         assert trainer.checkpointer.latest().endswith("step_00000002")
     assert "step_00000004" in caplog.text and "bytes" in caplog.text
     assert newest.endswith("step_00000004")
+
+
+@pytest.mark.parametrize("setting", ["comm.mode=ps", "comm.compression=fp16", "comm.adaptive=true", "parallel.pp=2",
+                                     "monitor.tensorboard=true"])
+def test_settings_without_machinery_yet_are_refused_not_ignored(make_cfg, tmp_path, solo, setting):
+    with pytest.raises(RptError, match="this version"):
+        Trainer(make_cfg(setting), tmp_path / "r", solo, progress=False)
