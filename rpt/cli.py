@@ -124,7 +124,7 @@ def _cmd_train(args) -> None:
     run_dir = args.run_dir or default_run_dir(args.config)
     _check_writable(run_dir)
     if not args.resume and (run_dir / "config.toml").exists():
-        raise RptError(f"{run_dir} already holds a run", f"continue it with --resume, or choose another --run-dir")
+        raise RptError(f"{run_dir} already holds a run", "continue it with --resume, or choose another --run-dir")
     summary = train(cfg, run_dir, args.resume, args.nproc, args.max_restarts, args.device)
     if summary is not None:
         print(f"val loss {summary['val_loss']:.4f}  ppl {summary['val_ppl']:.2f}  bpb {summary['val_bpb']:.4f}  "

@@ -192,7 +192,7 @@ class Config:
     # ----------------------------------------------------------------- checks
     def validate(self) -> None:
         """Refuse values and combinations that cannot work, naming the fix."""
-        d, m, t, p, c, k = self.data, self.model, self.train, self.parallel, self.comm, self.checkpoint
+        d, m, t, p, c = self.data, self.model, self.train, self.parallel, self.comm
         _positive("model.n_layers", m.n_layers)
         _positive("model.d_model", m.d_model)
         _positive("train.batch_size", t.batch_size)

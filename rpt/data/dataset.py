@@ -29,7 +29,7 @@ class PreparedData:
             self.dtype = np.dtype(self.meta["dtype"])
             splits = self.meta["splits"]
         except (ValueError, KeyError, TypeError) as exc:
-            raise RptError(f"{meta_path} is damaged ({exc})", f"prepare the data again with --force") from None
+            raise RptError(f"{meta_path} is damaged ({exc})", "prepare the data again with --force") from None
         for split in SPLITS:
             file = self.path / splits[split]["file"]
             expected = int(splits[split]["tokens"]) * self.dtype.itemsize

@@ -64,7 +64,6 @@ def train(cfg: Config, run_dir: Path, resume: bool, nproc: int, max_restarts: in
 
 def load_run(run_dir: str | Path, checkpoint: str = "best", device: str | None = None):
     """(config, model with weights, tokenizer, data) of a finished or running run directory."""
-    from rpt.data.dataset import PreparedData
     from rpt.data.tokenizer import load_tokenizer
     from rpt.models import RecurrentLM
     from rpt.train.checkpoint import Checkpointer

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import shutil
 import time
