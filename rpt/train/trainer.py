@@ -35,7 +35,7 @@ from rpt.data.stream import TokenStream
 from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
-from rpt.models.state import all_finite, cat_rows, detach_state, rows
+from rpt.models.state import all_finite, cat_rows, detach_state, map_state, rows
 from rpt.parallel.launch import Dist
 from rpt.train import faults
 from rpt.train.checkpoint import Checkpointer
@@ -76,6 +76,7 @@ class Trainer:
         self.step = self.tokens = self.skipped_steps = self.bad_streak = 0
         self.elapsed_before = 0.0  # training seconds of earlier runs of this run directory
         self.last_eval: dict | None = None
+        self.last_train_loss: float | None = None
         self.last_saved_step = -1
         self.progress = progress and dist_info.is_main
         self.fault = faults.from_env()
@@ -110,11 +111,12 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
         scale_before = self.scaler.get_scale()
-        if torch.isfinite(grad_norm):  # the same on every rank: the gradients were all-reduced
+        finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the gradients were all-reduced
+        if finite:
             self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        skipped = not torch.isfinite(grad_norm) or self.scaler.get_scale() < scale_before
+        skipped = not finite or self.scaler.get_scale() < scale_before  # a shrinking scale: fp16 overflow
         self.skipped_steps += skipped
         self.bad_streak = self.bad_streak + 1 if skipped else 0
         if skipped and not all_finite(self.state):
@@ -203,6 +205,7 @@ class Trainer:
         return value.item()
 
     def _log_step(self, loss: float, grad_norm: float, lr: float, tokens_per_s: float, bar) -> None:
+        self.last_train_loss = loss
         record = {"kind": "train", "step": self.step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm,
                   "lr": lr, "tokens_per_s": tokens_per_s, "skipped_steps": self.skipped_steps, "time": time.time()}
         log.info(json.dumps(record))
@@ -249,7 +252,7 @@ class Trainer:
         self.step, self.tokens = extras["step"], extras["tokens"]
         self.skipped_steps, self.elapsed_before = extras["skipped_steps"], extras["elapsed"]
         self.loader.load_state_dict(extras["loader"])
-        self.state = [tuple(tuple(t.to(self.device) for t in part) for part in block) for block in extras["state"]]
+        self.state = map_state(lambda t: t.to(self.device), extras["state"])
         self.scaler.load_state_dict(extras["scaler"])
         self.last_eval = extras["last_eval"]
         rng = extras["rng"]
@@ -272,15 +275,14 @@ class Trainer:
 
     def _summary(self, wall: float, final: dict) -> dict:
         grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        steps_this_run = max(1, self.step)
         comm = grad_bytes if self.d.enabled else 0  # DDP all-reduces every gradient once per optimiser step
         summary = {
             "steps": self.step, "tokens": self.tokens, "wall_seconds": round(wall, 3),
             "tokens_per_second": self.tokens / max(wall + self.elapsed_before, 1e-9),
-            "train_loss": self._last_train_loss(), "val_loss": final["loss"], "val_ppl": final["ppl"],
+            "train_loss": self.last_train_loss, "val_loss": final["loss"], "val_ppl": final["ppl"],
             "val_bpb": final["bpb"], "val_tokens": final["tokens"], "val_bytes": final["bytes"],
             "world_size": self.d.world_size, "comm_mode": self.cfg.comm.mode if self.d.enabled else "none",
-            "compression": self.cfg.comm.compression, "comm_bytes_total": comm * steps_this_run,
+            "compression": self.cfg.comm.compression, "comm_bytes_total": comm * self.step,
             "comm_bytes_per_step": comm, "exposed_comm_fraction": None,
             "params": self.model.num_params(), "flops_per_token": self.model.flops_per_token(),
             "skipped_steps": self.skipped_steps, "precision": self.cfg.train.precision, "device": str(self.device),
@@ -288,17 +290,6 @@ class Trainer:
         if self.d.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
-
-    def _last_train_loss(self) -> float | None:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return None
-        last = None
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if record.get("kind") == "train":
-                last = record["loss"]
-        return last
 
 
 def param_digest(model: torch.nn.Module) -> str:

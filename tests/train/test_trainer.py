@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rpt.errors import RptError
+from rpt.train.checkpoint import Checkpointer
 from rpt.train.trainer import Trainer
 
 
@@ -121,8 +122,22 @@ def test_checkpoints_keep_last_and_best(make_cfg, tmp_path, solo):
     trainer.run()
     complete = trainer.checkpointer.complete(verify=True)
     steps = [m["step"] for _, m in complete]
-    best = min((m["val_loss"], m["step"]) for _, m in complete)[1]
+    evals = {}  # the validation loss of every step that was checkpointed, the final one last
+    for record in map(json.loads, (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()):
+        if record["kind"] == "eval":
+            evals[record["step"]] = record["loss"]
+    best = min((loss, step) for step, loss in evals.items())[1]
     assert steps[-2:] == [6, 8] and best in steps and len(steps) <= 3
+    assert {m["step"]: m["val_loss"] for _, m in complete} == {step: evals[step] for step in steps}
+
+
+def test_retention_keeps_the_best_even_when_it_is_old(make_cfg, tmp_path, solo):
+    trainer = Trainer(make_cfg(), tmp_path / "r", solo, progress=False)
+    ck = Checkpointer(str(tmp_path / "ck"), keep_last=1, keep_best=1)
+    for step, val in zip(range(1, 5), (3.0, 1.0, 2.0, 2.5)):
+        ck.save(step, trainer.model, trainer.optimizer, {"step": step}, val_loss=val)
+    assert [m["step"] for _, m in ck.complete()] == [2, 4]
+    assert ck.best().endswith("step_00000002") and ck.latest().endswith("step_00000004")
 
 
 def test_bad_data_path_and_small_vocabulary(make_cfg, tmp_path, solo):
