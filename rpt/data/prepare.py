@@ -143,9 +143,8 @@ def _fingerprint(opts: PrepareOptions, sources: list[Source]) -> str:
     if opts.tokenizer:
         settings["tokenizer"] = file_sha256(opts.tokenizer) if Path(opts.tokenizer).is_file() else opts.tokenizer
     h.update(json.dumps(settings, sort_keys=True).encode())
-    for s in sources:
-        st = s.path.stat()
-        h.update(f"{s.path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    for s in sources:  # by content: a copied or re-checked-out corpus is the same dataset
+        h.update(f"{s.path.name}\0{s.path.stat().st_size}\0{file_sha256(s.path)}\n".encode())
     return h.hexdigest()
 
 

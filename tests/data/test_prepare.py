@@ -215,3 +215,21 @@ def test_cli_prepares_and_reports(tmp_path, small_corpus):
     assert proc.returncode == 0, proc.stderr
     assert "prepared" in proc.stdout and "train" in proc.stdout and "undecodable" in proc.stdout
     PreparedData(tmp_path / "o")
+
+
+def test_the_same_text_copied_or_touched_is_the_same_dataset(tmp_path, small_corpus):
+    """The fingerprint follows the content, not the file's path or timestamps (a fresh checkout keeps its data)."""
+    import os
+    import shutil
+
+    out, copy = tmp_path / "o", tmp_path / "copy"
+    shutil.copytree(small_corpus / "a", copy)
+    prepare(PrepareOptions(out=out, inputs=[str(small_corpus / "a")], vocab_size=300, progress=False))
+    for f in copy.rglob("*"):
+        if f.is_file():
+            os.utime(f, (1, 1))
+    assert prepare(PrepareOptions(out=out, inputs=[str(copy)], vocab_size=300, progress=False)).get("reused") is True
+    edited = next(f for f in copy.rglob("*") if f.is_file())
+    edited.write_text(edited.read_text() + "one more line\n")
+    with pytest.raises(RptError, match="different dataset"):
+        prepare(PrepareOptions(out=out, inputs=[str(copy)], vocab_size=300, progress=False))
