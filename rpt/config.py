@@ -251,6 +251,10 @@ class Config:
             raise RptError(f"comm.compression = '{c.compression}' needs a low-rank or sparse all-reduce, "
                            f"which comm.mode = '{c.mode}' does not do",
                            "use comm.mode = 'allreduce' with it, or fp16/bf16 compression with a parameter server")
+        if t.precision == "fp16" and c.mode in ("ps", "ps-sharded"):
+            raise RptError(f"train.precision = 'fp16' with comm.mode = '{c.mode}': the loss scaler's overflow check "
+                           "needs every gradient on every rank, which a parameter server does not keep",
+                           "use train.precision = 'bf16' (no loss scaling) or comm.mode = 'allreduce'")
         if not d.path:
             raise RptError("data.path is empty", "point it at a folder written by `rpt prepare --out FOLDER`")
 

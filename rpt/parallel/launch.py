@@ -74,6 +74,11 @@ def setup(device: str | None = None) -> Dist:
 
 def teardown() -> None:
     if dist.is_initialized():
+        # A gloo worker thread destroys each finished work object after the caller's wait() has returned, and
+        # for a tensor made in Python that needs the GIL. Destroying the group while such a destructor is
+        # pending deadlocks (the destructor joins the thread holding the GIL; seen at the end of 2-rank runs).
+        # Waiting in a barrier releases the GIL long enough for those destructors to finish.
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -56,12 +56,12 @@ class Checkpointer:
         if self.rank == 0:
             self.fs.makedirs(f"{path}/extras", exist_ok=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (get_model_state_dict(model), None)
         with self.fs.open(f"{path}/extras/rank{self.rank}.pt", "wb") as f:
             buf = io.BytesIO()
             torch.save(extras, buf)
             f.write(buf.getvalue())
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
         if self.async_save:
             future = dcp.async_save(state, storage_writer=self._writer(path))
             self._pending = (future, path, step, val_loss)

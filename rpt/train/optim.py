@@ -16,10 +16,12 @@ from rpt.config import TrainConfig
 NO_DECAY_NAMES = ("embed", "norm", "gate", "bias", "peep", "ln_")
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: torch.nn.Module, weight_decay: float, only=None) -> list[dict]:
+    """AdamW groups over the model's trainable parameters (those in `only`, when given)."""
+    keep = None if only is None else {id(p) for p in only}
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or (keep is not None and id(p) not in keep):
             continue
         leaf = name.rsplit(".", 1)[-1]
         if p.dim() < 2 or any(k in name for k in NO_DECAY_NAMES) or leaf.startswith(("b_", "original0")):
@@ -29,9 +31,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
-                             fused=None if torch.cuda.is_available() else False)
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, only=None) -> torch.optim.AdamW | None:
+    """AdamW over `only` (default: every parameter); None when that is empty (a parameter-server worker)."""
+    groups = [g for g in param_groups(model, cfg.weight_decay, only) if g["params"]]
+    if not groups:
+        return None
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=None if torch.cuda.is_available() else False)
 
 
 def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:

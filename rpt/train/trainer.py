@@ -4,8 +4,10 @@
         batch = next(loader)                                # [B, T] per rank, rows continue the last batch
         for each micro-batch (rows of the batch):           # gradient accumulation, no sync until the last
             logits, state = model(x, state, reset)          # autocast; the state carries over, detached
-            scaler.scale(loss / accum).backward()           # DDP all-reduces buckets during backward
+            scaler.scale(loss / accum).backward()           # gradient transfers start as buckets fill
+        wait for the gradients (rpt.comm: all-reduce or parameter server, with its codec)
         unscale, clip the global norm, AdamW step (skipped when the gradients are not finite)
+        share the updated parameters (parameter-server modes)
         log / evaluate / checkpoint / check the budgets
 
 Everything a run writes goes into its run directory: config.toml, meta.json of the data,
@@ -26,9 +28,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from rpt.comm.sync import build_sync
 from rpt.config import Config
 from rpt.data.dataset import PreparedData
 from rpt.data.stream import TokenStream
@@ -62,8 +64,9 @@ class Trainer:
 
         torch.manual_seed(t.seed)  # the same initial model on every rank
         self.model = RecurrentLM(cfg.model).to(self.device)
-        self.ddp = DDP(self.model, bucket_cap_mb=cfg.comm.bucket_mb) if dist_info.enabled else None
-        self.optimizer = build_optimizer(self.model, t)
+        self.sync = build_sync(self.model, cfg.comm, rank=dist_info.rank, world_size=dist_info.world_size,
+                               distributed=dist_info.enabled, powersgd_start=t.warmup_steps, seed=t.seed)
+        self.optimizer = build_optimizer(self.model, t, self.sync.owned)  # None where a rank owns nothing
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
         self.loader = TokenStream(self.data.tokens("train"), t.batch_size, t.seq_len, rank=dist_info.rank,
@@ -78,6 +81,8 @@ class Trainer:
         self.last_eval: dict | None = None
         self.last_train_loss: float | None = None
         self.last_saved_step = -1
+        self.comm_window: list[dict] = []  # per-step communication figures since the last log line
+        self.comm_totals = {"steps": 0, "bytes": 0, "seconds": 0.0, "exposed": 0.0}
         self.progress = progress and dist_info.is_main
         self.fault = faults.from_env()
         torch.manual_seed(t.seed + 1000 * dist_info.rank)  # dropout differs per rank
@@ -90,15 +95,15 @@ class Trainer:
     def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimiser step over one batch; returns (mean loss, gradient norm)."""
         t = self.cfg.train
-        model = self.ddp or self.model
+        model = self.sync.module
         x, y, reset = (v.to(self.device, non_blocking=True) for v in batch)
         reset = reset if self.cfg.data.reset_at_documents else None
         micro = t.batch_size // t.grad_accum
         loss_sum, new_states = torch.zeros((), device=self.device), []
         for k in range(t.grad_accum):
             part = slice(k * micro, (k + 1) * micro)
-            sync = self.ddp is None or k == t.grad_accum - 1
-            with (nullcontext() if sync else self.ddp.no_sync()), self._autocast():
+            last = k == t.grad_accum - 1
+            with (nullcontext() if last else self.sync.no_sync()), self._autocast():
                 logits, state = model(x[part], rows(self.state, part), None if reset is None else reset[part])
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y[part].flatten())
                 if faults.poisons_loss(self.fault, self.step, self.d.rank):
@@ -108,14 +113,20 @@ class Trainer:
             new_states.append(detach_state(state))
         self.state = cat_rows(new_states)
 
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
+        self.sync.wait_gradients()
+        if self.optimizer is not None:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = self.sync.clip_grad_norm(t.grad_clip)
         scale_before = self.scaler.get_scale()
-        finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the gradients were all-reduced
-        if finite:
+        finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the norm is global
+        if finite and self.optimizer is not None:
             self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        if finite:
+            self.sync.share_parameters()
+        self._record_comm(self.sync.meter.end_step())
         skipped = not finite or self.scaler.get_scale() < scale_before  # a shrinking scale: fp16 overflow
         self.skipped_steps += skipped
         self.bad_streak = self.bad_streak + 1 if skipped else 0
@@ -136,12 +147,12 @@ class Trainer:
                  self.d.world_size)
         try:
             while True:
-                elapsed = self.elapsed_before + time.perf_counter() - started
+                elapsed = self._agreed_elapsed(self.elapsed_before + time.perf_counter() - started)
                 if self._budget_spent(elapsed):
                     break
                 faults.maybe_kill(self.fault, self.step, self.d.rank)
                 lr = lr_at(self.step, self._progress(elapsed), t)
-                for group in self.optimizer.param_groups:
+                for group in self.optimizer.param_groups if self.optimizer is not None else ():
                     group["lr"] = lr
                 loss, grad_norm = self.train_step(next(self.loader))
                 self.step += 1
@@ -185,11 +196,16 @@ class Trainer:
         t = self.cfg.train
         done = ((t.max_steps and self.step >= t.max_steps) or (t.max_tokens and self.tokens >= t.max_tokens)
                 or (t.max_time and elapsed >= t.max_time))
-        if t.max_time and self.d.enabled:  # clocks differ: rank 0's word ends the run on every rank together
-            flag = torch.tensor([float(bool(done))], device=self.device)
-            dist.broadcast(flag, src=0)
-            done = bool(flag.item())
         return bool(done)
+
+    def _agreed_elapsed(self, elapsed: float) -> float:
+        """Rank 0's clock for every rank: the time budget ends the run on all ranks at the same step, and the
+        learning rate (which follows the spent fraction of the budget) stays identical across replicas."""
+        if not (self.cfg.train.max_time and self.d.enabled):
+            return elapsed
+        clock = torch.tensor([elapsed], dtype=torch.float64, device=self.device)
+        dist.broadcast(clock, src=0)
+        return clock.item()
 
     def _progress(self, elapsed: float) -> float:
         t = self.cfg.train
@@ -204,10 +220,29 @@ class Trainer:
             value /= self.d.world_size
         return value.item()
 
+    def _record_comm(self, figures: dict) -> None:
+        self.comm_window.append(figures)
+        tot = self.comm_totals
+        tot["steps"] += 1
+        tot["bytes"] += figures["comm_bytes"]
+        tot["seconds"] += figures["comm_seconds"]
+        tot["exposed"] += figures["exposed_comm_seconds"]
+
+    def _comm_window_figures(self) -> dict:
+        w, self.comm_window = self.comm_window, []
+        if not w or not self.d.enabled:
+            return {}
+        seconds, exposed = sum(f["comm_seconds"] for f in w), sum(f["exposed_comm_seconds"] for f in w)
+        return {"comm_bytes_per_step": sum(f["comm_bytes"] for f in w) / len(w),
+                "comm_seconds_per_step": seconds / len(w), "exposed_comm_seconds_per_step": exposed / len(w),
+                "hidden_comm_fraction": 1.0 - exposed / seconds if seconds > 0 else None,
+                "comm_bytes_by_bucket": w[-1]["comm_bytes_by_bucket"]}
+
     def _log_step(self, loss: float, grad_norm: float, lr: float, tokens_per_s: float, bar) -> None:
         self.last_train_loss = loss
         record = {"kind": "train", "step": self.step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm,
-                  "lr": lr, "tokens_per_s": tokens_per_s, "skipped_steps": self.skipped_steps, "time": time.time()}
+                  "lr": lr, "tokens_per_s": tokens_per_s, "skipped_steps": self.skipped_steps, "time": time.time(),
+                  **self._comm_window_figures()}
         log.info(json.dumps(record))
         if self.d.is_main:
             bar.set_postfix(step=self.step, loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}")
@@ -273,17 +308,32 @@ class Trainer:
         for name in ("meta.json", "tokenizer.json"):  # the run directory stands on its own
             shutil.copyfile(self.data.path / name, self.run_dir / name)
 
+    def _comm_totals_by_rank(self) -> torch.Tensor:
+        tot = self.comm_totals
+        mine = torch.tensor([[tot["steps"], tot["bytes"], tot["seconds"], tot["exposed"]]], dtype=torch.float64)
+        if not self.d.enabled:
+            return mine
+        every = [torch.zeros_like(mine) for _ in range(self.d.world_size)]
+        dist.all_gather(every, mine)  # gloo carries CPU tensors; on NCCL-only groups this goes through cpu:gloo
+        return torch.cat(every)
+
     def _summary(self, wall: float, final: dict) -> dict:
-        grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        comm = grad_bytes if self.d.enabled else 0  # DDP all-reduces every gradient once per optimiser step
+        per_rank = self._comm_totals_by_rank()  # [world, 4]: steps, bytes, seconds, exposed
+        steps = max(1.0, float(per_rank[:, 0].max()))
+        tot = {"bytes": float(per_rank[:, 1].sum()) / self.d.world_size, "seconds": float(per_rank[:, 2].mean()),
+               "exposed": float(per_rank[:, 3].mean())}
         summary = {
             "steps": self.step, "tokens": self.tokens, "wall_seconds": round(wall, 3),
             "tokens_per_second": self.tokens / max(wall + self.elapsed_before, 1e-9),
             "train_loss": self.last_train_loss, "val_loss": final["loss"], "val_ppl": final["ppl"],
             "val_bpb": final["bpb"], "val_tokens": final["tokens"], "val_bytes": final["bytes"],
             "world_size": self.d.world_size, "comm_mode": self.cfg.comm.mode if self.d.enabled else "none",
-            "compression": self.cfg.comm.compression, "comm_bytes_total": comm * self.step,
-            "comm_bytes_per_step": comm, "exposed_comm_fraction": None,
+            "compression": self.cfg.comm.compression, "comm_bytes_total": tot["bytes"],
+            "comm_bytes_per_step": tot["bytes"] / steps,
+            "comm_bytes_per_step_by_rank": [float(b) / steps for b in per_rank[:, 1]],
+            "comm_seconds_per_step": tot["seconds"] / steps,
+            "exposed_comm_seconds_per_step": tot["exposed"] / steps,
+            "exposed_comm_fraction": tot["exposed"] / tot["seconds"] if tot["seconds"] > 0 else None,
             "params": self.model.num_params(), "flops_per_token": self.model.flops_per_token(),
             "skipped_steps": self.skipped_steps, "precision": self.cfg.train.precision, "device": str(self.device),
         }
@@ -306,10 +356,9 @@ def param_digest(model: torch.nn.Module) -> str:
 def refuse_unbuilt(cfg: Config) -> None:
     """Settings whose machinery is not in this version: refused rather than silently ignored."""
     c, p = cfg.comm, cfg.parallel
-    if c.mode not in ("allreduce", "auto") or c.compression != "none" or c.adaptive:
-        raise RptError(f"comm.mode = '{c.mode}', comm.compression = '{c.compression}', comm.adaptive = {c.adaptive}: "
-                       "this version synchronises gradients with DDP's all-reduce only",
-                       "use comm.mode = 'allreduce', comm.compression = 'none', comm.adaptive = false")
+    if c.adaptive:
+        raise RptError("comm.adaptive = true: adaptive synchronisation is not in this version yet",
+                       "set comm.adaptive = false (every group synchronises every step)")
     if p.pp != 1:
         raise RptError(f"parallel.pp = {p.pp}: this version has no pipeline parallelism yet",
                        "use parallel.pp = 1 (data parallelism over all ranks)")

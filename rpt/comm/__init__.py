@@ -1,0 +1,1 @@
+"""Gradient synchronisation across data-parallel ranks: modes (sync), codecs (compress), accounting."""

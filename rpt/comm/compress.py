@@ -1,0 +1,122 @@
+"""Gradient codecs for all-reduce data parallelism, as DDP communication hooks.
+
+DDP hands each bucket (a flat gradient buffer) to the hook as soon as backward has filled it,
+so every codec here overlaps backward exactly as DDP's own all-reduce does. Each hook returns
+the bucket averaged over ranks and reports the bytes it sent and when to `CommMeter`.
+
+- `none`: all-reduce in fp32 (what DDP does without a hook, plus the accounting).
+- `fp16` / `bf16`: all-reduce a half-width copy (as torch's fp16/bf16 hooks do).
+- `powersgd`: torch's own PowerSGD hook (rank r, error feedback, warm start), reused as is;
+  bytes come from its `total_numel_after_compression` counter, which counts every P, Q and
+  uncompressed tensor it all-reduces. Plain all-reduce until `start_iter`, as PowerSGD requires.
+  Its hook issues its second and third all-reduce from a completion callback, which gloo runs on
+  its own threads; with several buckets, ranks then issue collectives in different orders and
+  hang (seen here). On CPU rpt therefore finishes each bucket's PowerSGD round before the next
+  bucket starts: correct, with less overlap. CUDA buckets keep the hook's own chaining.
+- `topk`: written here because torch ships no sparse codec: each rank keeps the k largest
+  entries of (gradient + its error), all-gathers (values, indices), scatters them back into a
+  dense average; what it did not send stays in its error buffer for the next step (error feedback).
+
+The hooks carry no return annotation: DDP checks it at registration, and under
+`from __future__ import annotations` it would be a string that fails the check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+from rpt.comm.accounting import CommMeter, allgather_wire_bytes, allreduce_wire_bytes
+
+
+@dataclass
+class HookState:
+    meter: CommMeter
+    world_size: int
+    topk_fraction: float = 0.01
+    powersgd: psgd.PowerSGDState | None = None
+    errors: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _finish(state: HookState, bucket, start: float, wire: int):
+    def done(fut):
+        state.meter.completed(start, bucket.index(), wire)
+        return fut.value()[0] if isinstance(fut.value(), list) else fut.value()
+    return done
+
+
+def allreduce_hook(state: HookState, bucket):
+    buf = bucket.buffer().div_(state.world_size)
+    start = state.meter.launched()
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+    return fut.then(_finish(state, bucket, start, allreduce_wire_bytes(buf.nbytes, state.world_size)))
+
+
+def _half_hook(dtype: torch.dtype):
+    def hook(state: HookState, bucket):
+        buf = bucket.buffer()
+        half = buf.to(dtype).div_(state.world_size)
+        start = state.meter.launched()
+        fut = dist.all_reduce(half, async_op=True).get_future()
+        record = _finish(state, bucket, start, allreduce_wire_bytes(half.nbytes, state.world_size))
+
+        def back(f):
+            return buf.copy_(record(f))
+        return fut.then(back)
+    return hook
+
+
+def powersgd_hook(state: HookState, bucket):
+    ps = state.powersgd
+    vanilla = ps.iter < ps.start_powerSGD_iter
+    before = ps.total_numel_after_compression
+    start = state.meter.launched()
+    fut = psgd.powerSGD_hook(ps, bucket)
+    if not bucket.buffer().is_cuda:
+        fut.wait()  # see the module docstring: on gloo, chained collectives must not race the next bucket's
+    numel = bucket.buffer().numel() if vanilla else ps.total_numel_after_compression - before
+    wire = allreduce_wire_bytes(numel * bucket.buffer().element_size(), state.world_size)
+    return fut.then(_finish(state, bucket, start, wire))
+
+
+def topk_hook(state: HookState, bucket):
+    buf, index, p = bucket.buffer(), bucket.index(), state.world_size
+    error = state.errors.get(index)
+    # DDP rebuilds its buckets once, after the first step: an error buffer of the old layout is dropped
+    acc = buf + error if error is not None and error.shape == buf.shape else buf.clone()
+    k = max(1, int(state.topk_fraction * acc.numel()))
+    chosen = acc.abs().topk(k, sorted=False).indices
+    values = acc[chosen]
+    acc[chosen] = 0.0
+    state.errors[index] = acc  # what was not sent waits for the next step
+    # values and indices travel together: int32 indices reinterpreted as float32 bits
+    packed = torch.cat([values.float(), chosen.to(torch.int32).view(torch.float32)])
+    gathered = [torch.empty_like(packed) for _ in range(p)]
+    start = state.meter.launched()
+    fut = dist.all_gather(gathered, packed, async_op=True).get_future()
+    record = _finish(state, bucket, start, allgather_wire_bytes(packed.nbytes, p))
+
+    def decode(f):
+        record(f)
+        dense = torch.zeros_like(buf, dtype=torch.float32)
+        for part in gathered:
+            dense.index_add_(0, part[k:].view(torch.int32).long(), part[:k])
+        return buf.copy_(dense.div_(p))
+    return fut.then(decode)
+
+
+def register(ddp: torch.nn.parallel.DistributedDataParallel, compression: str, meter: CommMeter, *,
+             world_size: int, powersgd_rank: int = 4, powersgd_start: int = 2, topk_fraction: float = 0.01,
+             seed: int = 0) -> HookState:
+    state = HookState(meter=meter, world_size=world_size, topk_fraction=topk_fraction)
+    if compression == "powersgd":
+        state.powersgd = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
+                                            start_powerSGD_iter=max(2, powersgd_start), use_error_feedback=True,
+                                            warm_start=True, random_seed=seed)
+    hook = {"none": allreduce_hook, "fp16": _half_hook(torch.float16), "bf16": _half_hook(torch.bfloat16),
+            "powersgd": powersgd_hook, "topk": topk_hook}[compression]
+    ddp.register_comm_hook(state, hook)
+    return state

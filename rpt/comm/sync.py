@@ -1,0 +1,223 @@
+"""Gradient synchronisation across data-parallel ranks: the modes of `comm.mode`.
+
+The trainer drives every mode through the same five calls, in this order each step:
+
+    with sync.no_sync():  ... backward of the inner micro-steps (gradient accumulation)
+    backward of the last micro-step             (transfers start as buckets fill: overlap)
+    sync.wait_gradients()                        the owners now hold the averaged gradients
+    sync.clip_grad_norm(max_norm)                one global norm, the same on every rank
+    optimizer step on `sync.owned` parameters    (AdamW only where a rank owns parameters)
+    sync.share_parameters()                      owners send the updated parameters back
+
+- `AllReduceSync`: torch DDP with its buckets, plus the codec hooks of compress.py.
+- `ParameterServerSync` (`ps`, `ps-sharded`): written here because DDP cannot express it. DDP
+  always all-reduces each bucket into every replica and rebuilds its buckets after the first
+  step, while a parameter server needs fixed ownership: the owner of a bucket alone receives
+  its gradients, holds its optimiser state, steps it and sends the parameters back. Buckets are
+  cut here once, in reverse parameter order (about the order backward produces gradients), and a
+  bucket's transfer starts from a post-accumulate-grad hook the moment its last gradient is ready.
+  Transfers are point-to-point sends, so the traffic really converges on the owner (`ps`: rank 0
+  owns everything; `ps-sharded`: buckets go to the least-loaded rank, largest first, which
+  partitions the optimiser state as ZeRO-1 does). `comm.compression` fp16/bf16 sends the
+  gradients at half width; parameters always travel in full precision, so replicas stay identical.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from rpt.comm import compress
+from rpt.comm.accounting import CommMeter
+from rpt.config import CommConfig
+
+
+class LocalSync:
+    """One process: nothing to synchronise; the same calls, so the trainer has one path."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.module, self.meter = model, CommMeter()
+        self.owned = [p for p in model.parameters() if p.requires_grad]
+
+    def no_sync(self):
+        return nullcontext()
+
+    def wait_gradients(self) -> None:
+        pass
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.owned, max_norm or float("inf"))
+
+    def share_parameters(self) -> None:
+        pass
+
+
+class AllReduceSync(LocalSync):
+    def __init__(self, model: torch.nn.Module, cfg: CommConfig, world_size: int, *, powersgd_start: int, seed: int):
+        super().__init__(model)
+        self.module = DDP(model, bucket_cap_mb=cfg.bucket_mb)
+        self.hook_state = compress.register(self.module, cfg.compression, self.meter, world_size=world_size,
+                                            powersgd_rank=cfg.powersgd_rank, powersgd_start=powersgd_start,
+                                            topk_fraction=cfg.topk_fraction, seed=seed)
+
+    def no_sync(self):
+        return self.module.no_sync()
+
+    def wait_gradients(self) -> None:
+        # DDP waited for its buckets inside backward; the wait after the last bucket was launched is exposed.
+        if self.meter.last_launch:
+            self.meter.add_exposed(time.perf_counter() - self.meter.last_launch)
+
+
+class _Bucket:
+    def __init__(self, index: int, params: list[torch.nn.Parameter], owner: int):
+        self.index, self.params, self.owner = index, params, owner
+        self.numel = sum(p.numel() for p in params)
+        self.ready = 0
+        self.works: list = []
+        self.received: list[torch.Tensor] = []
+        self.flat: torch.Tensor | None = None
+        self.start = 0.0
+
+
+class ParameterServerSync(LocalSync):
+    def __init__(self, model: torch.nn.Module, cfg: CommConfig, rank: int, world_size: int):
+        super().__init__(model)
+        self.rank, self.world_size = rank, world_size
+        self.wire_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.compression)  # gradients only
+        params = [p for p in model.parameters() if p.requires_grad][::-1]
+        self.buckets = _assign_owners(_cut(params, int(cfg.bucket_mb * 2**20)), world_size, cfg.mode == "ps-sharded")
+        self.owned = [p for b in self.buckets if b.owner == rank for p in b.params]
+        self.enabled = True
+        with torch.no_grad():  # every replica starts from rank 0's parameters
+            for p in model.parameters():
+                dist.broadcast(p.data, src=0)
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(lambda _p, b=b: self._on_grad(b))
+
+    @contextmanager
+    def no_sync(self):
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+    def _on_grad(self, b: _Bucket) -> None:
+        if not self.enabled:
+            return
+        b.ready += 1
+        if b.ready == len(b.params):
+            self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        b.ready = -1  # launched
+        b.flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b.params])
+        if self.wire_dtype is not None:
+            b.flat = b.flat.to(self.wire_dtype)
+        b.start = self.meter.launched()
+        if b.owner == self.rank:
+            b.received = [torch.empty_like(b.flat) for _ in range(self.world_size - 1)]
+            peers = [r for r in range(self.world_size) if r != self.rank]
+            b.works = [dist.irecv(buf, src=r, tag=b.index) for buf, r in zip(b.received, peers)]
+        else:
+            b.works = [dist.isend(b.flat, dst=b.owner, tag=b.index)]
+
+    def wait_gradients(self) -> None:
+        waited = time.perf_counter()
+        for b in self.buckets:  # a parameter without a gradient this step still has its transfer
+            if b.ready != -1:
+                self._launch(b)
+        for b in self.buckets:
+            for w in b.works:
+                w.wait()
+            sent = 0 if b.owner == self.rank else b.flat.nbytes
+            self.meter.completed(b.start, b.index, sent)
+            if b.owner == self.rank:
+                total = b.flat.float()
+                for part in b.received:
+                    total += part.float()
+                total /= self.world_size
+                offset = 0
+                for p in b.params:
+                    p.grad = total[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+            else:
+                for p in b.params:
+                    p.grad = None  # workers keep neither these gradients nor optimiser state
+            b.works, b.received, b.flat, b.ready = [], [], None, 0
+        self.meter.add_exposed(time.perf_counter() - waited)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        grads = [p.grad for p in self.owned if p.grad is not None]
+        local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        dist.all_reduce(local)
+        norm = local.sqrt()
+        if max_norm and torch.isfinite(norm):
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    def share_parameters(self) -> None:
+        waited = time.perf_counter()
+        pending = []
+        with torch.no_grad():
+            for b in self.buckets:
+                start = self.meter.launched()
+                if b.owner == self.rank:
+                    flat = torch.cat([p.detach().reshape(-1) for p in b.params])
+                    works = [dist.isend(flat, dst=r, tag=10_000 + b.index) for r in range(self.world_size) if r != self.rank]
+                    sent = flat.nbytes * (self.world_size - 1)
+                else:
+                    flat = torch.empty(b.numel, dtype=b.params[0].dtype)
+                    works, sent = [dist.irecv(flat, src=b.owner, tag=10_000 + b.index)], 0
+                pending.append((b, flat, works, start, sent))
+            for b, flat, works, start, sent in pending:
+                for w in works:
+                    w.wait()
+                self.meter.completed(start, b.index, sent)
+                if b.owner != self.rank:
+                    offset = 0
+                    for p in b.params:
+                        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                        offset += p.numel()
+        self.meter.add_exposed(time.perf_counter() - waited)
+
+
+def _cut(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torch.nn.Parameter]]:
+    buckets, current, size = [], [], 0
+    for p in params:
+        if current and size + p.numel() * p.element_size() > cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+    return buckets + ([current] if current else [])
+
+
+def _assign_owners(groups: list[list[torch.nn.Parameter]], world_size: int, sharded: bool) -> list[_Bucket]:
+    if not sharded:
+        return [_Bucket(i, g, 0) for i, g in enumerate(groups)]
+    load = [0] * world_size
+    owners = {}
+    for i in sorted(range(len(groups)), key=lambda i: -sum(p.numel() for p in groups[i])):
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = owner
+        load[owner] += sum(p.numel() for p in groups[i])
+    return [_Bucket(i, g, owners[i]) for i, g in enumerate(groups)]
+
+
+def build_sync(model: torch.nn.Module, cfg: CommConfig, *, rank: int, world_size: int, distributed: bool,
+               powersgd_start: int = 2, seed: int = 0) -> LocalSync:
+    if not distributed:
+        return LocalSync(model)
+    mode = cfg.mode if cfg.mode != "auto" else "allreduce"
+    if mode == "allreduce":
+        return AllReduceSync(model, cfg, world_size, powersgd_start=powersgd_start, seed=seed)
+    return ParameterServerSync(model, cfg, rank, world_size)

@@ -1,0 +1,83 @@
+"""The communication modes and codecs in a real 2-process gloo group, through the trainer.
+
+Without compression every mode must train as plain DDP does (within float rounding), keep the
+replicas identical and hold optimiser state where the mode says; codecs must send the bytes
+they claim and still train.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comm_workers import train_variants
+from harness import run_ranks
+
+MODES = [("allreduce", []), ("ps", ["comm.mode=ps"]), ("ps-sharded", ["comm.mode=ps-sharded"])]
+CODECS = [("fp16", ["comm.compression=fp16"]), ("bf16", ["comm.compression=bf16"]),
+          ("ps-bf16", ["comm.mode=ps-sharded", "comm.compression=bf16"]),
+          ("topk", ["comm.compression=topk", "comm.topk_fraction=0.1"]),
+          ("powersgd", ["comm.compression=powersgd", "comm.powersgd_rank=2"])]
+
+TIMED = [("timed", ["train.max_steps=0", "train.max_time=2"])]  # the learning rate follows rank 0's clock
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_data):
+    out = tmp_path_factory.mktemp("comm")
+    return run_ranks(train_variants, 2, out, str(tiny_data), str(out), MODES + CODECS + TIMED, timeout=280)
+
+
+def test_every_mode_trains_as_ddp_does_and_keeps_replicas_identical(runs):
+    base = runs[0]["allreduce"]["params"]
+    for name, _ in MODES:
+        r0, r1 = runs[0][name]["params"], runs[1][name]["params"]
+        for key in base:
+            assert torch.equal(r0[key], r1[key]), f"{name}: replicas differ at {key}"
+            assert torch.allclose(r0[key], base[key], rtol=1e-4, atol=1e-5), f"{name}: {key} differs from DDP"
+        losses = [runs[0][name]["losses"][s]["loss"] for s in range(1, 7)]
+        expected = [runs[0]["allreduce"]["losses"][s]["loss"] for s in range(1, 7)]
+        assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_optimiser_state_lives_where_the_mode_puts_it(runs):
+    full = runs[0]["allreduce"]["optim_numel"]
+    assert full > 0 and runs[1]["allreduce"]["optim_numel"] == full  # replicated under all-reduce
+    assert runs[0]["ps"]["optim_numel"] == full and runs[1]["ps"]["optim_numel"] == 0  # only the server
+    shards = [runs[r]["ps-sharded"]["optim_numel"] for r in (0, 1)]
+    assert sum(shards) == full and min(shards) > 0  # partitioned, nothing twice
+    params = sum(p.numel() for p in runs[0]["allreduce"]["params"].values())
+    assert sum(runs[r]["ps-sharded"]["owned"] for r in (0, 1)) == params
+
+
+def test_bytes_on_the_wire_follow_the_mode_and_codec(runs):
+    s = {name: runs[0][name]["summary"] for name in runs[0]}
+    grad_bytes = 4 * s["allreduce"]["params"]
+    # ring all-reduce with 2 ranks: each sends 2(p-1)/p = 1 x the gradient bytes per step
+    assert s["allreduce"]["comm_bytes_per_step"] == grad_bytes
+    assert s["fp16"]["comm_bytes_per_step"] == s["bf16"]["comm_bytes_per_step"] == grad_bytes // 2
+    # ps: the worker sends its gradients, the server sends the parameters back: one gradient's worth each
+    assert s["ps"]["comm_bytes_per_step_by_rank"] == [grad_bytes, grad_bytes]
+    assert sum(s["ps-sharded"]["comm_bytes_per_step_by_rank"]) == 2 * grad_bytes
+    by_rank = s["ps-bf16"]["comm_bytes_per_step_by_rank"]
+    assert sum(by_rank) == pytest.approx(1.5 * grad_bytes)  # bf16 gradients out, fp32 parameters back
+    assert 0 < s["topk"]["comm_bytes_per_step"] < 0.25 * grad_bytes  # 10% of entries, value + index each
+    assert 0 < s["powersgd"]["comm_bytes_per_step"] < grad_bytes  # plain all-reduce until warm-up ends
+    for name in s:
+        assert s[name]["exposed_comm_fraction"] is not None and 0.0 <= s[name]["exposed_comm_fraction"] <= 1.0
+
+
+def test_compressed_training_still_learns_and_stays_in_sync(runs):
+    for name, _ in CODECS:
+        r0, r1 = runs[0][name]["params"], runs[1][name]["params"]
+        assert all(torch.equal(r0[k], r1[k]) for k in r0), f"{name}: replicas differ"
+        losses = runs[0][name]["losses"]
+        assert losses[6]["loss"] < losses[1]["loss"], name
+        assert "comm_bytes_by_bucket" in losses[6] and losses[6]["comm_bytes_by_bucket"]
+
+
+def test_a_time_budget_ends_every_rank_at_the_same_step_with_identical_replicas(runs):
+    steps = [runs[r]["timed"]["summary"]["steps"] for r in (0, 1)]
+    assert steps[0] == steps[1] > 6
+    r0, r1 = runs[0]["timed"]["params"], runs[1]["timed"]["params"]
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)  # each rank's own clock would give each its own lr
