@@ -7,6 +7,7 @@ shows the traceback instead. Anything else is a bug in rpt and keeps its traceba
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -123,9 +124,14 @@ def _cmd_train(args) -> None:
     cfg = Config.load(config_path, args.overrides)
     run_dir = args.run_dir or default_run_dir(args.config)
     _check_writable(run_dir)
-    if not args.resume and (run_dir / "config.toml").exists():
+    # Under torchrun every rank runs this command: rank 0 alone judges the folder, before any rank writes
+    # to it, and a restarted group continues its own run.
+    first_look = int(os.environ.get("RANK", "0")) == 0 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    if first_look and not args.resume and (run_dir / "config.toml").exists():
         raise RptError(f"{run_dir} already holds a run", "continue it with --resume, or choose another --run-dir")
     summary = train(cfg, run_dir, args.resume, args.nproc, args.max_restarts, args.device)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: rank 0 reports for the job
+        return
     if summary is not None:
         print(f"val loss {summary['val_loss']:.4f}  ppl {summary['val_ppl']:.2f}  bpb {summary['val_bpb']:.4f}  "
               f"({summary['steps']} steps, {summary['tokens']:,} tokens, {summary['tokens_per_second']:,.0f} tokens/s)")
