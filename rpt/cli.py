@@ -71,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=_cmd_generate)
 
+    p = sub.add_parser("topology", help="measure latency and bandwidth between ranks; predict each comm mode's cost",
+                       description="Run under torchrun on every node (or --nproc N on this machine).")
+    _add_config_flags(p)
+    p.add_argument("--nproc", type=int, default=1, help="launch this many local ranks")
+    p.add_argument("--message-mb", type=float, default=4.0, help="size of the bandwidth probe")
+    p.add_argument("--out", help="also write the measurements and predictions to this JSON file")
+    p.set_defaults(func=_cmd_topology)
+
     p = sub.add_parser("config", help="print the resolved configuration (defaults + --config + --set), validated")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_config)
@@ -163,6 +171,13 @@ def _cmd_generate(args) -> None:
     print(args.prompt, end="")
     generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                   args.seed, args.checkpoint, args.device)
+
+
+def _cmd_topology(args) -> None:
+    from rpt.config import Config
+    from rpt.parallel.topology_run import run_topology
+
+    run_topology(Config.load(args.config, args.overrides), args.nproc, args.message_mb, args.out)
 
 
 def _cmd_config(args) -> None:

@@ -24,6 +24,7 @@ The trainer drives every mode through the same five calls, in this order each st
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -34,6 +35,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from rpt.comm import compress
 from rpt.comm.accounting import CommMeter
 from rpt.config import CommConfig
+from rpt.parallel import topology
+
+log = logging.getLogger("rpt.comm")
 
 
 class LocalSync:
@@ -42,6 +46,7 @@ class LocalSync:
     def __init__(self, model: torch.nn.Module):
         self.module, self.meter = model, CommMeter()
         self.owned = [p for p in model.parameters() if p.requires_grad]
+        self.mode, self.predictions = "none", None  # the mode in force; auto's predicted seconds per mode
 
     def no_sync(self):
         return nullcontext()
@@ -214,10 +219,30 @@ def _assign_owners(groups: list[list[torch.nn.Parameter]], world_size: int, shar
 
 
 def build_sync(model: torch.nn.Module, cfg: CommConfig, *, rank: int, world_size: int, distributed: bool,
-               powersgd_start: int = 2, seed: int = 0) -> LocalSync:
+               powersgd_start: int = 2, seed: int = 0, precision: str = "fp32") -> LocalSync:
     if not distributed:
         return LocalSync(model)
-    mode = cfg.mode if cfg.mode != "auto" else "allreduce"
+    mode, predictions = cfg.mode, None
+    if mode == "auto":
+        mode, predictions = choose_mode(model, cfg, precision)
     if mode == "allreduce":
-        return AllReduceSync(model, cfg, world_size, powersgd_start=powersgd_start, seed=seed)
-    return ParameterServerSync(model, cfg, rank, world_size)
+        sync = AllReduceSync(model, cfg, world_size, powersgd_start=powersgd_start, seed=seed)
+    else:
+        sync = ParameterServerSync(model, cfg, rank, world_size)
+    sync.mode, sync.predictions = mode, predictions
+    return sync
+
+
+def choose_mode(model: torch.nn.Module, cfg: CommConfig, precision: str) -> tuple[str, dict]:
+    """`comm.mode = "auto"`: measure the links (every rank gets the same table) and take the cheapest
+    mode the other settings allow (the servers take neither fp16 loss scaling nor powersgd/topk)."""
+    topo = topology.measure(message_mb=1.0, repeats=2)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    predictions = topology.predict(topo, grad_bytes)
+    allowed = ["allreduce"]
+    if precision != "fp16" and cfg.compression in ("none", "fp16", "bf16"):
+        allowed += ["ps", "ps-sharded"]
+    mode = topology.choose({m: t for m, t in predictions.items() if m in allowed})
+    log.info("comm.mode auto: predicted seconds per step %s; chose %s\n%s", predictions, mode,
+             topology.format_table(topo, predictions, grad_bytes))
+    return mode, predictions

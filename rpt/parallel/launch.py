@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -74,11 +75,13 @@ def setup(device: str | None = None) -> Dist:
 
 def teardown() -> None:
     if dist.is_initialized():
-        # A gloo worker thread destroys each finished work object after the caller's wait() has returned, and
-        # for a tensor made in Python that needs the GIL. Destroying the group while such a destructor is
-        # pending deadlocks (the destructor joins the thread holding the GIL; seen at the end of 2-rank runs).
-        # Waiting in a barrier releases the GIL long enough for those destructors to finish.
+        # A gloo worker thread destroys each finished work object just after the caller's wait() has
+        # returned, and releasing a tensor made in Python takes the GIL. If the group's last reference goes
+        # (DDP's reducer holds one) while such a destructor waits for the GIL, the group's destructor joins
+        # that thread while holding the GIL: a deadlock at exit (seen in 2-rank runs, about 1 in 10).
+        # Sleeping releases the GIL, so the destructors of the barrier and of every earlier work finish first.
         dist.barrier()
+        time.sleep(0.1)
         dist.destroy_process_group()
 
 

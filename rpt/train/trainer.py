@@ -65,7 +65,8 @@ class Trainer:
         torch.manual_seed(t.seed)  # the same initial model on every rank
         self.model = RecurrentLM(cfg.model).to(self.device)
         self.sync = build_sync(self.model, cfg.comm, rank=dist_info.rank, world_size=dist_info.world_size,
-                               distributed=dist_info.enabled, powersgd_start=t.warmup_steps, seed=t.seed)
+                               distributed=dist_info.enabled, powersgd_start=t.warmup_steps, seed=t.seed,
+                               precision=t.precision)
         self.optimizer = build_optimizer(self.model, t, self.sync.owned)  # None where a rank owns nothing
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
@@ -327,7 +328,8 @@ class Trainer:
             "tokens_per_second": self.tokens / max(wall + self.elapsed_before, 1e-9),
             "train_loss": self.last_train_loss, "val_loss": final["loss"], "val_ppl": final["ppl"],
             "val_bpb": final["bpb"], "val_tokens": final["tokens"], "val_bytes": final["bytes"],
-            "world_size": self.d.world_size, "comm_mode": self.cfg.comm.mode if self.d.enabled else "none",
+            "world_size": self.d.world_size, "comm_mode": self.sync.mode,
+            "comm_mode_predicted_seconds": self.sync.predictions,
             "compression": self.cfg.comm.compression, "comm_bytes_total": tot["bytes"],
             "comm_bytes_per_step": tot["bytes"] / steps,
             "comm_bytes_per_step_by_rank": [float(b) / steps for b in per_rank[:, 1]],

@@ -20,12 +20,13 @@ CODECS = [("fp16", ["comm.compression=fp16"]), ("bf16", ["comm.compression=bf16"
           ("powersgd", ["comm.compression=powersgd", "comm.powersgd_rank=2"])]
 
 TIMED = [("timed", ["train.max_steps=0", "train.max_time=2"])]  # the learning rate follows rank 0's clock
+AUTO = [("auto", ["comm.mode=auto"]), ("auto-topk", ["comm.mode=auto", "comm.compression=topk"])]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_data):
     out = tmp_path_factory.mktemp("comm")
-    return run_ranks(train_variants, 2, out, str(tiny_data), str(out), MODES + CODECS + TIMED, timeout=280)
+    return run_ranks(train_variants, 2, out, str(tiny_data), str(out), MODES + CODECS + TIMED + AUTO, timeout=280)
 
 
 def test_every_mode_trains_as_ddp_does_and_keeps_replicas_identical(runs):
@@ -81,3 +82,17 @@ def test_a_time_budget_ends_every_rank_at_the_same_step_with_identical_replicas(
     assert steps[0] == steps[1] > 6
     r0, r1 = runs[0]["timed"]["params"], runs[1]["timed"]["params"]
     assert all(torch.equal(r0[k], r1[k]) for k in r0)  # each rank's own clock would give each its own lr
+
+
+def test_auto_measures_and_every_rank_takes_the_same_mode(runs):
+    for name in ("auto", "auto-topk"):
+        s0, s1 = runs[0][name]["summary"], runs[1][name]["summary"]
+        assert s0["comm_mode"] == s1["comm_mode"] and s0["comm_mode_predicted_seconds"] == s1["comm_mode_predicted_seconds"]
+        predicted = s0["comm_mode_predicted_seconds"]
+        assert set(predicted) == {"allreduce", "ps", "ps-sharded"} and all(t > 0 for t in predicted.values())
+        r0, r1 = runs[0][name]["params"], runs[1][name]["params"]
+        assert all(torch.equal(r0[k], r1[k]) for k in r0)
+    assert runs[0]["auto-topk"]["summary"]["comm_mode"] == "allreduce"  # the servers do not take topk
+    # two ranks on one machine: the ring and the sharded server tie, a central server costs twice as much
+    predicted = runs[0]["auto"]["summary"]["comm_mode_predicted_seconds"]
+    assert predicted["ps"] > predicted["allreduce"]

@@ -59,3 +59,17 @@ def test_resume_after_a_killed_run_equals_the_uninterrupted_run(tmp_path, tiny_d
     sa, sb = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("full", "cut"))
     assert sa["val_loss"] == sb["val_loss"] and sa["steps"] == sb["steps"] == 10
 
+
+
+def test_topology_command_measures_every_link_and_predicts_each_mode(tmp_path, tiny_data):
+    out = tmp_path / "topo.json"
+    proc = subprocess.run([sys.executable, "-m", "rpt", "topology", "--nproc", "2", "--message-mb", "1",
+                           "--set", f"data.path={tiny_data}", "--set", "model.d_model=32", "--out", str(out)],
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "latency" in proc.stdout and "chosen by comm.mode = auto" in proc.stdout
+    report = json.loads(out.read_text())
+    assert [link["pair"] for link in report["links"]] == [[0, 1]]
+    assert report["links"][0]["bandwidth_Bps"] > 1e6 and 0 < report["links"][0]["latency_s"] < 0.1
+    assert report["links"][0]["kind"] == "intra" and report["chosen"] in report["predicted_seconds"]
+    assert report["gradient_bytes"] > 0 and report["gradient_bytes"] % 4 == 0

@@ -1,0 +1,60 @@
+"""`rpt topology`: measure the links between the ranks of this job and predict each mode's cost.
+
+Runs under torchrun on every node (or `--nproc N` here, through the same elastic launcher as
+training). Every rank measures; rank 0 prints the table and the prediction for the configured
+model's gradient bytes, and writes it as JSON when asked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from rpt.config import Config
+from rpt.errors import RptError
+from rpt.parallel import launch, topology
+
+
+def gradient_bytes(cfg: Config) -> int:
+    """fp32 gradient bytes of the configured model, counted on the meta device (nothing allocated)."""
+    from rpt.models import RecurrentLM
+
+    if cfg.model.vocab_size == 0:
+        meta = Path(cfg.data.path) / "meta.json"
+        if not meta.is_file():
+            raise RptError("model.vocab_size is 0 and data.path has no meta.json to take it from",
+                           "set model.vocab_size, or point data.path at a prepared dataset")
+        cfg.model.vocab_size = json.loads(meta.read_text())["vocab_size"]
+    with torch.device("meta"):
+        model = RecurrentLM(cfg.model)
+    return 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def topology_worker(cfg: Config, message_mb: float, out: str | None) -> dict:
+    d = launch.setup("cpu")
+    try:
+        if not d.enabled:
+            raise RptError("rpt topology needs several ranks", "run it under torchrun on every node, or with --nproc N")
+        topo = topology.measure(message_mb=message_mb)
+        n = gradient_bytes(cfg)
+        predictions = topology.predict(topo, n)
+        if d.is_main:
+            print(topology.format_table(topo, predictions, n), flush=True)
+            if out:
+                Path(out).write_text(json.dumps({
+                    "world_size": topo.world_size, "nodes": topo.nodes, "gradient_bytes": n,
+                    "links": [{"pair": [i, j], "kind": topo.kind(i, j), "latency_s": topo.latency[(i, j)],
+                               "bandwidth_Bps": topo.bandwidth[(i, j)]} for (i, j) in sorted(topo.latency)],
+                    "predicted_seconds": predictions, "chosen": topology.choose(predictions)}, indent=2) + "\n")
+        return predictions
+    finally:
+        launch.teardown()
+
+
+def run_topology(cfg: Config, nproc: int, message_mb: float, out: str | None) -> None:
+    if nproc > 1:
+        launch.launch_local(nproc, 0, topology_worker, cfg, message_mb, out)
+    else:
+        topology_worker(cfg, message_mb, out)
