@@ -111,6 +111,10 @@ class CommConfig:
     powersgd_rank: int = 4
     topk_fraction: float = 0.01
     adaptive: bool = False
+    adaptive_period: int = 4       # minor groups synchronise every this many steps (accumulating locally)
+    adaptive_interval: int = 50    # importance is re-ranked every this many steps (all groups sync before the first)
+    adaptive_keep: float = 0.5     # share of the groups (by count) that stay important
+    adaptive_pin: list[str] = field(default_factory=lambda: ["embed", "head"])  # always important (name prefixes)
     bucket_mb: float = 25.0
 
 
@@ -251,6 +255,15 @@ class Config:
             raise RptError(f"comm.compression = '{c.compression}' needs a low-rank or sparse all-reduce, "
                            f"which comm.mode = '{c.mode}' does not do",
                            "use comm.mode = 'allreduce' with it, or fp16/bf16 compression with a parameter server")
+        if c.adaptive:
+            _positive("comm.adaptive_period", c.adaptive_period)
+            _positive("comm.adaptive_interval", c.adaptive_interval)
+            if not 0.0 < c.adaptive_keep <= 1.0:
+                raise RptError(f"comm.adaptive_keep = {c.adaptive_keep} is outside (0, 1]", "e.g. 0.5")
+            if c.mode in ("ps", "ps-sharded") or c.compression != "none":
+                raise RptError(f"comm.adaptive with comm.mode = '{c.mode}' and comm.compression = '{c.compression}': "
+                               "adaptive synchronisation runs on the all-reduce path without a codec in this version",
+                               "use comm.mode = 'allreduce' (or 'auto') and comm.compression = 'none' with it")
         if t.precision == "fp16" and c.mode in ("ps", "ps-sharded"):
             raise RptError(f"train.precision = 'fp16' with comm.mode = '{c.mode}': the loss scaler's overflow check "
                            "needs every gradient on every rank, which a parameter server does not keep",

@@ -9,7 +9,8 @@ The trainer drives every mode through the same five calls, in this order each st
     optimizer step on `sync.owned` parameters    (AdamW only where a rank owns parameters)
     sync.share_parameters()                      owners send the updated parameters back
 
-- `AllReduceSync`: torch DDP with its buckets, plus the codec hooks of compress.py.
+- `AllReduceSync`: torch DDP with its buckets, plus the codec hooks of compress.py, or the
+  adaptive schedule of adaptive.py (important groups every step, minor ones every N steps).
 - `ParameterServerSync` (`ps`, `ps-sharded`): written here because DDP cannot express it. DDP
   always all-reduces each bucket into every replica and rebuilds its buckets after the first
   step, while a parameter server needs fixed ownership: the owner of a bucket alone receives
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rpt.comm import compress
+from rpt.comm.adaptive import AdaptiveSchedule
 from rpt.comm.accounting import CommMeter
 from rpt.config import CommConfig
 from rpt.parallel import topology
@@ -60,14 +62,23 @@ class LocalSync:
     def share_parameters(self) -> None:
         pass
 
+    def schedule_in_force(self) -> dict:
+        """Adaptive synchronisation's current schedule, for the metrics (empty without it)."""
+        return {}
+
 
 class AllReduceSync(LocalSync):
     def __init__(self, model: torch.nn.Module, cfg: CommConfig, world_size: int, *, powersgd_start: int, seed: int):
         super().__init__(model)
         self.module = DDP(model, bucket_cap_mb=cfg.bucket_mb)
-        self.hook_state = compress.register(self.module, cfg.compression, self.meter, world_size=world_size,
-                                            powersgd_rank=cfg.powersgd_rank, powersgd_start=powersgd_start,
-                                            topk_fraction=cfg.topk_fraction, seed=seed)
+        self.schedule = None
+        if cfg.adaptive:
+            self.schedule = AdaptiveSchedule(model, cfg, self.meter, world_size)
+            self.module.register_comm_hook(None, self.schedule.hook)
+        else:
+            compress.register(self.module, cfg.compression, self.meter, world_size=world_size,
+                              powersgd_rank=cfg.powersgd_rank, powersgd_start=powersgd_start,
+                              topk_fraction=cfg.topk_fraction, seed=seed)
 
     def no_sync(self):
         return self.module.no_sync()
@@ -76,6 +87,11 @@ class AllReduceSync(LocalSync):
         # DDP waited for its buckets inside backward; the wait after the last bucket was launched is exposed.
         if self.meter.last_launch:
             self.meter.add_exposed(time.perf_counter() - self.meter.last_launch)
+        if self.schedule is not None:
+            self.schedule.after_backward()
+
+    def schedule_in_force(self) -> dict:
+        return self.schedule.in_force() if self.schedule is not None else {}
 
 
 class _Bucket:
@@ -240,7 +256,7 @@ def choose_mode(model: torch.nn.Module, cfg: CommConfig, precision: str) -> tupl
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     predictions = topology.predict(topo, grad_bytes)
     allowed = ["allreduce"]
-    if precision != "fp16" and cfg.compression in ("none", "fp16", "bf16"):
+    if precision != "fp16" and cfg.compression in ("none", "fp16", "bf16") and not cfg.adaptive:
         allowed += ["ps", "ps-sharded"]
     mode = topology.choose({m: t for m, t in predictions.items() if m in allowed})
     log.info("comm.mode auto: predicted seconds per step %s; chose %s\n%s", predictions, mode,

@@ -237,7 +237,7 @@ class Trainer:
         return {"comm_bytes_per_step": sum(f["comm_bytes"] for f in w) / len(w),
                 "comm_seconds_per_step": seconds / len(w), "exposed_comm_seconds_per_step": exposed / len(w),
                 "hidden_comm_fraction": 1.0 - exposed / seconds if seconds > 0 else None,
-                "comm_bytes_by_bucket": w[-1]["comm_bytes_by_bucket"]}
+                "comm_bytes_by_bucket": w[-1]["comm_bytes_by_bucket"], **self.sync.schedule_in_force()}
 
     def _log_step(self, loss: float, grad_norm: float, lr: float, tokens_per_s: float, bar) -> None:
         self.last_train_loss = loss
@@ -357,10 +357,7 @@ def param_digest(model: torch.nn.Module) -> str:
 
 def refuse_unbuilt(cfg: Config) -> None:
     """Settings whose machinery is not in this version: refused rather than silently ignored."""
-    c, p = cfg.comm, cfg.parallel
-    if c.adaptive:
-        raise RptError("comm.adaptive = true: adaptive synchronisation is not in this version yet",
-                       "set comm.adaptive = false (every group synchronises every step)")
+    p = cfg.parallel
     if p.pp != 1:
         raise RptError(f"parallel.pp = {p.pp}: this version has no pipeline parallelism yet",
                        "use parallel.pp = 1 (data parallelism over all ranks)")

@@ -20,13 +20,15 @@ CODECS = [("fp16", ["comm.compression=fp16"]), ("bf16", ["comm.compression=bf16"
           ("powersgd", ["comm.compression=powersgd", "comm.powersgd_rank=2"])]
 
 TIMED = [("timed", ["train.max_steps=0", "train.max_time=2"])]  # the learning rate follows rank 0's clock
+ADAPTIVE = [("adaptive", ["comm.adaptive=true", "comm.adaptive_interval=2", "comm.adaptive_period=3",
+                          "comm.adaptive_keep=0.3", "train.max_steps=9"])]
 AUTO = [("auto", ["comm.mode=auto"]), ("auto-topk", ["comm.mode=auto", "comm.compression=topk"])]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_data):
     out = tmp_path_factory.mktemp("comm")
-    return run_ranks(train_variants, 2, out, str(tiny_data), str(out), MODES + CODECS + TIMED + AUTO, timeout=280)
+    return run_ranks(train_variants, 2, out, str(tiny_data), str(out), MODES + CODECS + TIMED + AUTO + ADAPTIVE, timeout=280)
 
 
 def test_every_mode_trains_as_ddp_does_and_keeps_replicas_identical(runs):
@@ -96,3 +98,16 @@ def test_auto_measures_and_every_rank_takes_the_same_mode(runs):
     # two ranks on one machine: the ring and the sharded server tie, a central server costs twice as much
     predicted = runs[0]["auto"]["summary"]["comm_mode_predicted_seconds"]
     assert predicted["ps"] > predicted["allreduce"]
+
+
+def test_adaptive_sync_sends_less_keeps_replicas_identical_and_shows_its_schedule(runs):
+    r0, r1 = runs[0]["adaptive"]["params"], runs[1]["adaptive"]["params"]
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)  # minor groups wait on every rank alike
+    records = runs[0]["adaptive"]["losses"]
+    full = 4 * runs[0]["adaptive"]["summary"]["params"]
+    assert [records[s]["comm_bytes_per_step"] for s in (1, 2)] == [full, full]  # everything syncs until the first ranking
+    later = [records[s]["comm_bytes_per_step"] for s in range(3, 10)]
+    assert max(later) <= full and min(later) < 0.9 * full  # minor groups skipped their turn
+    minor = records[9]["adaptive_minor"]
+    assert minor and not any(g.startswith(("embed", "head")) for g in minor)  # pinned groups stay important
+    assert records[9]["loss"] < records[1]["loss"]

@@ -175,7 +175,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(make_cfg, tmp_pa
     assert newest.endswith("step_00000004")
 
 
-@pytest.mark.parametrize("setting", ["comm.adaptive=true", "parallel.pp=2",
+@pytest.mark.parametrize("setting", ["parallel.pp=2",
                                      "monitor.tensorboard=true"])
 def test_settings_without_machinery_yet_are_refused_not_ignored(make_cfg, tmp_path, solo, setting):
     with pytest.raises(RptError, match="this version"):
