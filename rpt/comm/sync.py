@@ -48,7 +48,7 @@ class LocalSync:
     def __init__(self, model: torch.nn.Module):
         self.module, self.meter = model, CommMeter()
         self.owned = [p for p in model.parameters() if p.requires_grad]
-        self.mode, self.predictions = "none", None  # the mode in force; auto's predicted seconds per mode
+        self.mode, self.predictions = "none", None  # the mode in force; auto's seconds per mode (model, timed)
 
     def no_sync(self):
         return nullcontext()
@@ -250,15 +250,17 @@ def build_sync(model: torch.nn.Module, cfg: CommConfig, *, rank: int, world_size
 
 
 def choose_mode(model: torch.nn.Module, cfg: CommConfig, precision: str) -> tuple[str, dict]:
-    """`comm.mode = "auto"`: measure the links (every rank gets the same table) and take the cheapest
-    mode the other settings allow (the servers take neither fp16 loss scaling nor powersgd/topk)."""
+    """`comm.mode = "auto"`: measure the links and time each mode's traffic pattern (every rank gets the same
+    numbers), and take the fastest mode the other settings allow (the servers take neither fp16 loss
+    scaling nor powersgd/topk)."""
     topo = topology.measure(message_mb=1.0, repeats=2)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     predictions = topology.predict(topo, grad_bytes)
+    timed = topology.time_modes(grad_bytes)
     allowed = ["allreduce"]
     if precision != "fp16" and cfg.compression in ("none", "fp16", "bf16") and not cfg.adaptive:
         allowed += ["ps", "ps-sharded"]
-    mode = topology.choose({m: t for m, t in predictions.items() if m in allowed})
-    log.info("comm.mode auto: predicted seconds per step %s; chose %s\n%s", predictions, mode,
-             topology.format_table(topo, predictions, grad_bytes))
-    return mode, predictions
+    mode = topology.choose({m: t for m, t in timed.items() if m in allowed})
+    log.info("comm.mode auto: model %s, timed %s (seconds per step); chose %s\n%s", predictions, timed, mode,
+             topology.format_table(topo, predictions, grad_bytes, timed))
+    return mode, {"model": predictions, "timed": timed}

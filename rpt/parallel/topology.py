@@ -18,6 +18,11 @@ B_s is rank 0's link measured as such: every other rank sends to it at once (inc
 (Patarasuk & Yuan's ring bound, and the parameter-server bound of BytePS's analysis.) With equal
 links the ring and the sharded server move the same bytes per link, and the ring pays p-1 times
 the latency; a central server wins only where its link is much faster than the workers'.
+
+The model explains; `time_modes()` decides. It runs each mode's own traffic pattern once on a
+gradient-sized buffer (capped at 8 MB, scaled linearly): on the emulated 4-node cluster the
+ring measured 3x its model (four ranks on two cores stall the ring's pipeline) while the central
+server matched its model, so a model-only choice picked the slower mode (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -123,6 +128,56 @@ def measure(message_mb: float = 4.0, repeats: int = 3, pings: int = 10) -> Topol
                     {pq: float(table[k, 1]) for k, pq in enumerate(pairs)}, float(incast[0]))
 
 
+def time_modes(grad_bytes: int, cap_mb: float = 8.0, repeats: int = 2) -> dict[str, float]:
+    """Each mode's own traffic pattern, run once for real on min(grad_bytes, cap) bytes (best of `repeats`),
+    scaled linearly to grad_bytes. The alpha-beta model misses what the machines add (contended cores,
+    the backend's chunking, TCP over shaped links); this does not. Every rank returns the same numbers."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    probe = max(p, min(int(grad_bytes), int(cap_mb * 2**20)) // 4)
+    buf = torch.zeros(probe)
+    chunks = list(buf.tensor_split(p))
+
+    def allreduce():
+        dist.all_reduce(buf)
+
+    def ps():
+        if rank == 0:
+            parts = [torch.empty_like(buf) for _ in range(p - 1)]
+            for w in [dist.irecv(t, r) for t, r in zip(parts, range(1, p))]:
+                w.wait()
+            for w in [dist.isend(buf, r) for r in range(1, p)]:
+                w.wait()
+        else:
+            dist.send(buf, 0)
+            dist.recv(buf, 0)
+
+    def ps_sharded():
+        for direction in (0, 1):  # gradients to the owners, then parameters back
+            works, spare = [], [torch.empty_like(chunks[rank]) for _ in range(p)]
+            for r in range(p):
+                if r == rank:
+                    continue
+                if direction == 0:
+                    works += [dist.isend(chunks[r], r), dist.irecv(spare[r], r)]
+                else:
+                    works += [dist.isend(chunks[rank], r), dist.irecv(chunks[r], r)]
+            for w in works:
+                w.wait()
+
+    out = {}
+    for mode, run in (("allreduce", allreduce), ("ps", ps), ("ps-sharded", ps_sharded)):
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier()
+            t = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t)
+        worst = torch.tensor([best], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # a pattern is as slow as its slowest rank
+        out[mode] = float(worst) * grad_bytes / (4 * probe)
+    return out
+
+
 def predict(topo: Topology, grad_bytes: int) -> dict[str, float]:
     """Seconds of synchronisation per optimiser step for each mode (see the module docstring)."""
     p, n = topo.world_size, float(grad_bytes)
@@ -147,7 +202,8 @@ def choose(predictions: dict[str, float]) -> str:
     return next(m for m in MODES if m in predictions and predictions[m] <= 1.05 * best)
 
 
-def format_table(topo: Topology, predictions: dict[str, float] | None = None, grad_bytes: int = 0) -> str:
+def format_table(topo: Topology, predictions: dict[str, float] | None = None, grad_bytes: int = 0,
+                 timed: dict[str, float] | None = None) -> str:
     lines = [f"{'pair':>9}  {'link':>5}  {'latency':>10}  {'bandwidth':>14}"]
     for (i, j), lat in sorted(topo.latency.items()):
         lines.append(f"{f'{i}-{j}':>9}  {topo.kind(i, j):>5}  {lat * 1e6:>8.0f}us  "
@@ -156,9 +212,11 @@ def format_table(topo: Topology, predictions: dict[str, float] | None = None, gr
         lines.append(f"{'0 <- all':>9}  {'':>5}  {'':>10}  {topo.server_bandwidth * 8 / 1e6:>9,.0f} Mbit/s  (rank 0's own link)")
     if predictions:
         lines.append("")
-        lines.append(f"predicted synchronisation per step for {grad_bytes / 2**20:.1f} MiB of gradients:")
-        best = choose(predictions)
+        lines.append(f"synchronisation per step for {grad_bytes / 2**20:.1f} MiB of gradients:")
+        lines.append(f"  {'mode':<11} {'alpha-beta model':>17} {'pattern timed':>14}")
+        best = choose(timed or predictions)
         for mode in MODES:
-            lines.append(f"  {mode:<11} {predictions[mode] * 1e3:9.2f} ms" + ("   <- chosen by comm.mode = auto"
-                                                                           if mode == best else ""))
+            t = f"{timed[mode] * 1e3:11.2f} ms" if timed else f"{'-':>14}"
+            lines.append(f"  {mode:<11} {predictions[mode] * 1e3:14.2f} ms {t}"
+                         + ("   <- chosen by comm.mode = auto" if mode == best else ""))
     return "\n".join(lines)

@@ -40,14 +40,16 @@ def topology_worker(cfg: Config, message_mb: float, out: str | None) -> dict:
         topo = topology.measure(message_mb=message_mb)
         n = gradient_bytes(cfg)
         predictions = topology.predict(topo, n)
+        timed = topology.time_modes(n)
         if d.is_main:
-            print(topology.format_table(topo, predictions, n), flush=True)
+            print(topology.format_table(topo, predictions, n, timed), flush=True)
             if out:
                 Path(out).write_text(json.dumps({
                     "world_size": topo.world_size, "nodes": topo.nodes, "gradient_bytes": n,
                     "links": [{"pair": [i, j], "kind": topo.kind(i, j), "latency_s": topo.latency[(i, j)],
                                "bandwidth_Bps": topo.bandwidth[(i, j)]} for (i, j) in sorted(topo.latency)],
-                    "predicted_seconds": predictions, "chosen": topology.choose(predictions)}, indent=2) + "\n")
+                    "predicted_seconds": predictions, "timed_seconds": timed,
+                    "chosen": topology.choose(timed)}, indent=2) + "\n")
         return predictions
     finally:
         launch.teardown()

@@ -329,7 +329,7 @@ class Trainer:
             "train_loss": self.last_train_loss, "val_loss": final["loss"], "val_ppl": final["ppl"],
             "val_bpb": final["bpb"], "val_tokens": final["tokens"], "val_bytes": final["bytes"],
             "world_size": self.d.world_size, "comm_mode": self.sync.mode,
-            "comm_mode_predicted_seconds": self.sync.predictions,
+            "comm_auto": self.sync.predictions,  # comm.mode auto: seconds per step, by model and timed
             "compression": self.cfg.comm.compression, "comm_bytes_total": tot["bytes"],
             "comm_bytes_per_step": tot["bytes"] / steps,
             "comm_bytes_per_step_by_rank": [float(b) / steps for b in per_rank[:, 1]],

@@ -87,27 +87,18 @@ def test_a_time_budget_ends_every_rank_at_the_same_step_with_identical_replicas(
 
 
 def test_auto_measures_and_every_rank_takes_the_same_mode(runs):
+    from rpt.parallel.topology import choose
+
     for name in ("auto", "auto-topk"):
         s0, s1 = runs[0][name]["summary"], runs[1][name]["summary"]
-        assert s0["comm_mode"] == s1["comm_mode"] and s0["comm_mode_predicted_seconds"] == s1["comm_mode_predicted_seconds"]
-        predicted = s0["comm_mode_predicted_seconds"]
-        assert set(predicted) == {"allreduce", "ps", "ps-sharded"} and all(t > 0 for t in predicted.values())
+        assert s0["comm_mode"] == s1["comm_mode"] and s0["comm_auto"] == s1["comm_auto"]
+        for kind in ("model", "timed"):
+            assert set(s0["comm_auto"][kind]) == {"allreduce", "ps", "ps-sharded"}
+            assert all(t > 0 for t in s0["comm_auto"][kind].values())
         r0, r1 = runs[0][name]["params"], runs[1][name]["params"]
         assert all(torch.equal(r0[k], r1[k]) for k in r0)
+    assert runs[0]["auto"]["summary"]["comm_mode"] == choose(runs[0]["auto"]["summary"]["comm_auto"]["timed"])
     assert runs[0]["auto-topk"]["summary"]["comm_mode"] == "allreduce"  # the servers do not take topk
-    # two ranks on one machine: the ring and the sharded server tie, a central server costs twice as much
-    predicted = runs[0]["auto"]["summary"]["comm_mode_predicted_seconds"]
-    assert predicted["ps"] > predicted["allreduce"]
-
-
-def test_adaptive_sync_sends_less_keeps_replicas_identical_and_shows_its_schedule(runs):
-    r0, r1 = runs[0]["adaptive"]["params"], runs[1]["adaptive"]["params"]
-    assert all(torch.equal(r0[k], r1[k]) for k in r0)  # minor groups wait on every rank alike
-    records = runs[0]["adaptive"]["losses"]
-    full = 4 * runs[0]["adaptive"]["summary"]["params"]
-    assert [records[s]["comm_bytes_per_step"] for s in (1, 2)] == [full, full]  # everything syncs until the first ranking
-    later = [records[s]["comm_bytes_per_step"] for s in range(3, 10)]
-    assert max(later) <= full and min(later) < 0.9 * full  # minor groups skipped their turn
-    minor = records[9]["adaptive_minor"]
-    assert minor and not any(g.startswith(("embed", "head")) for g in minor)  # pinned groups stay important
-    assert records[9]["loss"] < records[1]["loss"]
+    # two ranks on one machine: in the model the ring and the sharded server tie, a central server costs twice
+    model = runs[0]["auto"]["summary"]["comm_auto"]["model"]
+    assert model["ps"] > model["allreduce"]

@@ -71,7 +71,8 @@ def test_topology_command_measures_every_link_and_predicts_each_mode(tmp_path, t
     report = json.loads(out.read_text())
     assert [link["pair"] for link in report["links"]] == [[0, 1]]
     assert report["links"][0]["bandwidth_Bps"] > 1e6 and 0 < report["links"][0]["latency_s"] < 0.1
-    assert report["links"][0]["kind"] == "intra" and report["chosen"] in report["predicted_seconds"]
+    assert report["links"][0]["kind"] == "intra" and report["chosen"] in report["timed_seconds"]
+    assert set(report["timed_seconds"]) == set(report["predicted_seconds"]) == {"allreduce", "ps", "ps-sharded"}
     assert report["gradient_bytes"] > 0 and report["gradient_bytes"] % 4 == 0
 
 
