@@ -104,12 +104,13 @@ class Trainer:
         for k in range(t.grad_accum):
             part = slice(k * micro, (k + 1) * micro)
             last = k == t.grad_accum - 1
-            with (nullcontext() if last else self.sync.no_sync()), self._autocast():
-                logits, state = model(x[part], rows(self.state, part), None if reset is None else reset[part])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y[part].flatten())
-                if faults.poisons_loss(self.fault, self.step, self.d.rank):
-                    loss = loss * float("nan")
-            self.scaler.scale(loss / t.grad_accum).backward()
+            with nullcontext() if last else self.sync.no_sync():  # forward and backward both inside
+                with self._autocast():
+                    logits, state = model(x[part], rows(self.state, part), None if reset is None else reset[part])
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), y[part].flatten())
+                    if faults.poisons_loss(self.fault, self.step, self.d.rank):
+                        loss = loss * float("nan")
+                self.scaler.scale(loss / t.grad_accum).backward()
             loss_sum += loss.detach()
             new_states.append(detach_state(state))
         self.state = cat_rows(new_states)

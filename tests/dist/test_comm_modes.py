@@ -14,6 +14,7 @@ from comm_workers import train_variants
 from harness import run_ranks
 
 MODES = [("allreduce", []), ("ps", ["comm.mode=ps"]), ("ps-sharded", ["comm.mode=ps-sharded"])]
+ACCUM = [("allreduce-accum", ["train.grad_accum=2"]), ("ps-sharded-accum", ["comm.mode=ps-sharded", "train.grad_accum=2"])]
 CODECS = [("fp16", ["comm.compression=fp16"]), ("bf16", ["comm.compression=bf16"]),
           ("ps-bf16", ["comm.mode=ps-sharded", "comm.compression=bf16"]),
           ("topk", ["comm.compression=topk", "comm.topk_fraction=0.1"]),
@@ -28,7 +29,7 @@ AUTO = [("auto", ["comm.mode=auto"]), ("auto-topk", ["comm.mode=auto", "comm.com
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_data):
     out = tmp_path_factory.mktemp("comm")
-    return run_ranks(train_variants, 2, out, str(tiny_data), str(out), MODES + CODECS + TIMED + AUTO + ADAPTIVE, timeout=280)
+    return run_ranks(train_variants, 2, out, str(tiny_data), str(out), MODES + ACCUM + CODECS + TIMED + AUTO + ADAPTIVE, timeout=280)
 
 
 def test_every_mode_trains_as_ddp_does_and_keeps_replicas_identical(runs):
@@ -41,6 +42,15 @@ def test_every_mode_trains_as_ddp_does_and_keeps_replicas_identical(runs):
         losses = [runs[0][name]["losses"][s]["loss"] for s in range(1, 7)]
         expected = [runs[0]["allreduce"]["losses"][s]["loss"] for s in range(1, 7)]
         assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_gradient_accumulation_sends_once_per_step_in_every_mode(runs):
+    base, ps = runs[0]["allreduce-accum"], runs[0]["ps-sharded-accum"]
+    for key in base["params"]:
+        assert torch.allclose(ps["params"][key], base["params"][key], rtol=1e-4, atol=1e-5), key
+    # the inner micro-step sends nothing: the same bytes per optimiser step as without accumulation
+    assert ps["summary"]["comm_bytes_per_step_by_rank"] == runs[0]["ps-sharded"]["summary"]["comm_bytes_per_step_by_rank"]
+    assert base["summary"]["comm_bytes_per_step"] == runs[0]["allreduce"]["summary"]["comm_bytes_per_step"]
 
 
 def test_optimiser_state_lives_where_the_mode_puts_it(runs):
@@ -102,3 +112,16 @@ def test_auto_measures_and_every_rank_takes_the_same_mode(runs):
     # two ranks on one machine: in the model the ring and the sharded server tie, a central server costs twice
     model = runs[0]["auto"]["summary"]["comm_auto"]["model"]
     assert model["ps"] > model["allreduce"]
+
+
+def test_adaptive_sync_sends_less_keeps_replicas_identical_and_shows_its_schedule(runs):
+    r0, r1 = runs[0]["adaptive"]["params"], runs[1]["adaptive"]["params"]
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)  # minor groups wait on every rank alike
+    records = runs[0]["adaptive"]["losses"]
+    full = 4 * runs[0]["adaptive"]["summary"]["params"]
+    assert [records[s]["comm_bytes_per_step"] for s in (1, 2)] == [full, full]  # all sync until the first ranking
+    later = [records[s]["comm_bytes_per_step"] for s in range(3, 10)]
+    assert max(later) <= full and min(later) < 0.9 * full  # minor groups skipped their turn
+    minor = records[9]["adaptive_minor"]
+    assert minor and not any(g.startswith(("embed", "head")) for g in minor)  # pinned groups stay important
+    assert records[9]["loss"] < records[1]["loss"]
