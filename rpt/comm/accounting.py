@@ -30,8 +30,7 @@ def allgather_wire_bytes(own_nbytes: int, world_size: int) -> int:
 class CommMeter:
     def __init__(self):
         self._lock = threading.Lock()
-        self.total_bytes = 0
-        self.steps = 0
+        self.steps, self.total_bytes, self.total_seconds, self.total_exposed = 0, 0, 0.0, 0.0
         self._begin()
 
     def _begin(self) -> None:
@@ -65,8 +64,10 @@ class CommMeter:
             record = {"comm_bytes": step_bytes, "comm_bytes_by_bucket": dict(sorted(self.by_bucket.items())),
                       "comm_seconds": comm, "exposed_comm_seconds": min(self.exposed, comm) if comm else self.exposed,
                       "hidden_comm_fraction": (1.0 - min(self.exposed, comm) / comm) if comm > 0 else None}
-            self.total_bytes += step_bytes
             self.steps += 1
+            self.total_bytes += step_bytes
+            self.total_seconds += record["comm_seconds"]
+            self.total_exposed += record["exposed_comm_seconds"]
             self._begin()
         return record
 

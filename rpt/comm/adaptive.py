@@ -53,7 +53,9 @@ class AdaptiveSchedule:
         send = []
         for p, g in zip(params, grads):
             gi = self.group_index[id(p)]
-            self.scores[gi] += float(g.detach().float().pow(2).sum()) / g.numel()
+            if self.scores.device != g.device:  # kept where the gradients are: no host sync in backward
+                self.scores = self.scores.to(g.device)
+            self.scores[gi] += g.detach().double().pow(2).sum() / g.numel()
             acc, steps = self.pending.pop(id(p), (None, 0))
             if self.syncs(self.groups[gi]):
                 if acc is not None:
@@ -93,6 +95,7 @@ class AdaptiveSchedule:
     def _rerank(self) -> None:
         scores = self.scores.clone()
         dist.all_reduce(scores)  # every rank ranks the same numbers
+        scores = scores.cpu()
         self.scores.zero_()
         order = sorted(range(len(self.groups)), key=lambda i: (-float(scores[i]), self.groups[i]))
         keep = max(1, round(self.cfg.adaptive_keep * len(self.groups)))

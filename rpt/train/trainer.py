@@ -83,7 +83,6 @@ class Trainer:
         self.last_train_loss: float | None = None
         self.last_saved_step = -1
         self.comm_window: list[dict] = []  # per-step communication figures since the last log line
-        self.comm_totals = {"steps": 0, "bytes": 0, "seconds": 0.0, "exposed": 0.0}
         self.progress = progress and dist_info.is_main
         self.fault = faults.from_env()
         torch.manual_seed(t.seed + 1000 * dist_info.rank)  # dropout differs per rank
@@ -128,7 +127,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         if finite:
             self.sync.share_parameters()
-        self._record_comm(self.sync.meter.end_step())
+        self.comm_window.append(self.sync.meter.end_step())
         skipped = not finite or self.scaler.get_scale() < scale_before  # a shrinking scale: fp16 overflow
         self.skipped_steps += skipped
         self.bad_streak = self.bad_streak + 1 if skipped else 0
@@ -222,14 +221,6 @@ class Trainer:
             value /= self.d.world_size
         return value.item()
 
-    def _record_comm(self, figures: dict) -> None:
-        self.comm_window.append(figures)
-        tot = self.comm_totals
-        tot["steps"] += 1
-        tot["bytes"] += figures["comm_bytes"]
-        tot["seconds"] += figures["comm_seconds"]
-        tot["exposed"] += figures["exposed_comm_seconds"]
-
     def _comm_window_figures(self) -> dict:
         w, self.comm_window = self.comm_window, []
         if not w or not self.d.enabled:
@@ -311,8 +302,8 @@ class Trainer:
             shutil.copyfile(self.data.path / name, self.run_dir / name)
 
     def _comm_totals_by_rank(self) -> torch.Tensor:
-        tot = self.comm_totals
-        mine = torch.tensor([[tot["steps"], tot["bytes"], tot["seconds"], tot["exposed"]]], dtype=torch.float64)
+        m = self.sync.meter
+        mine = torch.tensor([[m.steps, m.total_bytes, m.total_seconds, m.total_exposed]], dtype=torch.float64)
         if not self.d.enabled:
             return mine
         every = [torch.zeros_like(mine) for _ in range(self.d.world_size)]
