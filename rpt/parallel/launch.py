@@ -69,7 +69,18 @@ def setup(device: str | None = None) -> Dist:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
+        attempt = restart_count()
+        if attempt and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # A restarted group must not read the previous attempt's connection keys from the agent's store:
+            # with torch's default setup the new ranks were handed the dead workers' gloo addresses (seen
+            # here: "connectFullMesh ... Connection refused", or a hang, in most restarts after a SIGKILL).
+            # Prefixing the store with the attempt gives each attempt its own keys (8 of 8 restarts resumed).
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                                  timeout=COLLECTIVE_TIMEOUT)
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"rpt-attempt-{attempt}", store),
+                                    rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        else:
+            dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
     return Dist(rank, world, local_rank, dev)
 
 

@@ -92,3 +92,16 @@ def test_resume_with_a_partitioned_optimiser_equals_the_uninterrupted_run(tmp_pa
         return {re.findall(r"parameter digest (\w+)", (run / "logs" / f"rank{r}.log").read_text())[-1] for r in (0, 1)}
     assert final_digests(tmp_path / "full") == final_digests(tmp_path / "cut")
     assert len(final_digests(tmp_path / "full")) == 1
+
+
+def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_the_uninterrupted_run(tmp_path, tiny_data):
+    common = ("--nproc", "2", "--set", "checkpoint.interval=3", "--set", "train.max_steps=10")
+    full = rpt_train(tmp_path / "full", tiny_data, *common)
+    assert full.returncode == 0, full.stderr[-3000:]
+    cut = rpt_train(tmp_path / "cut", tiny_data, *common, "--max-restarts", "1", env={"RPT_FAULT": "kill@5:rank=1"})
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    assert "resumed from" in (tmp_path / "cut" / "logs" / "rank0.log").read_text()
+
+    def digests(run: Path) -> set[str]:
+        return {re.findall(r"parameter digest (\w+)", (run / "logs" / f"rank{r}.log").read_text())[-1] for r in (0, 1)}
+    assert digests(tmp_path / "cut") == digests(tmp_path / "full") and len(digests(tmp_path / "full")) == 1
