@@ -21,6 +21,8 @@ The trainer drives every mode through the same five calls, in this order each st
   owns everything; `ps-sharded`: buckets go to the least-loaded rank, largest first, which
   partitions the optimiser state as ZeRO-1 does). `comm.compression` fp16/bf16 sends the
   gradients at half width; parameters always travel in full precision, so replicas stay identical.
+- `auto` (`choose_mode`): the links are measured and each mode's traffic pattern timed at start
+  (rpt/parallel/topology.py); every rank gets the same numbers and takes the same mode.
 """
 
 from __future__ import annotations
