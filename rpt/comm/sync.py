@@ -108,12 +108,13 @@ class _Bucket:
 
 
 class ParameterServerSync(LocalSync):
-    def __init__(self, model: torch.nn.Module, cfg: CommConfig, rank: int, world_size: int):
+    def __init__(self, model: torch.nn.Module, cfg: CommConfig, rank: int, world_size: int, sharded: bool):
         super().__init__(model)
         self.rank, self.world_size = rank, world_size
+        self.device = next(model.parameters()).device
         self.wire_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.compression)  # gradients only
         params = [p for p in model.parameters() if p.requires_grad][::-1]
-        self.buckets = _assign_owners(_cut(params, int(cfg.bucket_mb * 2**20)), world_size, cfg.mode == "ps-sharded")
+        self.buckets = _assign_owners(_cut(params, int(cfg.bucket_mb * 2**20)), world_size, sharded)
         self.owned = [p for b in self.buckets if b.owner == rank for p in b.params]
         self.enabled = True
         with torch.no_grad():  # every replica starts from rank 0's parameters
@@ -178,7 +179,8 @@ class ParameterServerSync(LocalSync):
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         grads = [p.grad for p in self.owned if p.grad is not None]
-        local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        # on every rank the same device (a rank owning nothing too): one backend serves the all-reduce
+        local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=self.device)
         dist.all_reduce(local)
         norm = local.sqrt()
         if max_norm and torch.isfinite(norm):
@@ -198,7 +200,7 @@ class ParameterServerSync(LocalSync):
                     works = [dist.isend(flat, dst=r, tag=10_000 + b.index) for r in range(self.world_size) if r != self.rank]
                     sent = flat.nbytes * (self.world_size - 1)
                 else:
-                    flat = torch.empty(b.numel, dtype=b.params[0].dtype)
+                    flat = torch.empty(b.numel, dtype=b.params[0].dtype, device=self.device)
                     works, sent = [dist.irecv(flat, src=b.owner, tag=10_000 + b.index)], 0
                 pending.append((b, flat, works, start, sent))
             for b, flat, works, start, sent in pending:
@@ -246,7 +248,7 @@ def build_sync(model: torch.nn.Module, cfg: CommConfig, *, rank: int, world_size
     if mode == "allreduce":
         sync = AllReduceSync(model, cfg, world_size, powersgd_start=powersgd_start, seed=seed)
     else:
-        sync = ParameterServerSync(model, cfg, rank, world_size)
+        sync = ParameterServerSync(model, cfg, rank, world_size, sharded=mode == "ps-sharded")
     sync.mode, sync.predictions = mode, predictions
     return sync
 

@@ -44,3 +44,21 @@ def train_variants(data: str, out_dir: str, variants: list[tuple[str, list[str]]
     finally:
         launch.teardown()
     return results
+
+
+def build_auto_with_timings(timed: dict) -> dict:
+    """comm.mode = auto with the pattern timings replaced by `timed`: which sync it built, what this rank owns."""
+    from rpt.comm.sync import build_sync
+    from rpt.config import CommConfig
+    from rpt.parallel import launch, topology
+
+    d = launch.setup("cpu")
+    try:
+        topology.time_modes = lambda grad_bytes, **_: dict(timed)
+        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+        sync = build_sync(model, CommConfig(mode="auto", bucket_mb=0.0005), rank=d.rank, world_size=d.world_size,
+                          distributed=True)
+        return {"mode": sync.mode, "owned": sum(p.numel() for p in sync.owned),
+                "total": sum(p.numel() for p in model.parameters())}
+    finally:
+        launch.teardown()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comm_workers import train_variants
+from comm_workers import build_auto_with_timings, train_variants
 from harness import run_ranks
 
 MODES = [("allreduce", []), ("ps", ["comm.mode=ps"]), ("ps-sharded", ["comm.mode=ps-sharded"])]
@@ -125,3 +125,11 @@ def test_adaptive_sync_sends_less_keeps_replicas_identical_and_shows_its_schedul
     minor = records[9]["adaptive_minor"]
     assert minor and not any(g.startswith(("embed", "head")) for g in minor)  # pinned groups stay important
     assert records[9]["loss"] < records[1]["loss"]
+
+
+def test_auto_builds_the_mode_it_chose(tmp_path):
+    sharded = run_ranks(build_auto_with_timings, 2, tmp_path / "s", {"allreduce": 2.0, "ps": 3.0, "ps-sharded": 1.0})
+    assert [r["mode"] for r in sharded] == ["ps-sharded"] * 2
+    assert all(0 < r["owned"] < r["total"] for r in sharded) and sum(r["owned"] for r in sharded) == sharded[0]["total"]
+    central = run_ranks(build_auto_with_timings, 2, tmp_path / "c", {"allreduce": 2.0, "ps": 1.0, "ps-sharded": 3.0})
+    assert [r["owned"] for r in central] == [central[0]["total"], 0]
