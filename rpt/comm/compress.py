@@ -23,6 +23,7 @@ The hooks carry no return annotation: DDP checks it at registration, and under
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -76,7 +77,11 @@ def powersgd_hook(state: HookState, bucket):
     start = state.meter.launched()
     fut = psgd.powerSGD_hook(ps, bucket)
     if not bucket.buffer().is_cuda:
-        fut.wait()  # see the module docstring: on gloo, chained collectives must not race the next bucket's
+        # see the module docstring: on gloo, chained collectives must not race the next bucket's. Backward
+        # stands still meanwhile, so this wait is exposed communication, not hidden.
+        waited = time.perf_counter()
+        fut.wait()
+        state.meter.add_exposed(time.perf_counter() - waited)
     numel = bucket.buffer().numel() if vanilla else ps.total_numel_after_compression - before
     wire = allreduce_wire_bytes(numel * bucket.buffer().element_size(), state.world_size)
     return fut.then(_finish(state, bucket, start, wire))
