@@ -79,6 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="also write the measurements and predictions to this JSON file")
     p.set_defaults(func=_cmd_topology)
 
+    p = sub.add_parser("plan", help="the parallel plan for N ranks: stages, blocks, memory and traffic per rank",
+                       description="Runs nothing and allocates nothing (the model is built on the meta device).")
+    _add_config_flags(p)
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks (GPUs or processes)")
+    p.add_argument("--device-memory-gb", type=float, default=80.0,
+                   help="memory per rank in GiB, for parallel.pp = auto and the fit check (default 80)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_cmd_plan)
+
     p = sub.add_parser("config", help="print the resolved configuration (defaults + --config + --set), validated")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_config)
@@ -178,6 +187,21 @@ def _cmd_topology(args) -> None:
     from rpt.parallel.topology_run import run_topology
 
     run_topology(Config.load(args.config, args.overrides), args.nproc, args.message_mb, args.out)
+
+
+def _cmd_plan(args) -> None:
+    import json
+
+    from rpt.config import Config
+    from rpt.parallel.plan import GiB, choose_plan, format_plan
+    from rpt.parallel.topology_run import resolve_vocab_size
+
+    if args.world_size < 1:
+        raise RptError(f"--world-size {args.world_size} must be at least 1", "e.g. --world-size 8")
+    cfg = Config.load(args.config, args.overrides)
+    resolve_vocab_size(cfg)
+    plan = choose_plan(cfg, args.world_size, int(args.device_memory_gb * GiB))
+    print(json.dumps(plan.as_dict(), indent=1) if args.json else format_plan(plan))
 
 
 def _cmd_config(args) -> None:

@@ -97,8 +97,8 @@ class TrainConfig:
 class ParallelConfig:
     """Layer pipeline parallelism; data parallelism takes the remaining ranks."""
 
-    pp: Union[int, Literal["auto"]] = 1
-    microbatches: int = 1
+    pp: Union[int, Literal["auto"]] = 1   # pipeline stages; "auto": the fewest whose memory fits (rpt plan)
+    microbatches: int = 1                 # micro-batches per step through the pipeline (batch_size divisible)
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
 
 
@@ -244,6 +244,18 @@ class Config:
                 raise RptError(f"parallel.pp = {p.pp} is larger than model.n_layers = {m.n_layers}: "
                                "a pipeline stage needs at least one block",
                                f"use parallel.pp <= {m.n_layers}, or more layers")
+        if p.pp != 1:
+            if c.mode in ("ps", "ps-sharded"):
+                raise RptError(f"comm.mode = '{c.mode}' with parallel.pp = {p.pp}: the parameter servers do not run "
+                               "over a pipeline's data-parallel dimension yet",
+                               "use comm.mode = 'allreduce' (any compression, adaptive too) with a pipeline")
+            if t.precision == "fp16":
+                raise RptError(f"train.precision = 'fp16' with parallel.pp = {p.pp}: loss scaling across pipeline "
+                               "stages is not built", "use precision bf16 (no loss scaling needed) or fp32")
+            if t.grad_accum != 1:
+                raise RptError(f"train.grad_accum = {t.grad_accum} with parallel.pp = {p.pp}: the pipeline's "
+                               "micro-batches are its gradient accumulation",
+                               "set train.grad_accum = 1 and parallel.microbatches to the micro-batch count")
         if t.batch_size % p.microbatches:
             raise RptError(f"train.batch_size = {t.batch_size} is not divisible by parallel.microbatches = {p.microbatches}",
                            "choose a micro-batch count that divides the batch size")

@@ -31,8 +31,8 @@ def group_of(name: str) -> str:
 
 
 class AdaptiveSchedule:
-    def __init__(self, model: torch.nn.Module, cfg: CommConfig, meter: CommMeter, world_size: int):
-        self.cfg, self.meter, self.world_size = cfg, meter, world_size
+    def __init__(self, model: torch.nn.Module, cfg: CommConfig, meter: CommMeter, world_size: int, group=None):
+        self.cfg, self.meter, self.world_size, self.group = cfg, meter, world_size, group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.groups = sorted({group_of(n) for n, _ in named})
         self.group_index = {id(p): self.groups.index(group_of(n)) for n, p in named}
@@ -80,7 +80,7 @@ class AdaptiveSchedule:
                 g.copy_(reduced[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
             return bucket.buffer()
-        return dist.all_reduce(flat, async_op=True).get_future().then(unpack)
+        return dist.all_reduce(flat, group=self.group, async_op=True).get_future().then(unpack)
 
     # ------------------------------------------------------------------ after backward
     def after_backward(self) -> None:
@@ -94,7 +94,7 @@ class AdaptiveSchedule:
 
     def _rerank(self) -> None:
         scores = self.scores.clone()
-        dist.all_reduce(scores)  # every rank ranks the same numbers
+        dist.all_reduce(scores, group=self.group)  # every rank ranks the same numbers
         scores = scores.cpu()
         self.scores.zero_()
         order = sorted(range(len(self.groups)), key=lambda i: (-float(scores[i]), self.groups[i]))

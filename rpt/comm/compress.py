@@ -37,6 +37,7 @@ from rpt.comm.accounting import CommMeter, allgather_wire_bytes, allreduce_wire_
 class HookState:
     meter: CommMeter
     world_size: int
+    group: object = None  # the data-parallel process group (None: every rank)
     topk_fraction: float = 0.01
     powersgd: psgd.PowerSGDState | None = None
     errors: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -52,7 +53,7 @@ def _finish(state: HookState, bucket, start: float, wire: int):
 def allreduce_hook(state: HookState, bucket):
     buf = bucket.buffer().div_(state.world_size)
     start = state.meter.launched()
-    fut = dist.all_reduce(buf, async_op=True).get_future()
+    fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
     return fut.then(_finish(state, bucket, start, allreduce_wire_bytes(buf.nbytes, state.world_size)))
 
 
@@ -61,7 +62,7 @@ def _half_hook(dtype: torch.dtype):
         buf = bucket.buffer()
         half = buf.to(dtype).div_(state.world_size)
         start = state.meter.launched()
-        fut = dist.all_reduce(half, async_op=True).get_future()
+        fut = dist.all_reduce(half, group=state.group, async_op=True).get_future()
         record = _finish(state, bucket, start, allreduce_wire_bytes(half.nbytes, state.world_size))
 
         def back(f):
@@ -101,7 +102,7 @@ def topk_hook(state: HookState, bucket):
     packed = torch.cat([values.float(), chosen.to(torch.int32).view(torch.float32)])
     gathered = [torch.empty_like(packed) for _ in range(p)]
     start = state.meter.launched()
-    fut = dist.all_gather(gathered, packed, async_op=True).get_future()
+    fut = dist.all_gather(gathered, packed, group=state.group, async_op=True).get_future()
     record = _finish(state, bucket, start, allgather_wire_bytes(packed.nbytes, p))
 
     def decode(f):
@@ -115,10 +116,10 @@ def topk_hook(state: HookState, bucket):
 
 def register(ddp: torch.nn.parallel.DistributedDataParallel, compression: str, meter: CommMeter, *,
              world_size: int, powersgd_rank: int = 4, powersgd_start: int = 2, topk_fraction: float = 0.01,
-             seed: int = 0) -> HookState:
-    state = HookState(meter=meter, world_size=world_size, topk_fraction=topk_fraction)
+             seed: int = 0, group=None) -> HookState:
+    state = HookState(meter=meter, world_size=world_size, group=group, topk_fraction=topk_fraction)
     if compression == "powersgd":
-        state.powersgd = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
+        state.powersgd = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
                                             start_powerSGD_iter=max(2, powersgd_start), use_error_feedback=True,
                                             warm_start=True, random_seed=seed)
     hook = {"none": allreduce_hook, "fp16": _half_hook(torch.float16), "bf16": _half_hook(torch.bfloat16),

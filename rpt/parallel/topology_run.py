@@ -17,16 +17,21 @@ from rpt.errors import RptError
 from rpt.parallel import launch, topology
 
 
-def gradient_bytes(cfg: Config) -> int:
-    """fp32 gradient bytes of the configured model, counted on the meta device (nothing allocated)."""
-    from rpt.models import RecurrentLM
-
+def resolve_vocab_size(cfg: Config) -> None:
+    """model.vocab_size = 0 means the data's vocabulary: read it from data.path/meta.json."""
     if cfg.model.vocab_size == 0:
         meta = Path(cfg.data.path) / "meta.json"
         if not meta.is_file():
             raise RptError("model.vocab_size is 0 and data.path has no meta.json to take it from",
                            "set model.vocab_size, or point data.path at a prepared dataset")
         cfg.model.vocab_size = json.loads(meta.read_text())["vocab_size"]
+
+
+def gradient_bytes(cfg: Config) -> int:
+    """fp32 gradient bytes of the configured model, counted on the meta device (nothing allocated)."""
+    from rpt.models import RecurrentLM
+
+    resolve_vocab_size(cfg)
     with torch.device("meta"):
         model = RecurrentLM(cfg.model)
     return 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -26,7 +26,8 @@ import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 from rpt.errors import RptError
 
@@ -34,6 +35,11 @@ log = logging.getLogger("rpt.checkpoint")
 # DCP warns that it "assumes a single process" whenever no process group exists: that is rpt's one-process mode.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 MANIFEST = "manifest.json"
+# Optimiser state as one entry per parameter and hyperparameter ("param_groups.blocks.3.cell.w_ih.lr"): ranks that
+# hold different parameters (pipeline stages, parameter-server shards) then write different keys. The nested form
+# has one "param_groups" list per rank under the same key, of which DCP keeps one: another stage's groups came
+# back on load (seen: KeyError 'betas' in AdamW after resuming a 2-stage pipeline).
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 PREFIX = "step_"
 
 
@@ -56,7 +62,7 @@ class Checkpointer:
         if self.rank == 0:
             self.fs.makedirs(f"{path}/extras", exist_ok=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (get_model_state_dict(model), None)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT) if optimizer is not None else (get_model_state_dict(model), None)
         with self.fs.open(f"{path}/extras/rank{self.rank}.pt", "wb") as f:
             buf = io.BytesIO()
             torch.save(extras, buf)
@@ -186,17 +192,19 @@ class Checkpointer:
         return min(found)[1] if found else self.latest()
 
     # ------------------------------------------------------------------ loading
-    def load(self, path: str, model, optimizer=None) -> dict:
-        """Load model (and optimiser) state into place; returns this rank's extras."""
+    def load(self, path: str, model, optimizer=None, partial: bool = False) -> dict:
+        """Load model (and optimiser) state into place; returns this rank's extras. `partial`: the model is
+        one pipeline stage, holding some of the checkpoint's keys."""
         if optimizer is not None:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
         else:
             model_sd, optim_sd = get_model_state_dict(model), None
-        check_shapes(self._reader(path).read_metadata(), model_sd, path)
+        check_shapes(self._reader(path).read_metadata(), model_sd, path, partial)
         state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
         dcp.load(state, storage_reader=self._reader(path))
         if optimizer is not None:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=FLAT)
         else:
             model.load_state_dict(state["model"])
         extras_path = f"{path}/extras/rank{self.rank}.pt"
@@ -207,7 +215,7 @@ class Checkpointer:
             return torch.load(io.BytesIO(f.read()), weights_only=False)
 
 
-def check_shapes(metadata, model_sd: dict, path: str) -> None:
+def check_shapes(metadata, model_sd: dict, path: str, partial: bool = False) -> None:
     """Refuse a checkpoint of another model shape, listing every key that differs."""
     saved = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     problems = []
@@ -216,7 +224,8 @@ def check_shapes(metadata, model_sd: dict, path: str) -> None:
             problems.append(f"{key}: not in the checkpoint")
         elif hasattr(saved[key], "size") and tuple(saved[key].size) != tuple(tensor.shape):
             problems.append(f"{key}: checkpoint {tuple(saved[key].size)}, model {tuple(tensor.shape)}")
-    problems += [f"{key}: in the checkpoint, not in the model" for key in saved if key not in model_sd]
+    if not partial:
+        problems += [f"{key}: in the checkpoint, not in the model" for key in saved if key not in model_sd]
     if problems:
         listed = "\n    ".join(problems[:20]) + (f"\n    ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise RptError(f"the checkpoint {path} holds a model of another shape:\n    {listed}",

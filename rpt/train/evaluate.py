@@ -1,6 +1,6 @@
 """Validation loss, perplexity and bits per byte, over the validation split (or its first eval_tokens).
 
-Every rank reads its own contiguous streams of the split, carrying the recurrent state from
+Every data-parallel rank reads its own contiguous streams of the split, carrying the recurrent state from
 window to window as training does; the sums of nats, tokens and UTF-8 bytes are then added
 across ranks. Bits per byte = total nats / bytes / ln 2, with each target token's exact byte
 length, so it compares models across tokenizers (the end-of-document token has 0 bytes).
@@ -38,6 +38,7 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
     lengths = torch.from_numpy(byte_lengths.astype(np.int64))
     nats = torch.zeros((), dtype=torch.float64, device=device)
     n_bytes = torch.zeros((), dtype=torch.float64, device=device)
+    n_tokens = torch.zeros((), dtype=torch.float64, device=device)
     state = None
     for k in range(windows):
         chunk = torch.from_numpy(tokens[starts + k * T].astype(np.int64))
@@ -45,12 +46,15 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
         reset = (x == eot_id) if eot_id is not None else None
         with autocast():
             logits, state = model(x.to(device), state, None if reset is None else reset.to(device))
+        if logits is None:  # a pipeline stage before the last: it passed its activations on
+            continue
         nats += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.to(device).reshape(-1),
                                 reduction="sum").double()
         n_bytes += lengths[y].sum().double().to(device)
-    counts = torch.stack([nats, n_bytes, torch.tensor(float(windows * B * T), dtype=torch.float64, device=device)])
-    if world_size > 1:
-        dist.all_reduce(counts)
+        n_tokens += y.numel()
+    counts = torch.stack([nats, n_bytes, n_tokens])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)  # over every rank: pipeline stages without logits add zeros
     total_nats, total_bytes, total_tokens = counts.tolist()
     model.train(was_training)
     loss = total_nats / total_tokens

@@ -2,7 +2,8 @@
 
 Weight decay applies to the matrices of the cells, attention, MLP and head; not to norms,
 biases, residual gates, peepholes or the embedding (decaying a tied embedding decays the
-head too, and decaying gates and norms pulls them towards zero, not towards their init).
+head too, and decaying gates and norms pulls them towards zero, not towards their init). The last
+pipeline stage's copy of a tied embedding (named head.weight there) is the embedding too.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float, only=None) -> list
         if not p.requires_grad or (keep is not None and id(p) not in keep):
             continue
         leaf = name.rsplit(".", 1)[-1]
-        if p.dim() < 2 or any(k in name for k in NO_DECAY_NAMES) or leaf.startswith(("b_", "original0")):
+        tied_copy = name == "head.weight" and getattr(getattr(model, "cfg", None), "tie_embeddings", False)
+        if tied_copy or p.dim() < 2 or any(k in name for k in NO_DECAY_NAMES) or leaf.startswith(("b_", "original0")):
             no_decay.append(p)
         else:
             decay.append(p)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -38,7 +39,9 @@ from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
 from rpt.models.state import all_finite, cat_rows, detach_state, map_state, rows
+from rpt.parallel import pipeline
 from rpt.parallel.launch import Dist
+from rpt.parallel.pipeline import PipelineEval
 from rpt.train import faults
 from rpt.train.checkpoint import Checkpointer
 from rpt.train.evaluate import evaluate
@@ -63,17 +66,26 @@ class Trainer:
         self._write_run_files()
 
         torch.manual_seed(t.seed)  # the same initial model on every rank
-        self.model = RecurrentLM(cfg.model).to(self.device)
-        self.sync = build_sync(self.model, cfg.comm, rank=dist_info.rank, world_size=dist_info.world_size,
+        whole = RecurrentLM(cfg.model)
+        self.params, self.flops_per_token = whole.num_params(), whole.flops_per_token()
+        # parallel.pp > 1: this rank keeps its stage of the model; the data-parallel ranks are the pipeline replicas
+        self.pipe = pipeline.setup(whole, cfg, dist_info.rank, dist_info.world_size, self.device,
+                                   int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self.model = self.pipe.stage if self.pipe else whole.to(self.device)
+        mesh = self.pipe.mesh if self.pipe else None
+        self.dp_rank, self.dp_size = (mesh.dp_rank, mesh.dp) if mesh else (dist_info.rank, dist_info.world_size)
+        self.sync = build_sync(self.model, cfg.comm, rank=self.dp_rank, world_size=self.dp_size,
                                distributed=dist_info.enabled, powersgd_start=t.warmup_steps, seed=t.seed,
-                               precision=t.precision)
+                               precision=t.precision, group=mesh.dp_group if mesh else None)
+        if self.pipe:
+            self.pipe.wrap(self.sync.module)
         self.optimizer = build_optimizer(self.model, t, self.sync.owned)  # None where a rank owns nothing
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
-        self.loader = TokenStream(self.data.tokens("train"), t.batch_size, t.seq_len, rank=dist_info.rank,
-                                  world_size=dist_info.world_size, seed=t.seed, mode=cfg.data.loader,
+        self.loader = TokenStream(self.data.tokens("train"), t.batch_size, t.seq_len, rank=self.dp_rank,
+                                  world_size=self.dp_size, seed=t.seed, mode=cfg.data.loader,
                                   eot_id=self.data.eot_id)
-        self.state = self.model.init_state(t.batch_size, self.device)
+        self.state = self.model.init_state(t.batch_size, self.device)  # a pipeline stage: its blocks' state
         ck = cfg.checkpoint
         self.checkpointer = Checkpointer(ck.path or str(self.run_dir / "checkpoints"), dist_info.rank,
                                          dist_info.world_size, ck.keep_last, ck.keep_best, ck.async_save)
@@ -98,6 +110,12 @@ class Trainer:
         model = self.sync.module
         x, y, reset = (v.to(self.device, non_blocking=True) for v in batch)
         reset = reset if self.cfg.data.reset_at_documents else None
+        if self.pipe is not None:  # forward and backward of every micro-batch, through the pipeline schedule
+            self.pipe.stage.state = self.state
+            with self._autocast():
+                loss_mean = self.pipe.step(x, y, reset)
+            self.state = self.pipe.stage.state
+            return self._optimizer_step(loss_mean)
         micro = t.batch_size // t.grad_accum
         loss_sum, new_states = torch.zeros((), device=self.device), []
         for k in range(t.grad_accum):
@@ -113,11 +131,15 @@ class Trainer:
             loss_sum += loss.detach()
             new_states.append(detach_state(state))
         self.state = cat_rows(new_states)
+        return self._optimizer_step(loss_sum / t.grad_accum)
 
+    def _optimizer_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradient sync, clipping and the AdamW step (skipped on non-finite gradients)."""
+        t = self.cfg.train
         self.sync.wait_gradients()
         if self.optimizer is not None:
             self.scaler.unscale_(self.optimizer)
-        grad_norm = self.sync.clip_grad_norm(t.grad_clip)
+        grad_norm = (self.pipe or self.sync).clip_grad_norm(t.grad_clip)  # over every stage's gradients
         scale_before = self.scaler.get_scale()
         finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the norm is global
         if finite and self.optimizer is not None:
@@ -133,7 +155,7 @@ class Trainer:
         self.bad_streak = self.bad_streak + 1 if skipped else 0
         if skipped and not all_finite(self.state):
             self.state = self.model.init_state(t.batch_size, self.device)
-        return loss_sum / t.grad_accum, grad_norm
+        return loss, grad_norm
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
@@ -144,7 +166,7 @@ class Trainer:
         # so it shows an ETA for every kind of budget.
         bar = tqdm(total=1000, initial=0, disable=not self.progress or None, dynamic_ncols=True, desc="train",
                    bar_format="{desc} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]")
-        log.info("training %s parameters on %s, world size %d", f"{self.model.num_params():,}", self.device,
+        log.info("training %s parameters on %s, world size %d", f"{self.params:,}", self.device,
                  self.d.world_size)
         try:
             while True:
@@ -157,8 +179,8 @@ class Trainer:
                     group["lr"] = lr
                 loss, grad_norm = self.train_step(next(self.loader))
                 self.step += 1
-                self.tokens += t.batch_size * t.seq_len * self.d.world_size
-                window_tokens += t.batch_size * t.seq_len * self.d.world_size
+                self.tokens += t.batch_size * t.seq_len * self.dp_size
+                window_tokens += t.batch_size * t.seq_len * self.dp_size
                 if self.bad_streak >= t.max_bad_steps:
                     raise RptError(f"{self.bad_streak} optimiser steps in a row had non-finite gradients "
                                    f"(step {self.step}); the run stopped",
@@ -231,11 +253,14 @@ class Trainer:
                 "hidden_comm_fraction": 1.0 - exposed / seconds if seconds > 0 else None,
                 "comm_bytes_by_bucket": w[-1]["comm_bytes_by_bucket"], **self.sync.schedule_in_force()}
 
+    def _pipeline_figures(self) -> dict:
+        return {"pipeline_bubble": self.pipe.take_bubble()} if self.pipe else {}
+
     def _log_step(self, loss: float, grad_norm: float, lr: float, tokens_per_s: float, bar) -> None:
         self.last_train_loss = loss
         record = {"kind": "train", "step": self.step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm,
                   "lr": lr, "tokens_per_s": tokens_per_s, "skipped_steps": self.skipped_steps, "time": time.time(),
-                  **self._comm_window_figures()}
+                  **self._comm_window_figures(), **self._pipeline_figures()}
         log.info(json.dumps(record))
         if self.d.is_main:
             bar.set_postfix(step=self.step, loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}")
@@ -244,8 +269,9 @@ class Trainer:
 
     def _evaluate(self, final: bool) -> dict:
         t = self.cfg.train
-        result = evaluate(self.model, self.data.tokens("val"), self.byte_lengths, batch_size=t.batch_size,
-                          seq_len=t.seq_len, device=self.device, rank=self.d.rank, world_size=self.d.world_size,
+        model = PipelineEval(self.pipe) if self.pipe else self.model
+        result = evaluate(model, self.data.tokens("val"), self.byte_lengths, batch_size=t.batch_size,
+                          seq_len=t.seq_len, device=self.device, rank=self.dp_rank, world_size=self.dp_size,
                           max_tokens=0 if final else t.eval_tokens,
                           eot_id=self.data.eot_id if self.cfg.data.reset_at_documents else None,
                           autocast=self._autocast)
@@ -276,7 +302,7 @@ class Trainer:
         if path is None:
             log.info("no complete checkpoint to resume from; starting fresh")
             return
-        extras = self.checkpointer.load(path, self.model, self.optimizer)
+        extras = self.checkpointer.load(path, self.model, self.optimizer, partial=self.pipe is not None)
         self.step, self.tokens = extras["step"], extras["tokens"]
         self.skipped_steps, self.elapsed_before = extras["skipped_steps"], extras["elapsed"]
         self.loader.load_state_dict(extras["loader"])
@@ -310,6 +336,20 @@ class Trainer:
         dist.all_gather(every, mine)  # gloo carries CPU tensors; on NCCL-only groups this goes through cpu:gloo
         return torch.cat(every)
 
+    def _bubble_by_stage(self) -> dict:
+        """Pipeline idle share per stage over the run (the first step, which sets up the links, left out)."""
+        if self.pipe is None:
+            return {}
+        steps = self.pipe.bubble_history[1:] or self.pipe.bubble_history
+        mine = torch.tensor([sum(steps) / max(1, len(steps))], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(self.d.world_size)]
+        dist.all_gather(every, mine)
+        pp = self.pipe.mesh.mesh.mesh.tolist()  # [stage][replica] -> rank
+        by_stage = [sum(float(every[r]) for r in replicas) / len(replicas) for replicas in pp]
+        return {"pipeline_bubble": sum(by_stage) / len(by_stage), "pipeline_bubble_by_stage": by_stage,
+                "pipeline_bubble_theory": self.pipe.plan.bubble_theory, "microbatches": self.pipe.plan.microbatches,
+                "pipeline_schedule": self.pipe.schedule_name}
+
     def _summary(self, wall: float, final: dict) -> dict:
         per_rank = self._comm_totals_by_rank()  # [world, 4]: steps, bytes, seconds, exposed
         steps = max(1.0, float(per_rank[:, 0].max()))
@@ -328,7 +368,8 @@ class Trainer:
             "comm_seconds_per_step": tot["seconds"] / steps,
             "exposed_comm_seconds_per_step": tot["exposed"] / steps,
             "exposed_comm_fraction": tot["exposed"] / tot["seconds"] if tot["seconds"] > 0 else None,
-            "params": self.model.num_params(), "flops_per_token": self.model.flops_per_token(),
+            "params": self.params, "flops_per_token": self.flops_per_token,
+            "pp": self.pipe.plan.pp if self.pipe else 1, "dp": self.dp_size, **self._bubble_by_stage(),
             "skipped_steps": self.skipped_steps, "precision": self.cfg.train.precision, "device": str(self.device),
         }
         if self.d.is_main:
@@ -349,10 +390,6 @@ def param_digest(model: torch.nn.Module) -> str:
 
 def refuse_unbuilt(cfg: Config) -> None:
     """Settings whose machinery is not in this version: refused rather than silently ignored."""
-    p = cfg.parallel
-    if p.pp != 1:
-        raise RptError(f"parallel.pp = {p.pp}: this version has no pipeline parallelism yet",
-                       "use parallel.pp = 1 (data parallelism over all ranks)")
     if cfg.monitor.tensorboard or cfg.monitor.wandb:
         raise RptError("monitor.tensorboard / monitor.wandb: this version writes metrics.jsonl only",
                        "set both to false; RUN_DIR/metrics.jsonl holds every logged step and evaluation")

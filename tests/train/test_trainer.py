@@ -175,8 +175,18 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(make_cfg, tmp_pa
     assert newest.endswith("step_00000004")
 
 
-@pytest.mark.parametrize("setting", ["parallel.pp=2",
-                                     "monitor.tensorboard=true"])
+@pytest.mark.parametrize("setting", ["monitor.tensorboard=true"])
 def test_settings_without_machinery_yet_are_refused_not_ignored(make_cfg, tmp_path, solo, setting):
     with pytest.raises(RptError, match="this version"):
         Trainer(make_cfg(setting), tmp_path / "r", solo, progress=False)
+
+
+def test_a_pipeline_the_ranks_cannot_hold_is_refused(make_cfg, tmp_path, solo):
+    with pytest.raises(RptError, match="world size 1 is not divisible by parallel.pp = 2"):
+        Trainer(make_cfg("parallel.pp=2"), tmp_path / "r", solo, progress=False)
+    with pytest.raises(RptError, match="larger than model.n_layers"):
+        make_cfg("parallel.pp=3")
+    with pytest.raises(RptError, match="grad_accum"):
+        make_cfg("parallel.pp=2", "train.grad_accum=2")
+    with pytest.raises(RptError, match="parameter servers"):
+        make_cfg("parallel.pp=2", "comm.mode=ps")

@@ -1,0 +1,245 @@
+"""Layer pipeline parallelism: torch.distributed.pipelining, with the recurrent state carried per micro-batch.
+
+The ranks form a 2-D mesh `pp x dp` (DeviceMesh; pipeline outermost as torchtitan lays it out, so the
+heavier data-parallel all-reduce runs among neighbouring ranks). Each rank holds one `Stage`: a
+contiguous run of blocks cut from the whole `RecurrentLM` by the plan (rpt/parallel/plan.py), the
+embedding on the first stage, the final norm and head on the last. Parameter names stay those of
+the whole model (`blocks.7.cell.weight`), so checkpoints move between pipeline degrees and `rpt eval`
+and `rpt generate` read a pipelined run's checkpoint like any other.
+
+Training steps go through torch's GPipe or 1F1B schedule. What pipelining does not know about is
+the recurrent state: each stage keeps its blocks' state for the whole batch, and micro-batch k reads
+and writes rows [k b, (k+1) b) of it. Both schedules run a stage's forwards in micro-batch order, so
+the stage counts its forward calls to know which rows it has (and checks the count after the step).
+The state is detached between steps, as without a pipeline, so losses equal the unpipelined model's.
+
+Tied embeddings: the last stage holds its own copy of the embedding matrix as the head, and after
+backward the two copies' gradients are summed between the first and last stage (as Megatron does),
+so both take identical AdamW steps. The global gradient norm adds every stage's share once.
+
+Evaluation does not need backward; it sends the activations stage to stage with plain
+point-to-point calls, whole batch at a time (`PipelineEval`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from rpt.comm.sync import clip_global_norm
+from rpt.models.state import cat_rows, detach_state, rows
+from rpt.parallel.plan import Plan
+
+
+class Mesh:
+    """This rank's place in the `pp x dp` layout and the process groups along each dimension."""
+
+    def __init__(self, device: torch.device, world_size: int, pp: int):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.pp, self.dp = pp, world_size // pp
+        self.mesh = init_device_mesh(device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp"))
+        self.pp_group, self.dp_group = self.mesh.get_group("pp"), self.mesh.get_group("dp")
+        self.pp_rank, self.dp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("dp")
+        layout = self.mesh.mesh.tolist()  # [pp][dp] -> global rank
+        self.tie_group = None
+        for j in range(self.dp):  # every rank creates every group, in the same order
+            ends = sorted({layout[0][j], layout[-1][j]})
+            group = dist.new_group(ends) if len(ends) > 1 else None
+            if j == self.dp_rank and self.pp_rank in (0, pp - 1):
+                self.tie_group = group
+
+
+class _Clock(torch.autograd.Function):
+    """Identity that notes when backward passes through it: the stage's backward start and end times."""
+
+    @staticmethod
+    def forward(ctx, x, marks: list, tag: str):
+        ctx.marks, ctx.tag = marks, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.marks.append((ctx.tag, time.perf_counter()))
+        return grad, None, None
+
+
+class Stage(nn.Module):
+    def __init__(self, model, index: int, stages: int, blocks: tuple[int, int], batch_size: int, microbatches: int):
+        super().__init__()
+        self.index, self.first, self.last = index, index == 0, index == stages - 1
+        self.cfg = model.cfg
+        self.embed = model.embed if self.first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(*blocks)})
+        self.norm = model.norm if self.last else None
+        self.head = None
+        if self.last:
+            self.head = model.head
+            if self.cfg.tie_embeddings and not self.first:  # its own copy of the (identically seeded) embedding
+                self.head.weight = nn.Parameter(model.embed.weight.detach().clone())
+        self.batch_size, self.micro = batch_size, batch_size // microbatches
+        self.state = self.init_state(batch_size)
+        self._calls, self._new = 0, []
+        self.compute_seconds, self.marks = 0.0, []  # forward + backward time of the last step, for the bubble
+
+    def init_state(self, batch: int, device=None) -> list:
+        return [b.init_state(batch, device) for b in self.blocks.values()]
+
+    def run(self, x, state=None, reset=None, clock: bool = False):
+        """x: tokens on the first stage, activations otherwise; returns activations, or logits on the last.
+        `clock` marks when backward reaches the stage's input (the embedding's output on the first stage)."""
+        if self.embed is not None:
+            x = self.embed(x)
+        if clock:
+            x = _Clock.apply(x, self.marks, "end")
+        state = state if state is not None else self.init_state(x.shape[0], x.device)
+        new = []
+        for block, s in zip(self.blocks.values(), state):
+            x, s = block(x, s, reset)
+            new.append(s)
+        if self.head is not None:
+            x = self.head(self.norm(x)).float()
+        return x, new
+
+    def forward(self, x, reset=None):
+        """One micro-batch inside a schedule: rows of the carried state by the order of the calls."""
+        began = time.perf_counter()
+        k = self._calls
+        self._calls += 1
+        part = slice(k * self.micro, (k + 1) * self.micro)
+        y, s = self.run(x, rows(self.state, part), reset, clock=True)
+        self._new.append(detach_state(s))
+        self.compute_seconds += time.perf_counter() - began
+        return _Clock.apply(y, self.marks, "start")
+
+    def begin_step(self) -> None:
+        self._calls, self._new, self.marks, self.compute_seconds = 0, [], [], 0.0
+
+    def end_step(self) -> None:
+        if self._calls * self.micro != self.batch_size:
+            raise RuntimeError(f"pipeline stage {self.index} ran {self._calls} micro-batch forwards, expected "
+                               f"{self.batch_size // self.micro}")
+        self.state = cat_rows(self._new)
+        # backward time: from each micro-batch's backward start at the output to its end at the input
+        # (micro-batches' backwards run one after another on a stage, in the order they began)
+        starts = [t for tag, t in self.marks if tag == "start"]
+        ends = [t for tag, t in self.marks if tag == "end"]
+        self.compute_seconds += sum(e - s for s, e in zip(starts, ends))
+
+
+def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+class Pipeline:
+    """One rank's stage and its schedule; the trainer calls `step` in place of forward + backward."""
+
+    def __init__(self, model, plan: Plan, mesh: Mesh, batch_size: int, seq_len: int, device: torch.device,
+                 schedule: str):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.mesh, self.plan, self.device = mesh, plan, device
+        s = mesh.pp_rank
+        self.stage = Stage(model, s, plan.pp, plan.stages[s].blocks, batch_size, plan.microbatches).to(device)
+        self.stage.state = self.stage.init_state(batch_size, device)
+        self.module: nn.Module = self.stage  # replaced by the data-parallel wrapper (DDP) when dp > 1
+        self.batch_size, self.seq_len, self.schedule_name = batch_size, seq_len, schedule
+        self._schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        self._stage_cls = PipelineStage
+        self.schedule = None
+        self.bubble_history: list[float] = []  # idle share of this stage, per step
+        self._bubble_taken = 0
+
+    def wrap(self, module: nn.Module) -> None:
+        """Build the schedule around the (possibly DDP-wrapped) stage; call once, after data parallelism."""
+        self.module = module
+        mb, T, D, V = self.stage.micro, self.seq_len, self.stage.cfg.d_model, self.stage.cfg.vocab_size
+        # static shapes (no trial forward): activations and logits carry gradients, tokens do not
+        x = torch.zeros(mb, T, dtype=torch.long) if self.stage.first else torch.zeros(mb, T, D, requires_grad=True)
+        y = torch.zeros(mb, T, V if self.stage.last else D, requires_grad=True)
+        pipe_stage = self._stage_cls(module, self.mesh.pp_rank, self.plan.pp, self.device,
+                                     input_args=x.to(self.device), output_args=y.to(self.device),
+                                     group=self.mesh.pp_group)
+        self.schedule = self._schedule_cls(pipe_stage, self.plan.microbatches, loss_fn=_loss)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, reset: torch.Tensor | None) -> torch.Tensor:
+        """Forward and backward of the whole batch through the pipeline; returns the mean loss on every stage."""
+        began = time.perf_counter()
+        self.stage.begin_step()
+        kwargs = {} if reset is None else {"reset": reset}
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.stage.first else ()
+        self.schedule.step(*args, target=y if self.stage.last else None, losses=losses, **kwargs)
+        self.stage.end_step()
+        self._sync_tied_gradients()
+        wall = time.perf_counter() - began
+        self.bubble_history.append(max(0.0, 1.0 - self.stage.compute_seconds / wall))
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
+        dist.broadcast(loss, group=self.mesh.pp_group, group_src=self.plan.pp - 1)
+        return loss
+
+    def _sync_tied_gradients(self) -> None:
+        st = self.stage
+        if not st.cfg.tie_embeddings or self.mesh.tie_group is None:
+            return
+        weight = st.embed.weight if st.first else st.head.weight
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=self.mesh.tie_group)
+
+    def counted_params(self) -> list[nn.Parameter]:
+        """This stage's parameters for the global norm, the tied head copy left out (the embedding counts it)."""
+        st = self.stage
+        skip = {id(st.head.weight)} if st.last and not st.first and st.cfg.tie_embeddings else set()
+        return [p for p in st.parameters() if id(p) not in skip]
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The norm of the whole model's gradient (every stage's share added once), clipped on every stage."""
+        return clip_global_norm(self.counted_params(), max_norm, device=self.device, reduce=True,
+                                group=self.mesh.pp_group, scale=list(self.stage.parameters()))
+
+    def take_bubble(self) -> float | None:
+        """Mean idle share of this stage over the steps since the last call."""
+        b, self._bubble_taken = self.bubble_history[self._bubble_taken:], len(self.bubble_history)
+        return sum(b) / len(b) if b else None
+
+
+class PipelineEval(nn.Module):
+    """`model(x, state, reset) -> (logits, state)` across the stages, forward only: what evaluate() calls.
+    Logits exist on the last stage; the other stages return None for them."""
+
+    def __init__(self, pipeline: Pipeline):
+        super().__init__()
+        self.pipe = pipeline
+        self.stage = pipeline.stage
+
+    def forward(self, x, state=None, reset=None):
+        st, mesh = self.stage, self.pipe.mesh
+        if not st.first:
+            h = torch.empty(x.shape[0], x.shape[1], st.cfg.d_model, device=x.device)
+            dist.recv(h, group=mesh.pp_group, group_src=mesh.pp_rank - 1)
+            x = h
+        out, state = st.run(x, state, reset)
+        if not st.last:
+            dist.send(out.float().contiguous(), group=mesh.pp_group, group_dst=mesh.pp_rank + 1)
+            return None, state
+        return out, state
+
+
+def setup(model, cfg, rank: int, world_size: int, device: torch.device, local_world: int = 1) -> Pipeline | None:
+    """The plan for this job (printed by rank 0), and this rank's pipeline when it has more than one stage."""
+    from rpt.parallel.plan import choose_plan, device_memory_bytes, format_plan
+
+    if cfg.parallel.pp == 1:
+        return None
+    plan = choose_plan(cfg, world_size, device_memory_bytes(device, local_world))
+    if rank == 0:
+        print(format_plan(plan), flush=True)
+    if plan.pp == 1:
+        return None
+    mesh = Mesh(device, world_size, plan.pp)
+    return Pipeline(model, plan, mesh, cfg.train.batch_size, cfg.train.seq_len, device, cfg.parallel.schedule)

@@ -1,0 +1,48 @@
+"""What each rank runs in the pipeline tests (importable by spawned workers)."""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+
+import torch
+
+
+def pipeline_overrides(data: str) -> list[str]:
+    return [f"data.path={data}", "model.d_model=32", "model.n_layers=4", "model.dropout=0", "train.batch_size=4",
+            "train.seq_len=16", "train.max_steps=6", "train.warmup_steps=2", "train.eval_interval=0",
+            "train.eval_tokens=1024", "monitor.log_interval=1", "parallel.microbatches=2"]
+
+
+def losses_of(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"}
+
+
+def train_runs(data: str, out_dir: str, runs: list[tuple[str, list[str], bool]]) -> dict:
+    """Train each (name, overrides, resume) in turn in this process group; a run with resume=True continues
+    the run directory of the same name. Returns per run: summary, this rank's parameters, losses (rank 0)."""
+    from rpt.config import Config
+    from rpt.parallel import launch
+    from rpt.train.trainer import Trainer
+
+    d = launch.setup("cpu")
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        for name, overrides, resume in runs:
+            cfg = Config.load(None, pipeline_overrides(data) + overrides)
+            run_dir = Path(out_dir) / name
+            trainer = Trainer(cfg, run_dir, d, resume=resume, progress=False)
+            summary = trainer.run()
+            results[name + ("+resumed" if resume else "")] = {
+                "summary": summary, "losses": losses_of(run_dir) if d.rank == 0 else {},
+                "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+                "stage_blocks": sorted(int(k) for k in trainer.model.blocks.keys()) if trainer.pipe else None}
+    except BaseException:
+        traceback.print_exc()  # now: the other ranks may wait for this one in a collective until the test's timeout
+        raise
+    finally:
+        launch.teardown()
+    return results

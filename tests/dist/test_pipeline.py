@@ -1,0 +1,114 @@
+"""Pipeline parallelism on real gloo processes: the same losses and parameters as one process, the
+recurrent state carried per micro-batch, dp x pp replicas identical, checkpoints shared with pp = 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import run_ranks
+from pipeline_workers import losses_of, pipeline_overrides, train_runs
+
+from rpt.config import Config
+from rpt.parallel.launch import Dist
+from rpt.train.run import eval_run
+from rpt.train.trainer import Trainer
+
+SOLO = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def reference(data, tmp_path, name: str, *overrides: str) -> tuple[dict, dict]:
+    """The same model trained in this one process, without a pipeline: (losses by step, parameters)."""
+    torch.set_num_threads(1)
+    cfg = Config.load(None, pipeline_overrides(str(data)) + list(overrides))
+    trainer = Trainer(cfg, tmp_path / name, SOLO, progress=False)
+    trainer.run()
+    return losses_of(tmp_path / name), {n: p.detach() for n, p in trainer.model.named_parameters()}
+
+
+def assert_same_training(got: dict, ref_losses: dict, ref_params: dict) -> None:
+    """Losses within 1e-5 at every step; parameters within 1e-4 after the six AdamW steps (Adam divides by the
+    gradient's own size, so summation-order noise in a near-zero gradient moves an entry by up to ~lr x 1e-2,
+    while a real mistake moves them by ~lr = 3e-3 per step)."""
+    assert got["losses"].keys() == ref_losses.keys() and len(ref_losses) == 6
+    for step, loss in ref_losses.items():
+        assert got["losses"][step] == pytest.approx(loss, abs=1e-5), f"step {step}"
+    for name, p in got["params"].items():
+        # the last stage's copy of a tied embedding is named head.weight; it must equal the embedding
+        ref = ref_params["embed.weight"] if name == "head.weight" and "head.weight" not in ref_params else ref_params[name]
+        torch.testing.assert_close(p, ref, atol=1e-4, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def two_stages(tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp2")
+    runs = [("1f1b", ["parallel.pp=2"], False),
+            ("gpipe", ["parallel.pp=2", "parallel.schedule=gpipe"], False),
+            # a warm-up longer than the runs: the learning rate depends on the step alone, not on max_steps
+            ("whole", ["parallel.pp=2", "train.warmup_steps=100"], False),
+            ("resume", ["parallel.pp=2", "train.warmup_steps=100", "train.max_steps=3", "checkpoint.interval=3"], False),
+            ("resume", ["parallel.pp=2", "train.warmup_steps=100"], True)]
+    return out, run_ranks(train_runs, 2, out / "ranks", str(tiny_data), str(out), runs, timeout=240)
+
+
+def test_two_stages_train_exactly_as_one_process(two_stages, tiny_data, tmp_path):
+    out, ranks = two_stages
+    ref_losses, ref_params = reference(tiny_data, tmp_path, "ref")
+    for schedule in ("1f1b", "gpipe"):
+        first, last = ranks[0][schedule], ranks[1][schedule]
+        # the output layer (vocabulary 300) costs more than a 32-wide block: the last stage holds fewer
+        assert first["stage_blocks"] + last["stage_blocks"] == [0, 1, 2, 3] and len(last["stage_blocks"]) < 2
+        assert_same_training({"losses": first["losses"], "params": {**first["params"], **last["params"]}},
+                             ref_losses, ref_params)
+        s = first["summary"]
+        assert (s["pp"], s["dp"], s["pipeline_schedule"]) == (2, 1, schedule)
+        assert s["pipeline_bubble_theory"] == pytest.approx(1 / 3)
+        assert 0.0 < s["pipeline_bubble"] < 1.0 and len(s["pipeline_bubble_by_stage"]) == 2
+
+
+def test_pipelined_resume_equals_the_uninterrupted_run(two_stages):
+    _, ranks = two_stages
+    resumed, whole = ranks[0]["resume+resumed"]["losses"], ranks[0]["whole"]["losses"]
+    assert sorted(resumed) == list(range(1, 7))  # 1-3 before the stop, 4-6 after the resume
+    for step in range(1, 7):
+        assert resumed[step] == whole[step], f"step {step}"  # same process count: bit-identical
+    for r in (0, 1):  # and so are the final parameters of both stages
+        final, ref = ranks[r]["resume+resumed"]["params"], ranks[r]["whole"]["params"]
+        assert all(torch.equal(final[k], ref[k]) for k in ref)
+
+
+def test_a_pipelined_checkpoint_is_read_by_rpt_eval_as_a_whole_model(two_stages):
+    out, ranks = two_stages
+    summary = ranks[0]["1f1b"]["summary"]
+    result = eval_run(str(out / "1f1b"), "latest", "cpu", None)
+    assert result["loss"] == pytest.approx(summary["val_loss"], abs=1e-5)
+    assert result["tokens"] == summary["val_tokens"]
+
+
+def test_four_uneven_stages_train_exactly_as_one_process(tiny_data, tmp_path):
+    # attention in blocks 2 and 5 makes those blocks dearer: the plan cuts unevenly
+    extra = ["model.n_layers=6", "model.attention_every=3", "model.attention_window=8", "model.attention_heads=2",
+             "parallel.microbatches=4"]
+    ranks = run_ranks(train_runs, 4, tmp_path / "ranks", str(tiny_data), str(tmp_path),
+                      [("pp4", extra + ["parallel.pp=4"], False)], timeout=240)
+    blocks = [r["pp4"]["stage_blocks"] for r in ranks]
+    assert sorted(b for stage in blocks for b in stage) == list(range(6))
+    ref_losses, ref_params = reference(tiny_data, tmp_path, "ref", *extra)
+    params = {k: v for r in ranks for k, v in r["pp4"]["params"].items()}
+    assert_same_training({"losses": ranks[0]["pp4"]["losses"], "params": params}, ref_losses, ref_params)
+
+
+def test_dp2_x_pp2_keeps_replicas_identical_and_equals_one_process_on_the_whole_batch(tiny_data, tmp_path):
+    ranks = run_ranks(train_runs, 4, tmp_path / "ranks", str(tiny_data), str(tmp_path),
+                      [("mesh", ["parallel.pp=2"], False)], timeout=240)
+    # the mesh is pp x dp, pipeline outermost: ranks 0, 1 hold stage 0; ranks 2, 3 stage 1
+    for a, b in ((0, 1), (2, 3)):
+        pa, pb = ranks[a]["mesh"]["params"], ranks[b]["mesh"]["params"]
+        assert pa.keys() == pb.keys()
+        assert all(torch.equal(pa[k], pb[k]) for k in pa), f"ranks {a} and {b} diverged"
+    s = ranks[0]["mesh"]["summary"]
+    assert (s["pp"], s["dp"], s["comm_mode"]) == (2, 2, "allreduce") and s["comm_bytes_per_step"] > 0
+    # two data-parallel replicas of 4 rows read the streams one process reads with 8 rows
+    ref_losses, ref_params = reference(tiny_data, tmp_path, "ref", "train.batch_size=8", "parallel.microbatches=4")
+    params = {**ranks[0]["mesh"]["params"], **ranks[2]["mesh"]["params"]}
+    assert_same_training({"losses": ranks[0]["mesh"]["losses"], "params": params}, ref_losses, ref_params)

@@ -1,0 +1,103 @@
+"""The parallel plan: partitioning by cost, memory per rank, pp = auto, and `rpt plan` at scale."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rpt.config import Config
+from rpt.errors import RptError
+from rpt.parallel.plan import balance, choose_plan, make_plan
+
+GiB = 2**30
+
+
+def test_equal_blocks_split_evenly():
+    assert balance([1.0] * 12, 3) == [4, 4, 4]
+    assert balance([1.0] * 8, 4) == [2, 2, 2, 2]
+
+
+def test_uneven_blocks_shift_the_cut_to_balance_cost():
+    # two heavy blocks in the middle: the middle stage takes fewer blocks
+    assert balance([1, 1, 1, 1, 3, 3, 1, 1, 1, 1, 1, 1], 3) == [4, 2, 6]
+    # a heavy output layer charged to the last stage: it holds fewer blocks
+    assert balance([1.0] * 12, 3, last_extra=2.0) == [4, 5, 3]
+    # and a heavy embedding charged to the first
+    first = balance([1.0] * 12, 3, first_extra=2.0)
+    assert first[0] < 4 and 2.0 + first[0] <= 5 and max(first[1:]) <= 5
+
+
+def test_balance_minimises_the_costliest_stage():
+    costs = [5, 1, 1, 1, 1, 1, 4, 2, 2]
+    counts = balance(costs, 3)
+    bounds, start = [], 0
+    for n in counts:
+        bounds.append(sum(costs[start:start + n]))
+        start += n
+    # brute force over all cuts
+    best = min(max(sum(costs[:i]), sum(costs[i:j]), sum(costs[j:]))
+               for i in range(1, len(costs)) for j in range(i + 1, len(costs)))
+    assert max(bounds) == best and sum(counts) == len(costs) and min(counts) >= 1
+
+
+def test_more_stages_than_blocks_is_refused():
+    with pytest.raises(RptError, match="cannot split 2 blocks"):
+        balance([1.0, 1.0], 3)
+
+
+def _cfg(*overrides: str) -> Config:
+    return Config.load(None, ["model.vocab_size=512", "model.n_layers=8", "model.d_model=64",
+                              "train.batch_size=8", "train.seq_len=32", "parallel.microbatches=4", *overrides])
+
+
+def test_plan_divides_parameters_and_memory_among_stages():
+    one = make_plan(_cfg(), 4, 1, 64 * GiB)
+    two = make_plan(_cfg(), 4, 2, 64 * GiB)
+    assert (one.dp, two.dp) == (4, 2)
+    assert [s.blocks for s in two.stages] == [(0, 4), (4, 8)]
+    # tied embedding: the last stage keeps its own copy as the head
+    assert sum(s.params for s in two.stages) == one.params + 512 * 64
+    assert two.peak_memory < one.peak_memory
+    assert two.bubble_theory == pytest.approx(1 / 5)
+    # 1F1B keeps fewer micro-batches in flight than GPipe on the first stage
+    gpipe = make_plan(_cfg("parallel.schedule=gpipe"), 4, 2, 64 * GiB)
+    assert gpipe.stages[0].memory["activations"] > two.stages[0].memory["activations"]
+
+
+def test_ps_sharded_plan_partitions_optimizer_state():
+    allreduce = make_plan(_cfg(), 4, 1, 64 * GiB)
+    sharded = make_plan(_cfg("comm.mode=ps-sharded"), 4, 1, 64 * GiB)
+    assert sharded.stages[0].memory["optimizer"] * 4 == pytest.approx(allreduce.stages[0].memory["optimizer"], rel=1e-3)
+    assert allreduce.grad_bytes_per_step["allreduce"] == 2 * 3 * (4 * allreduce.params) // 4
+
+
+def test_auto_takes_the_fewest_stages_that_fit():
+    cfg = _cfg("parallel.pp=auto")
+    roomy = choose_plan(cfg, 8, 64 * GiB)
+    assert roomy.pp == 1
+    need_one = make_plan(cfg, 8, 1, 64 * GiB).peak_memory
+    need_two = make_plan(cfg, 8, 2, 64 * GiB).peak_memory
+    tight = choose_plan(cfg, 8, int((need_one + need_two) / 2 / 0.9))
+    assert tight.pp == 2 and tight.fits
+    with pytest.raises(RptError, match="no pipeline degree fits"):
+        choose_plan(cfg, 8, 1000)
+
+
+def test_world_size_not_divisible_by_pp_is_refused():
+    with pytest.raises(RptError, match="not divisible"):
+        make_plan(_cfg(), 6, 4, 64 * GiB)
+
+
+def test_rpt_plan_for_ten_billion_parameters_on_4096_ranks_allocates_nothing():
+    code = ("import resource, sys; from rpt.cli import main; "
+            "main(['plan', '--config', 'configs/large-multinode.toml', '--world-size', '4096']); "
+            "print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "world size 4096: pp " in out
+    params = int(out.split("; ")[1].split(" parameters")[0].replace(",", ""))
+    assert params > 10e9
+    maxrss_gib = int(out.rsplit("maxrss_kb", 1)[1]) / 2**20
+    assert maxrss_gib < 2.0, f"planning {params:,} parameters used {maxrss_gib:.1f} GiB"  # fp32 weights: 46 GiB
+    assert "fits" in out
