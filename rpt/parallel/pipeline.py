@@ -54,18 +54,23 @@ class Mesh:
                 self.tie_group = group
 
 
-class _Clock(torch.autograd.Function):
-    """Identity that notes when backward passes through it: the stage's backward start and end times."""
+class _BackwardClock(torch.autograd.Function):
+    """Identity whose backward notes when the stage's backward starts (it is the first node reached: the loss,
+    or the stage's output) and, through a callback the autograd engine runs when that backward pass has
+    finished, when it ends: weight gradients computed after the input gradient included."""
 
     @staticmethod
-    def forward(ctx, x, marks: list, tag: str):
-        ctx.marks, ctx.tag = marks, tag
+    def forward(ctx, x, marks: list):
+        ctx.marks = marks
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.marks.append((ctx.tag, time.perf_counter()))
-        return grad, None, None
+        marks = ctx.marks
+        began = time.perf_counter()
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: marks.append(time.perf_counter() - began))
+        return grad, None
 
 
 class Stage(nn.Module):
@@ -84,18 +89,15 @@ class Stage(nn.Module):
         self.batch_size, self.micro = batch_size, batch_size // microbatches
         self.state = self.init_state(batch_size)
         self._calls, self._new = 0, []
-        self.compute_seconds, self.marks = 0.0, []  # forward + backward time of the last step, for the bubble
+        self.compute_seconds, self.marks = 0.0, []  # forward + backward seconds of this step; backward durations
 
     def init_state(self, batch: int, device=None) -> list:
         return [b.init_state(batch, device) for b in self.blocks.values()]
 
-    def run(self, x, state=None, reset=None, clock: bool = False):
-        """x: tokens on the first stage, activations otherwise; returns activations, or logits on the last.
-        `clock` marks when backward reaches the stage's input (the embedding's output on the first stage)."""
+    def run(self, x, state=None, reset=None):
+        """x: tokens on the first stage, activations otherwise; returns activations, or logits on the last."""
         if self.embed is not None:
             x = self.embed(x)
-        if clock:
-            x = _Clock.apply(x, self.marks, "end")
         state = state if state is not None else self.init_state(x.shape[0], x.device)
         new = []
         for block, s in zip(self.blocks.values(), state):
@@ -111,10 +113,17 @@ class Stage(nn.Module):
         k = self._calls
         self._calls += 1
         part = slice(k * self.micro, (k + 1) * self.micro)
-        y, s = self.run(x, rows(self.state, part), reset, clock=True)
+        y, s = self.run(x, rows(self.state, part), reset)
         self._new.append(detach_state(s))
         self.compute_seconds += time.perf_counter() - began
-        return _Clock.apply(y, self.marks, "start")
+        return y if self.last else _BackwardClock.apply(y, self.marks)  # on the last stage the loss has the clock
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function on the last stage: timed, and its backward marks the stage's start."""
+        began = time.perf_counter()
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
+        self.compute_seconds += time.perf_counter() - began
+        return _BackwardClock.apply(loss, self.marks)
 
     def begin_step(self) -> None:
         self._calls, self._new, self.marks, self.compute_seconds = 0, [], [], 0.0
@@ -124,15 +133,7 @@ class Stage(nn.Module):
             raise RuntimeError(f"pipeline stage {self.index} ran {self._calls} micro-batch forwards, expected "
                                f"{self.batch_size // self.micro}")
         self.state = cat_rows(self._new)
-        # backward time: from each micro-batch's backward start at the output to its end at the input
-        # (micro-batches' backwards run one after another on a stage, in the order they began)
-        starts = [t for tag, t in self.marks if tag == "start"]
-        ends = [t for tag, t in self.marks if tag == "end"]
-        self.compute_seconds += sum(e - s for s, e in zip(starts, ends))
-
-
-def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+        self.compute_seconds += sum(self.marks)  # the backward durations
 
 
 class Pipeline:
@@ -151,7 +152,7 @@ class Pipeline:
         self._schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         self._stage_cls = PipelineStage
         self.schedule = None
-        self.bubble_history: list[float] = []  # idle share of this stage, per step
+        self.history: list[tuple[float, float]] = []  # (this stage's compute seconds, step seconds) per step
         self._bubble_taken = 0
 
     def wrap(self, module: nn.Module) -> None:
@@ -164,7 +165,7 @@ class Pipeline:
         pipe_stage = self._stage_cls(module, self.mesh.pp_rank, self.plan.pp, self.device,
                                      input_args=x.to(self.device), output_args=y.to(self.device),
                                      group=self.mesh.pp_group)
-        self.schedule = self._schedule_cls(pipe_stage, self.plan.microbatches, loss_fn=_loss)
+        self.schedule = self._schedule_cls(pipe_stage, self.plan.microbatches, loss_fn=self.stage.loss)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, reset: torch.Tensor | None) -> torch.Tensor:
         """Forward and backward of the whole batch through the pipeline; returns the mean loss on every stage."""
@@ -177,7 +178,7 @@ class Pipeline:
         self.stage.end_step()
         self._sync_tied_gradients()
         wall = time.perf_counter() - began
-        self.bubble_history.append(max(0.0, 1.0 - self.stage.compute_seconds / wall))
+        self.history.append((self.stage.compute_seconds, wall))
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
         dist.broadcast(loss, group=self.mesh.pp_group, group_src=self.plan.pp - 1)
         return loss
@@ -204,8 +205,8 @@ class Pipeline:
 
     def take_bubble(self) -> float | None:
         """Mean idle share of this stage over the steps since the last call."""
-        b, self._bubble_taken = self.bubble_history[self._bubble_taken:], len(self.bubble_history)
-        return sum(b) / len(b) if b else None
+        h, self._bubble_taken = self.history[self._bubble_taken:], len(self.history)
+        return max(0.0, 1.0 - sum(c for c, _ in h) / sum(w for _, w in h)) if h else None
 
 
 class PipelineEval(nn.Module):
@@ -236,10 +237,54 @@ def setup(model, cfg, rank: int, world_size: int, device: torch.device, local_wo
 
     if cfg.parallel.pp == 1:
         return None
-    plan = choose_plan(cfg, world_size, device_memory_bytes(device, local_world))
+    costs = measure_costs(model, cfg, device)
+    plan = choose_plan(cfg, world_size, device_memory_bytes(device, local_world), costs)
     if rank == 0:
         print(format_plan(plan), flush=True)
     if plan.pp == 1:
         return None
     mesh = Mesh(device, world_size, plan.pp)
     return Pipeline(model, plan, mesh, cfg.train.batch_size, cfg.train.seq_len, device, cfg.parallel.schedule)
+
+
+def measure_costs(model, cfg, device: torch.device, repeats: int = 3):
+    """Seconds per token of forward + backward of each kind of block, the embedding and the output layer with
+    its loss, timed on this device at the micro-batch shape (best of `repeats`) and averaged over the ranks, so
+    every rank cuts the same stages. Counted FLOPs miss what dominates small models on a CPU (elementwise gate
+    work, the softmax of the loss): balanced by FLOPs, a 2-stage 4-block LSTM ran its last stage 25% longer."""
+    import copy
+
+    from rpt.parallel.plan import Costs
+
+    B, T, D = cfg.train.batch_size // cfg.parallel.microbatches, cfg.train.seq_len, cfg.model.d_model
+    tokens = B * T
+
+    def best_time(fn) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            began = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - began)
+        return min(times[1:]) / tokens
+
+    x = torch.randn(B, T, D, device=device, requires_grad=True)
+    kinds = {}
+    for i, block in enumerate(model.blocks):
+        kind = block.attn is not None
+        if kind not in kinds:
+            sample = copy.deepcopy(block).to(device)
+            kinds[kind] = best_time(lambda: sample(x, sample.init_state(B, device), None)[0].sum().backward())
+    embed = copy.deepcopy(model.embed).to(device)
+    ids = torch.randint(0, cfg.model.vocab_size, (B, T), device=device)
+    embed_cost = best_time(lambda: embed(ids).sum().backward())
+    norm, head = copy.deepcopy(model.norm).to(device), copy.deepcopy(model.head).to(device)
+    head_cost = best_time(lambda: F.cross_entropy(head(norm(x)).float().flatten(0, 1), ids.flatten()).backward())
+    figures = torch.tensor([kinds.get(False, 0.0), kinds.get(True, 0.0), embed_cost, head_cost],
+                           dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(figures)
+        figures /= dist.get_world_size()
+    plain, attn, embed_cost, head_cost = figures.tolist()
+    return Costs({False: plain, True: attn}, embed_cost, head_cost, unit="s")

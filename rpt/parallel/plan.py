@@ -36,7 +36,7 @@ _ACTIVATIONS: dict[tuple, float] = {}  # (model config, seq_len, has attention) 
 class StagePlan:
     index: int
     blocks: tuple[int, int]   # [start, stop) block indices
-    cost: float               # training FLOPs per token of this stage (embedding / head included)
+    cost: float               # per token of this stage, embedding / head included (FLOPs, or measured seconds)
     params: int
     memory: dict = field(default_factory=dict)  # bytes per rank: weights, grads, optimizer, activations, total
 
@@ -54,6 +54,7 @@ class Plan:
     pipeline_bytes_per_step: int  # activations + their gradients a middle stage sends per step
     device_memory: int
     bubble_theory: float          # 1F1B / GPipe idle share (p - 1) / (m + p - 1)
+    cost_unit: str = "FLOP"       # how the stages were balanced: counted FLOPs, or seconds measured at start
 
     @property
     def peak_memory(self) -> int:
@@ -135,15 +136,36 @@ def activation_bytes_per_token(cfg: Config, block_index: int) -> float:
     return max(0.0, b1 + slope * (m.d_model - w1))
 
 
-def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int) -> Plan:
+@dataclass
+class Costs:
+    """Seconds (or FLOPs) per token of each piece: blocks by whether they hold attention, embedding, output."""
+    block: dict[bool, float]
+    embed: float
+    head: float
+    unit: str = "FLOP"
+
+
+def counted_costs(cfg: Config, model=None) -> Costs:
+    """Training FLOPs per token from the model's own count (rpt plan: nothing runs)."""
+    model = model if model is not None else _meta_model(cfg)
+    block = {}
+    for b in model.blocks:
+        block.setdefault(b.attn is not None, 3.0 * b.flops_per_token())
+    m = cfg.model
+    return Costs(block, embed=3.0 * m.d_model, head=3.0 * 2 * m.d_model * m.vocab_size)
+
+
+def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: Costs | None = None) -> Plan:
+    """The plan for `pp` stages; `costs` measured at start by training, else counted FLOPs."""
     if world_size % pp:
         raise RptError(f"world size {world_size} is not divisible by parallel.pp = {pp}",
                        "choose a pipeline degree that divides the number of ranks")
     model = _meta_model(cfg)
     m, t, p = cfg.model, cfg.train, cfg.parallel
     dp, micro = world_size // pp, p.microbatches
-    block_costs = [3.0 * b.flops_per_token() for b in model.blocks]
-    head_cost, embed_cost = 3.0 * 2 * m.d_model * m.vocab_size, 3.0 * m.d_model
+    costs = costs or counted_costs(cfg, model)
+    block_costs = [costs.block[b.attn is not None] for b in model.blocks]
+    head_cost, embed_cost = costs.head, costs.embed
     counts = balance(block_costs, pp, embed_cost, head_cost)
     tokens_per_micro = t.batch_size // micro * t.seq_len
     embed_params = model.embed.weight.numel()
@@ -174,7 +196,7 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int) -> Plan
                   "ps-sharded": 2 * share}                   # gradients to the owners, parameters back
     pipe_bytes = 2 * 4 * t.batch_size * t.seq_len * m.d_model if pp > 1 else 0
     return Plan(world_size, pp, dp, micro, p.schedule, model.num_params(), stages, grad_bytes, pipe_bytes,
-                device_memory, (pp - 1) / (micro + pp - 1))
+                device_memory, (pp - 1) / (micro + pp - 1), costs.unit)
 
 
 def _memory(params: int, activations: float, mode: str, dp: int) -> dict:
@@ -191,15 +213,15 @@ def candidate_degrees(world_size: int, n_layers: int) -> list[int]:
     return [k for k in range(1, min(world_size, n_layers) + 1) if world_size % k == 0]
 
 
-def choose_plan(cfg: Config, world_size: int, device_memory: int) -> Plan:
+def choose_plan(cfg: Config, world_size: int, device_memory: int, costs: Costs | None = None) -> Plan:
     """`parallel.pp`: as set, or "auto": the smallest pipeline degree whose per-rank memory fits the device."""
     if cfg.parallel.pp != "auto":
-        return make_plan(cfg, world_size, int(cfg.parallel.pp), device_memory)
+        return make_plan(cfg, world_size, int(cfg.parallel.pp), device_memory, costs)
     last = None
     for pp in candidate_degrees(world_size, cfg.model.n_layers):
         if cfg.train.batch_size % cfg.parallel.microbatches:
             break
-        last = make_plan(cfg, world_size, pp, device_memory)
+        last = make_plan(cfg, world_size, pp, device_memory, costs)
         if last.fits:
             return last
     need = f"{last.peak_memory / GiB:.1f} GiB" if last else "?"
@@ -220,13 +242,14 @@ def device_memory_bytes(device: torch.device, local_world: int = 1) -> int:
 
 def format_plan(plan: Plan) -> str:
     gib = lambda b: f"{b / GiB:,.2f}"  # noqa: E731
+    cost_head, scale = ("GFLOP/tok", 1e-9) if plan.cost_unit == "FLOP" else ("us/tok", 1e6)
     lines = [f"world size {plan.world_size}: pp {plan.pp} x dp {plan.dp}, {plan.microbatches} micro-batches, "
              f"{plan.schedule}; {plan.params:,} parameters; bubble (theory) {plan.bubble_theory:.1%}",
-             f"{'stage':>5} {'blocks':>9} {'params':>15} {'GFLOP/tok':>10} {'weights':>9} {'grads':>9} "
+             f"{'stage':>5} {'blocks':>9} {'params':>15} {cost_head:>10} {'weights':>9} {'grads':>9} "
              f"{'optim':>9} {'activ.':>9} {'total GiB':>10}"]
     for s in plan.stages:
         mem = s.memory
-        lines.append(f"{s.index:>5} {f'{s.blocks[0]}-{s.blocks[1] - 1}':>9} {s.params:>15,} {s.cost / 1e9:>10.3f} "
+        lines.append(f"{s.index:>5} {f'{s.blocks[0]}-{s.blocks[1] - 1}':>9} {s.params:>15,} {s.cost * scale:>10.3f} "
                      f"{gib(mem['weights']):>9} {gib(mem['grads']):>9} {gib(mem['optimizer']):>9} "
                      f"{gib(mem['activations']):>9} {gib(mem['total']):>10}")
     lines.append(f"peak per rank {gib(plan.peak_memory)} GiB of {gib(plan.device_memory)} GiB: "

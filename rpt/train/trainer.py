@@ -337,18 +337,27 @@ class Trainer:
         return torch.cat(every)
 
     def _bubble_by_stage(self) -> dict:
-        """Pipeline idle share per stage over the run (the first step, which sets up the links, left out)."""
+        """Pipeline idle share per stage over the run (the first step, which sets up the links, left out), and
+        what the schedule would leave idle with these stage costs and no overhead: with c_s the compute of
+        stage s per micro-batch, a step takes (m - 1) max(c) + sum(c), so stage s idles 1 - m c_s / that
+        (equal stages: (p - 1) / (m + p - 1))."""
         if self.pipe is None:
             return {}
-        steps = self.pipe.bubble_history[1:] or self.pipe.bubble_history
-        mine = torch.tensor([sum(steps) / max(1, len(steps))], dtype=torch.float64)
+        steps = self.pipe.history[1:] or self.pipe.history
+        mine = torch.tensor([sum(c for c, _ in steps), sum(w for _, w in steps), len(steps)], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(self.d.world_size)]
         dist.all_gather(every, mine)
-        pp = self.pipe.mesh.mesh.mesh.tolist()  # [stage][replica] -> rank
-        by_stage = [sum(float(every[r]) for r in replicas) / len(replicas) for replicas in pp]
+        layout = self.pipe.mesh.mesh.mesh.tolist()  # [stage][replica] -> rank
+        compute = [sum(float(every[r][0] / every[r][2]) for r in reps) / len(reps) for reps in layout]  # per step
+        wall = [sum(float(every[r][1] / every[r][2]) for r in reps) / len(reps) for reps in layout]
+        m = self.pipe.plan.microbatches
+        ideal_step = (m - 1) * max(compute) / m + sum(compute) / m
+        by_stage = [max(0.0, 1.0 - c / w) for c, w in zip(compute, wall)]
         return {"pipeline_bubble": sum(by_stage) / len(by_stage), "pipeline_bubble_by_stage": by_stage,
-                "pipeline_bubble_theory": self.pipe.plan.bubble_theory, "microbatches": self.pipe.plan.microbatches,
-                "pipeline_schedule": self.pipe.schedule_name}
+                "pipeline_bubble_theory": self.pipe.plan.bubble_theory,
+                "pipeline_bubble_ideal_by_stage": [1.0 - c / ideal_step for c in compute],
+                "pipeline_compute_seconds_by_stage": compute, "pipeline_step_seconds": sum(wall) / len(wall),
+                "microbatches": m, "pipeline_schedule": self.pipe.schedule_name}
 
     def _summary(self, wall: float, final: dict) -> dict:
         per_rank = self._comm_totals_by_rank()  # [world, 4]: steps, bytes, seconds, exposed

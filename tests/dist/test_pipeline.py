@@ -56,8 +56,9 @@ def test_two_stages_train_exactly_as_one_process(two_stages, tiny_data, tmp_path
     ref_losses, ref_params = reference(tiny_data, tmp_path, "ref")
     for schedule in ("1f1b", "gpipe"):
         first, last = ranks[0][schedule], ranks[1][schedule]
-        # the output layer (vocabulary 300) costs more than a 32-wide block: the last stage holds fewer
-        assert first["stage_blocks"] + last["stage_blocks"] == [0, 1, 2, 3] and len(last["stage_blocks"]) < 2
+        # the cut follows costs measured at start (so it may differ by machine): contiguous, every stage some
+        assert first["stage_blocks"] + last["stage_blocks"] == [0, 1, 2, 3] and first["stage_blocks"]
+        assert last["stage_blocks"]
         assert_same_training({"losses": first["losses"], "params": {**first["params"], **last["params"]}},
                              ref_losses, ref_params)
         s = first["summary"]
@@ -86,7 +87,7 @@ def test_a_pipelined_checkpoint_is_read_by_rpt_eval_as_a_whole_model(two_stages)
 
 
 def test_four_uneven_stages_train_exactly_as_one_process(tiny_data, tmp_path):
-    # attention in blocks 2 and 5 makes those blocks dearer: the plan cuts unevenly
+    # six blocks on four stages (some hold two, some one), attention in blocks 2 and 5 making those dearer
     extra = ["model.n_layers=6", "model.attention_every=3", "model.attention_window=8", "model.attention_heads=2",
              "parallel.microbatches=4"]
     ranks = run_ranks(train_runs, 4, tmp_path / "ranks", str(tiny_data), str(tmp_path),
