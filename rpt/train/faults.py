@@ -4,6 +4,7 @@
     RPT_FAULT="kill@5:rank=1"     rank 1 does
     RPT_FAULT="nan@3"             the loss of step 3 becomes NaN on every rank (non-finite gradients)
     RPT_FAULT="nan@3-99"          steps 3 to 99
+    RPT_FAULT="slow@1-99:rank=1:seconds=0.05"   rank 1 computes 0.05 s longer in every step's forward (a straggler)
 
 A worker that the elastic launcher restarted (TORCHELASTIC_RESTART_COUNT > 0) does not kill
 itself again, so a restarted run can finish. Unset, this costs one dictionary lookup per step.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 
@@ -22,6 +24,7 @@ class Fault:
     first: int
     last: int
     rank: int | None
+    seconds: float = 0.0
 
     def active(self, step: int, rank: int) -> bool:
         return self.first <= step <= self.last and (self.rank is None or self.rank == rank)
@@ -36,7 +39,7 @@ def from_env() -> Fault | None:
     first, _, last = steps.partition("-")
     opts = dict(o.split("=", 1) for o in options)
     rank = int(opts["rank"]) if "rank" in opts else (0 if kind == "kill" else None)
-    return Fault(kind, int(first), int(last or first), rank)
+    return Fault(kind, int(first), int(last or first), rank, float(opts.get("seconds", 0.0)))
 
 
 def maybe_kill(fault: Fault | None, step: int, rank: int) -> None:
@@ -46,3 +49,8 @@ def maybe_kill(fault: Fault | None, step: int, rank: int) -> None:
 
 def poisons_loss(fault: Fault | None, step: int, rank: int) -> bool:
     return bool(fault and fault.kind == "nan" and fault.active(step, rank))
+
+
+def maybe_stall(fault: Fault | None, step: int, rank: int) -> None:
+    if fault and fault.kind == "slow" and fault.active(step, rank):
+        time.sleep(fault.seconds)

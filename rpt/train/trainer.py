@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -38,6 +39,8 @@ from rpt.data.stream import TokenStream
 from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
+from rpt.monitor.metrics import PhaseClock, gather_rows, memory_bytes, pack, state_rms, stragglers, unpack
+from rpt.monitor.store import MetricsWriter
 from rpt.models.state import all_finite, cat_rows, detach_state, map_state, rows
 from rpt.parallel import pipeline
 from rpt.parallel.launch import Dist
@@ -97,6 +100,12 @@ class Trainer:
         self.comm_window: list[dict] = []  # per-step communication figures since the last log line
         self.progress = progress and dist_info.is_main
         self.fault = faults.from_env()
+        self.clock = PhaseClock(self.device)  # seconds per phase since the last log line, for the metrics store
+        self.window_first_step, self.window_began = 0, time.perf_counter()
+        self.store = MetricsWriter(self.run_dir) if dist_info.is_main else None
+        if self.store:
+            self.store.set_meta(world_size=dist_info.world_size, n_layers=cfg.model.n_layers, params=self.params,
+                                pp=self.pipe.plan.pp if self.pipe else 1, dp=self.dp_size, config=cfg.to_toml())
         torch.manual_seed(t.seed + 1000 * dist_info.rank)  # dropout differs per rank
         random.seed(t.seed + dist_info.rank)
         np.random.seed(t.seed + dist_info.rank)
@@ -115,6 +124,9 @@ class Trainer:
             with self._autocast():
                 loss_mean = self.pipe.step(x, y, reset)
             self.state = self.pipe.stage.state
+            backward = sum(self.pipe.stage.marks)
+            self.clock.add("forward", self.pipe.stage.compute_seconds - backward)
+            self.clock.add("backward", backward)
             return self._optimizer_step(loss_mean)
         micro = t.batch_size // t.grad_accum
         loss_sum, new_states = torch.zeros((), device=self.device), []
@@ -122,12 +134,14 @@ class Trainer:
             part = slice(k * micro, (k + 1) * micro)
             last = k == t.grad_accum - 1
             with nullcontext() if last else self.sync.no_sync():  # forward and backward both inside
-                with self._autocast():
+                with self._autocast(), self.clock("forward"):
                     logits, state = model(x[part], rows(self.state, part), None if reset is None else reset[part])
                     loss = F.cross_entropy(logits.float().flatten(0, 1), y[part].flatten())
                     if faults.poisons_loss(self.fault, self.step, self.d.rank):
                         loss = loss * float("nan")
-                self.scaler.scale(loss / t.grad_accum).backward()
+                    faults.maybe_stall(self.fault, self.step, self.d.rank)
+                with self.clock("backward"):
+                    self.scaler.scale(loss / t.grad_accum).backward()
             loss_sum += loss.detach()
             new_states.append(detach_state(state))
         self.state = cat_rows(new_states)
@@ -135,6 +149,10 @@ class Trainer:
 
     def _optimizer_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradient sync, clipping and the AdamW step (skipped on non-finite gradients)."""
+        with self.clock("optimizer"):
+            return self._sync_and_step(loss)
+
+    def _sync_and_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.cfg.train
         self.sync.wait_gradients()
         if self.optimizer is not None:
@@ -161,6 +179,7 @@ class Trainer:
     def run(self) -> dict:
         t, ck = self.cfg.train, self.cfg.checkpoint
         started = time.perf_counter()
+        self.window_first_step, self.window_began = self.step, started
         window_tokens, window_start = 0, time.perf_counter()
         # The bar counts per mille of the budget spent (steps, tokens or time, whichever ends the run first),
         # so it shows an ETA for every kind of budget.
@@ -177,7 +196,9 @@ class Trainer:
                 lr = lr_at(self.step, self._progress(elapsed), t)
                 for group in self.optimizer.param_groups if self.optimizer is not None else ():
                     group["lr"] = lr
-                loss, grad_norm = self.train_step(next(self.loader))
+                with self.clock("data"):
+                    batch = next(self.loader)
+                loss, grad_norm = self.train_step(batch)
                 self.step += 1
                 self.tokens += t.batch_size * t.seq_len * self.dp_size
                 window_tokens += t.batch_size * t.seq_len * self.dp_size
@@ -188,7 +209,7 @@ class Trainer:
                                    f"the last good checkpoint is {self.checkpointer.latest() or 'none'}")
                 if self.step % self.cfg.monitor.log_interval == 0:
                     rate = window_tokens / (time.perf_counter() - window_start)
-                    self._log_step(self._mean_across_ranks(loss), grad_norm.item(), lr, rate, bar)
+                    self._log_step(loss.item(), self._mean_across_ranks(loss), grad_norm.item(), lr, rate, bar)
                     window_tokens, window_start = 0, time.perf_counter()
                 done = int(1000 * min(1.0, self._progress(self.elapsed_before + time.perf_counter() - started)))
                 bar.update(done - bar.n)
@@ -256,18 +277,52 @@ class Trainer:
     def _pipeline_figures(self) -> dict:
         return {"pipeline_bubble": self.pipe.take_bubble()} if self.pipe else {}
 
-    def _log_step(self, loss: float, grad_norm: float, lr: float, tokens_per_s: float, bar) -> None:
+    def _log_step(self, my_loss: float, loss: float, grad_norm: float, lr: float, tokens_per_s: float, bar) -> None:
         self.last_train_loss = loss
+        comm, pipe = self._comm_window_figures(), self._pipeline_figures()
         record = {"kind": "train", "step": self.step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm,
                   "lr": lr, "tokens_per_s": tokens_per_s, "skipped_steps": self.skipped_steps, "time": time.time(),
-                  **self._comm_window_figures(), **self._pipeline_figures()}
+                  **comm, **pipe}
         log.info(json.dumps(record))
+        self._store_interval(record, my_loss, comm, pipe)
         if self.d.is_main:
             bar.set_postfix(step=self.step, loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}")
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def _store_interval(self, record: dict, my_loss: float, comm: dict, pipe: dict) -> None:
+        """Every rank's figures for this log interval, gathered in one collective; rank 0 writes them."""
+        steps = max(1, self.step - self.window_first_step)
+        wall = time.perf_counter() - self.window_began
+        self.window_first_step, self.window_began = self.step, time.perf_counter()
+        per_step = {f"{phase}_s": seconds / steps for phase, seconds in self.clock.take().items()}
+        exposed = comm.get("exposed_comm_seconds_per_step") or 0.0
+        mine = {"step": self.step, "time": record["time"], "loss": my_loss, "tokens_per_s": record["tokens_per_s"],
+                "step_s": wall / steps, **per_step, "exposed_comm_s": exposed,
+                "comm_s": comm.get("comm_seconds_per_step", 0.0), "comm_bytes": comm.get("comm_bytes_per_step", 0.0),
+                "compute_s": max(0.0, per_step["forward_s"] + per_step["backward_s"] + per_step["optimizer_s"] - exposed),
+                "memory_bytes": memory_bytes(self.device), "stage": self.pipe.stage.index if self.pipe else 0,
+                "bubble": pipe.get("pipeline_bubble") if pipe.get("pipeline_bubble") is not None else math.nan}
+        first_layer = min(int(k) for k in self.pipe.stage.blocks.keys()) if self.pipe else 0
+        norms = state_rms(self.state, first_layer, self.cfg.model.n_layers)
+        every = gather_rows(pack(mine, norms), self.d.world_size, self.d.enabled)
+        if self.store is None:
+            return
+        rows, layers = [], {}
+        for rank, vector in enumerate(every):
+            row, state = unpack(vector)
+            rows.append({**row, "rank": rank})
+            for layer, v in enumerate(state):
+                if math.isfinite(v):
+                    layers.setdefault(layer, []).append(v)
+        self.store.write_interval(record, rows, {k: sum(v) / len(v) for k, v in layers.items()},
+                                  comm.get("comm_bytes_by_bucket", {}), stragglers(rows))
+
     def _evaluate(self, final: bool) -> dict:
+        with self.clock("eval"):
+            return self._run_evaluation(final)
+
+    def _run_evaluation(self, final: bool) -> dict:
         t = self.cfg.train
         model = PipelineEval(self.pipe) if self.pipe else self.model
         result = evaluate(model, self.data.tokens("val"), self.byte_lengths, batch_size=t.batch_size,
@@ -278,6 +333,8 @@ class Trainer:
         self.last_eval = {**result, "step": self.step}
         record = {"kind": "eval", "step": self.step, "final": final, **result, "time": time.time()}
         log.info(json.dumps(record))
+        if self.store:
+            self.store.write_eval(record)
         if self.d.is_main:
             tqdm.write(f"step {self.step}: val loss {result['loss']:.4f}, ppl {result['ppl']:.2f}, "
                        f"bpb {result['bpb']:.4f}" + (" (final, whole split)" if final else ""))
@@ -294,7 +351,8 @@ class Trainer:
                     "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None},
         }
         val = self.last_eval["loss"] if self.last_eval and self.last_eval["step"] == self.step else None
-        self.checkpointer.save(self.step, self.model, self.optimizer, extras, val_loss=val)
+        with self.clock("checkpoint"):
+            self.checkpointer.save(self.step, self.model, self.optimizer, extras, val_loss=val)
         self.last_saved_step = self.step
 
     def _resume(self) -> None:
@@ -383,6 +441,7 @@ class Trainer:
         }
         if self.d.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            self.store.set_meta(summary=summary)
         return summary
 
 

@@ -105,3 +105,22 @@ def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_the_uninte
     def digests(run: Path) -> set[str]:
         return {re.findall(r"parameter digest (\w+)", (run / "logs" / f"rank{r}.log").read_text())[-1] for r in (0, 1)}
     assert digests(tmp_path / "cut") == digests(tmp_path / "full") and len(digests(tmp_path / "full")) == 1
+
+
+def test_a_rank_that_computes_slowly_is_flagged_as_the_straggler(tmp_path, tiny_data):
+    """Rank 1 sleeps 50 ms in every forward: the store names it, by its own compute time, in every interval, and
+    never rank 0, although rank 0 is the one that waits longest inside the all-reduce."""
+    from rpt.monitor.store import MetricsReader
+
+    proc = rpt_train(tmp_path / "r", tiny_data, "--nproc", "2", "--set", "train.max_steps=12",
+                     "--set", "monitor.log_interval=3", env={"RPT_FAULT": "slow@1-99:rank=1:seconds=0.05"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reader = MetricsReader(tmp_path / "r")
+    flagged = reader.rows("stragglers")
+    assert [r["step"] for r in flagged] == [3, 6, 9, 12] and {r["rank"] for r in flagged} == {1}
+    assert all(r["ratio"] > 1.2 for r in flagged)
+    ranks = reader.rows("ranks")
+    for step in (3, 6, 9, 12):
+        fast, slow = (next(r for r in ranks if r["step"] == step and r["rank"] == k) for k in (0, 1))
+        assert slow["forward_s"] > fast["forward_s"] + 0.025  # 0.05 s of sleep, less the sharing of 2 cores
+        assert fast["exposed_comm_s"] > slow["exposed_comm_s"]  # the fast rank waits for the slow one

@@ -1,0 +1,120 @@
+"""What every rank measures per step, and the one small collective that brings it to rank 0.
+
+Each rank times its phases (data wait, forward, backward, optimiser, checkpoint, evaluation; on
+CUDA with a synchronisation at each boundary, so the time is the device's), takes the exposed
+communication from the comm meter, its memory (CUDA peak, or the process's resident set), and the
+RMS of the recurrent state it carries per layer. Every log interval the ranks all-gather one
+fixed-size float64 vector each (`pack`), and rank 0 writes the rows to the store.
+
+A rank's *compute* is forward + backward + optimiser minus the exposed communication wait (DDP
+waits for its last buckets inside backward). Stragglers are ranked by that, never by time spent in
+a collective: the fast ranks are the ones that wait longest there.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+PHASES = ("data", "forward", "backward", "optimizer", "checkpoint", "eval")
+FIELDS = ("step", "time", "loss", "tokens_per_s", "step_s", *(f"{p}_s" for p in PHASES), "exposed_comm_s",
+          "comm_s", "comm_bytes", "compute_s", "memory_bytes", "stage", "bubble")
+
+
+class PhaseClock:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.sums = dict.fromkeys(PHASES, 0.0)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            self.sums[phase] += time.perf_counter() - began
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.sums[phase] += seconds
+
+    def take(self) -> dict[str, float]:
+        sums, self.sums = self.sums, dict.fromkeys(PHASES, 0.0)
+        return sums
+
+
+def memory_bytes(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return float(int(f.read().split()[1]) * resource.getpagesize())
+    except OSError:
+        return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def state_rms(state, first_layer: int, n_layers: int) -> list[float]:
+    """RMS of each block's carried cell state (NaN for layers this rank does not hold)."""
+    out = [math.nan] * n_layers
+    for i, (cell, _attn) in enumerate(state):
+        tensors = [t for t in _flatten(cell) if torch.is_tensor(t) and t.is_floating_point()]
+        if tensors:
+            total = sum(float(t.detach().float().pow(2).sum()) for t in tensors)
+            count = sum(t.numel() for t in tensors)
+            out[first_layer + i] = math.sqrt(total / max(count, 1))
+    return out
+
+
+def _flatten(x):
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _flatten(y)
+    else:
+        yield x
+
+
+def pack(record: dict, state_norms: list[float]) -> torch.Tensor:
+    return torch.tensor([float(record.get(k, math.nan)) for k in FIELDS] + state_norms, dtype=torch.float64)
+
+
+def unpack(row: torch.Tensor) -> tuple[dict, list[float]]:
+    values = row.tolist()
+    return dict(zip(FIELDS, values[:len(FIELDS)])), values[len(FIELDS):]
+
+
+def gather_rows(mine: torch.Tensor, world_size: int, enabled: bool) -> list[torch.Tensor]:
+    """Every rank's vector on every rank: one all-gather of a few hundred bytes per rank (gloo: CPU tensors)."""
+    if not enabled:
+        return [mine]
+    every = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine)
+    return every
+
+
+def stragglers(rows: list[dict], threshold: float = 1.2) -> list[dict]:
+    """Ranks whose own compute per step exceeds the median of the ranks doing the same work (the same
+    pipeline stage) by `threshold`: (rank, compute, median, ratio)."""
+    found = []
+    for stage in sorted({r["stage"] for r in rows}):
+        peers = [r for r in rows if r["stage"] == stage]
+        if len(peers) < 2:
+            continue
+        times = sorted(r["compute_s"] for r in peers)
+        mid = len(times) // 2
+        median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+        # with two peers the median is their mean: compare against the faster one instead
+        reference = times[0] if len(times) == 2 else median
+        for r in peers:
+            if reference > 0 and r["compute_s"] / reference > threshold:
+                found.append({"rank": int(r["rank"]), "compute_s": r["compute_s"], "reference_s": reference,
+                              "ratio": r["compute_s"] / reference})
+    return found

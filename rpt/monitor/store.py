@@ -1,0 +1,106 @@
+"""The run's metrics database: RUN_DIR/metrics.sqlite, written by rank 0, read live by the dashboard.
+
+SQLite in WAL mode: readers never block the writer and always see whole transactions, and each
+log interval is one committed transaction, so a killed job loses nothing it had written (a test
+kills a writer with SIGKILL and reads every row back). Python's sqlite3 is enough; no server.
+
+Tables (all keyed by step):
+    train      rank 0's record per log line: loss (mean over ranks), grad norm, lr, tokens/s, ...
+    ranks      every rank's row per log line: phase seconds per step, compute, memory, bytes, stage
+    evals      validation loss, perplexity, bits per byte
+    comm       bytes per bucket (or parameter group) per step
+    state      RMS of the recurrent state per layer
+    stragglers ranks whose own compute exceeds their peers' (see metrics.stragglers)
+    meta       key/value: config, world size, layers, ...
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from pathlib import Path
+
+from rpt.monitor.metrics import FIELDS
+
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS train (step INTEGER PRIMARY KEY, time REAL, tokens INTEGER, loss REAL, grad_norm REAL,
+    lr REAL, tokens_per_s REAL, skipped_steps INTEGER);
+CREATE TABLE IF NOT EXISTS ranks (step INTEGER, rank INTEGER, {", ".join(f"{f} REAL" for f in FIELDS if f != "step")},
+    PRIMARY KEY (step, rank));
+CREATE TABLE IF NOT EXISTS evals (step INTEGER, time REAL, final INTEGER, loss REAL, ppl REAL, bpb REAL);
+CREATE TABLE IF NOT EXISTS comm (step INTEGER, bucket INTEGER, bytes REAL, PRIMARY KEY (step, bucket));
+CREATE TABLE IF NOT EXISTS state (step INTEGER, layer INTEGER, rms REAL, PRIMARY KEY (step, layer));
+CREATE TABLE IF NOT EXISTS stragglers (step INTEGER, rank INTEGER, compute_s REAL, reference_s REAL, ratio REAL);
+"""
+FILENAME = "metrics.sqlite"
+
+
+def _clean(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path):
+        self.db = sqlite3.connect(Path(run_dir) / FILENAME, timeout=30, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")  # durable against a killed process; WAL commits are atomic
+        self.db.executescript(SCHEMA)
+
+    def set_meta(self, **values) -> None:
+        with self.db:
+            self.db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                                [(k, json.dumps(v)) for k, v in values.items()])
+
+    def write_interval(self, train: dict, ranks: list[dict], state: dict[int, float], comm: dict[int, float],
+                       stragglers: list[dict]) -> None:
+        step = int(train["step"])
+        self.db.execute("BEGIN")
+        try:
+            self.db.execute("INSERT OR REPLACE INTO train VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                            (step, train["time"], train["tokens"], _clean(train["loss"]), _clean(train["grad_norm"]),
+                             train["lr"], train["tokens_per_s"], train["skipped_steps"]))
+            cols = ["step", "rank", *[f for f in FIELDS if f != "step"]]
+            self.db.executemany(f"INSERT OR REPLACE INTO ranks ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                                [(step, r["rank"], *[_clean(r.get(f)) for f in FIELDS if f != "step"]) for r in ranks])
+            self.db.executemany("INSERT OR REPLACE INTO state VALUES (?, ?, ?)",
+                                [(step, layer, _clean(v)) for layer, v in state.items()])
+            self.db.executemany("INSERT OR REPLACE INTO comm VALUES (?, ?, ?)",
+                                [(step, int(b), float(v)) for b, v in comm.items()])
+            self.db.executemany("INSERT INTO stragglers VALUES (?, ?, ?, ?, ?)",
+                                [(step, s["rank"], s["compute_s"], s["reference_s"], s["ratio"]) for s in stragglers])
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+
+    def write_eval(self, record: dict) -> None:
+        with self.db:
+            self.db.execute("INSERT INTO evals VALUES (?, ?, ?, ?, ?, ?)",
+                            (record["step"], record["time"], int(record["final"]), _clean(record["loss"]),
+                             _clean(record["ppl"]), _clean(record["bpb"])))
+
+    def close(self) -> None:
+        self.db.close()
+
+
+class MetricsReader:
+    """Read-only access for the dashboard and tests (opened with mode=ro: the reader cannot write)."""
+
+    def __init__(self, run_dir: Path):
+        path = Path(run_dir) / FILENAME
+        self.db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30, check_same_thread=False)
+        self.db.row_factory = sqlite3.Row
+
+    def rows(self, table: str, after: int = -1) -> list[dict]:
+        if table not in ("train", "ranks", "evals", "comm", "state", "stragglers"):
+            raise ValueError(f"unknown table {table}")
+        cur = self.db.execute(f"SELECT * FROM {table} WHERE step > ? ORDER BY step", (after,))
+        return [dict(r) for r in cur.fetchall()]
+
+    def meta(self) -> dict:
+        return {r["key"]: json.loads(r["value"]) for r in self.db.execute("SELECT key, value FROM meta")}
+
+    def close(self) -> None:
+        self.db.close()
