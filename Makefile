@@ -24,6 +24,7 @@ demo: $(STAMP)
 	@echo "  $(PY) -m rpt eval $(DEMO_RUN)                      # validation loss, perplexity, bits per byte"
 	@echo "  $(PY) -m rpt generate $(DEMO_RUN) --prompt 'class '  # more samples"
 	@echo "  $(PY) -m rpt train --run-dir $(DEMO_RUN) --resume --set train.max_time=600   # train on"
+	@echo "  $(PY) -m rpt monitor $(DEMO_RUN)                   # dashboard on http://127.0.0.1:8765/"
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_cmd_plan)
 
+    p = sub.add_parser("monitor", help="live web dashboard of one or more runs",
+                       description="Serves a read-only dashboard of the runs' metrics (loopback by default).")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--token", help="require ?token=TOKEN on every request")
+    p.set_defaults(func=_cmd_monitor)
+
     p = sub.add_parser("config", help="print the resolved configuration (defaults + --config + --set), validated")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_config)
@@ -202,6 +210,12 @@ def _cmd_plan(args) -> None:
     resolve_vocab_size(cfg)
     plan = choose_plan(cfg, args.world_size, int(args.device_memory_gb * GiB))
     print(json.dumps(plan.as_dict(), indent=1) if args.json else format_plan(plan))
+
+
+def _cmd_monitor(args) -> None:
+    from rpt.monitor.server import serve
+
+    serve(args.run_dirs, args.host, args.port, args.token)
 
 
 def _cmd_config(args) -> None:

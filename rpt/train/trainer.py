@@ -105,7 +105,8 @@ class Trainer:
         self.store = MetricsWriter(self.run_dir) if dist_info.is_main else None
         if self.store:
             self.store.set_meta(world_size=dist_info.world_size, n_layers=cfg.model.n_layers, params=self.params,
-                                pp=self.pipe.plan.pp if self.pipe else 1, dp=self.dp_size, config=cfg.to_toml())
+                                pp=self.pipe.plan.pp if self.pipe else 1, dp=self.dp_size, config=cfg.to_toml(),
+                                tokens_per_rank_step=t.batch_size * t.seq_len)
         torch.manual_seed(t.seed + 1000 * dist_info.rank)  # dropout differs per rank
         random.seed(t.seed + dist_info.rank)
         np.random.seed(t.seed + dist_info.rank)

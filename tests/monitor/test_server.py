@@ -1,0 +1,172 @@
+"""The dashboard: the API answers what the store holds, refuses what it must, and a real browser renders it
+live (headless Chromium driven by Selenium: the charts' series, and a live run's new steps without reload)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from rpt.errors import RptError
+from rpt.monitor.metrics import stragglers
+from rpt.monitor.server import create_app, serve
+from rpt.monitor.store import MetricsReader, MetricsWriter
+from rpt.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_data, tmp_path_factory) -> Path:
+    """A finished 2-layer run with 8 steps, logged every 2."""
+    from rpt.config import Config
+    from rpt.parallel.launch import Dist
+    import torch
+
+    run = tmp_path_factory.mktemp("runs") / "recorded"
+    cfg = Config.load(None, [f"data.path={tiny_data}", "model.d_model=32", "train.batch_size=4", "train.seq_len=16",
+                             "train.max_steps=8", "train.eval_interval=4", "train.eval_tokens=1024",
+                             "monitor.log_interval=2"])
+    Trainer(cfg, run, Dist(0, 1, 0, torch.device("cpu")), progress=False).run()
+    return run
+
+
+def test_the_api_returns_what_the_store_holds(recorded):
+    client = TestClient(create_app([recorded]))
+    reader = MetricsReader(recorded)
+    for table in ("train", "ranks", "evals", "state"):
+        assert client.get(f"/api/runs/0/{table}").json() == reader.rows(table)
+    assert [r["step"] for r in client.get("/api/runs/0/train?after=4").json()] == [6, 8]
+    runs = client.get("/api/runs").json()
+    assert runs[0]["name"] == "recorded" and runs[0]["live"] is False and runs[0]["summary"]["steps"] == 8
+    assert "max_steps = 8" in client.get("/api/runs/0/config").text
+
+
+@pytest.mark.parametrize("path", ["/api/runs/1/train", "/api/runs/0/sqlite_master", "/static/server.py",
+                                  "/static/..%2F..%2Fconfig.toml", "/static/%2e%2e/store.py", "/../config.toml"])
+def test_nothing_outside_the_dashboard_and_the_runs_store_is_served(recorded, path):
+    response = TestClient(create_app([recorded])).get(path)
+    assert response.status_code == 404, response.text
+
+
+def test_a_token_guards_every_request(recorded):
+    client = TestClient(create_app([recorded], token="s3cret"))
+    assert client.get("/api/runs").status_code == 401
+    assert client.get("/").status_code == 401
+    assert client.get("/api/runs?token=wrong").status_code == 401
+    assert client.get("/api/runs?token=s3cret").status_code == 200
+    assert client.get("/api/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_a_port_in_use_is_a_clear_error(recorded):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(RptError, match=f"cannot listen on 127.0.0.1:{port}") as info:
+            serve([str(recorded)], "127.0.0.1", port, None)
+        assert "--port" in info.value.fix
+
+
+def test_a_folder_that_is_not_a_run_is_refused(tmp_path):
+    with pytest.raises(RptError, match="not a run directory"):
+        serve([str(tmp_path)], "127.0.0.1", 0, None)
+
+
+# ---------------------------------------------------------------------------------------------- the browser
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+def _serve_in_thread(app):
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server, thread, port
+
+
+def _write_step(writer: MetricsWriter, step: int) -> None:
+    rows = [{"rank": r, "step_s": 0.1, "forward_s": 0.03, "backward_s": 0.05, "optimizer_s": 0.01, "data_s": 0.0,
+             "checkpoint_s": 0.0, "eval_s": 0.0, "exposed_comm_s": 0.01, "compute_s": 0.08 + 0.04 * r,
+             "memory_bytes": 1e8, "stage": 0} for r in range(2)]
+    writer.write_interval({"step": step, "time": time.time(), "tokens": step * 256, "loss": 5.0 - 0.1 * step,
+                           "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 2560.0, "skipped_steps": 0},
+                          rows, {0: 0.5, 1: 0.7}, {0: 4096.0, 1: 1024.0}, stragglers(rows))
+
+
+@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="Debian's chromium and chromium-driver are not "
+                    "installed (.ci/run installs them)")
+def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    live = tmp_path / "live"
+    live.mkdir()
+    (live / "config.toml").write_text((recorded / "config.toml").read_text())
+    writer = MetricsWriter(live)
+    writer.set_meta(world_size=2, n_layers=2, tokens_per_rank_step=128)
+    for step in (1, 2, 3):
+        _write_step(writer, step)
+    server, thread, port = _serve_in_thread(create_app([recorded, live]))
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={tmp_path / 'chrome'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        driver.get(f"http://127.0.0.1:{port}/")
+        wait = WebDriverWait(driver, 30, poll_frequency=0.2)
+        names = "return (document.getElementById(arguments[0]).data || []).map(t => t.name)"
+        wait.until(lambda d: len(d.execute_script(names, "loss")) == 2)
+        assert driver.execute_script(names, "loss") == ["recorded train", "live train"]
+        assert driver.execute_script(names, "val") == ["recorded val", "live val"]
+        recorded_steps = MetricsReader(recorded).rows("train")
+        xs = "return document.getElementById('loss').data[arguments[0]].x"
+        assert driver.execute_script(xs, 0) == [r["step"] for r in recorded_steps]
+        assert driver.execute_script(names, "breakdown") == ["data", "forward", "backward + optimizer",
+                                                            "exposed communication", "checkpoint", "evaluation", "other"]
+        assert driver.execute_script(names, "state") == ["layer 0", "layer 1"]
+        assert driver.execute_script("return document.querySelectorAll('svg.main-svg').length") >= 6  # drawn
+        # the second run is live: new steps appear without a reload
+        driver.execute_script("window.__same_page = 42")
+        for step in (4, 5):
+            _write_step(writer, step)
+        wait.until(lambda d: d.execute_script(xs, 1)[-1] == 5)
+        assert driver.execute_script(xs, 1) == [1, 2, 3, 4, 5]
+        assert driver.execute_script("return window.__same_page") == 42
+        hot = "return document.getElementById('hotspots').textContent"
+        assert driver.execute_script(hot) == "no communication recorded (one process)"  # the recorded run
+        # choose the live run: its per-rank views, heat map and named hot spots
+        driver.execute_script("const s = document.getElementById('config-run'); s.value = '1';"
+                              "s.dispatchEvent(new Event('change'))")
+        wait.until(lambda d: d.execute_script(hot).startswith("hot spots"))
+        assert driver.execute_script(hot) == "hot spots: bucket 0 80% of bytes, bucket 1 20% of bytes"
+        z = driver.execute_script("return document.getElementById('heatmap').data[0].z")
+        assert z == [[4096.0] * 5, [1024.0] * 5]
+        cells = driver.execute_script("return [...document.querySelectorAll('#progress tbody tr')]"
+                                      ".map(r => [r.cells[0].textContent, r.cells[2].textContent])")
+        assert cells == [["0", "5"], ["1", "5"]]
+        # rank 1 computes 1.5x as long as its peer: flagged in the table of ranks and listed as a straggler
+        assert driver.execute_script("return [...document.querySelectorAll('#progress tr.flag')]"
+                                     ".map(r => r.cells[0].textContent)") == ["1"]
+        listed = driver.execute_script("return [...document.querySelectorAll('#stragglers tbody tr')]"
+                                       ".map(r => r.cells[1].textContent)")
+        assert listed == ["1"] * 5
+    finally:
+        driver.quit()
+        writer.close()
+        server.should_exit = True
+        thread.join(10)
