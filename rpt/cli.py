@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --run-dir from its newest complete checkpoint (its config.toml unless --config)")
     p.add_argument("--nproc", type=int, default=1, help="launch this many local worker processes (data parallel)")
+    p.add_argument("--profile", metavar="START:END",
+                   help="torch.profiler traces of these steps on every rank, into RUN_DIR/traces/ (monitor.profile)")
     p.add_argument("--max-restarts", type=int, default=0, help="restart failed workers this often, from the newest checkpoint")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=_cmd_train)
@@ -146,7 +148,8 @@ def _cmd_train(args) -> None:
     config_path = args.config
     if args.resume and config_path is None and (args.run_dir / "config.toml").is_file():
         config_path = str(args.run_dir / "config.toml")
-    cfg = Config.load(config_path, args.overrides)
+    overrides = args.overrides + ([f"monitor.profile={args.profile}"] if args.profile else [])
+    cfg = Config.load(config_path, overrides)
     run_dir = args.run_dir or default_run_dir(args.config)
     _check_writable(run_dir)
     # Under torchrun every rank runs this command: rank 0 alone judges the folder, before any rank writes

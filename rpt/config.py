@@ -136,6 +136,7 @@ class MonitorConfig:
     log_interval: int = 10
     tensorboard: bool = False
     wandb: bool = False
+    profile: str = ""  # "START:END": torch.profiler traces of those steps on every rank (rpt train --profile)
 
 
 @dataclass
@@ -256,6 +257,11 @@ class Config:
                 raise RptError(f"train.grad_accum = {t.grad_accum} with parallel.pp = {p.pp}: the pipeline's "
                                "micro-batches are its gradient accumulation",
                                "set train.grad_accum = 1 and parallel.microbatches to the micro-batch count")
+        if self.monitor.profile:
+            first, sep, last = self.monitor.profile.partition(":")
+            if not (first.isdigit() and (not sep or last.isdigit()) and 1 <= int(first) <= int(last or first)):
+                raise RptError(f"monitor.profile = '{self.monitor.profile}' is not a step range START:END",
+                               "e.g. --profile 10:12 profiles steps 10, 11 and 12")
         if t.batch_size % p.microbatches:
             raise RptError(f"train.batch_size = {t.batch_size} is not divisible by parallel.microbatches = {p.microbatches}",
                            "choose a micro-batch count that divides the batch size")

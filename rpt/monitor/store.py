@@ -11,6 +11,7 @@ Tables (all keyed by step):
     comm       bytes per bucket (or parameter group) per step
     state      RMS of the recurrent state per layer
     stragglers ranks whose own compute exceeds their peers' (see metrics.stragglers)
+    profile    per rank, over the steps of `--profile`: wall, compute, communication, overlap, idle seconds
     meta       key/value: config, world size, layers, ...
 """
 
@@ -33,6 +34,8 @@ CREATE TABLE IF NOT EXISTS evals (step INTEGER, time REAL, final INTEGER, loss R
 CREATE TABLE IF NOT EXISTS comm (step INTEGER, bucket INTEGER, bytes REAL, PRIMARY KEY (step, bucket));
 CREATE TABLE IF NOT EXISTS state (step INTEGER, layer INTEGER, rms REAL, PRIMARY KEY (step, layer));
 CREATE TABLE IF NOT EXISTS stragglers (step INTEGER, rank INTEGER, compute_s REAL, reference_s REAL, ratio REAL);
+CREATE TABLE IF NOT EXISTS profile (step INTEGER, rank INTEGER, steps INTEGER, wall_s REAL, compute_s REAL,
+    comm_s REAL, overlap_s REAL, idle_s REAL, PRIMARY KEY (step, rank));
 """
 FILENAME = "metrics.sqlite"
 
@@ -75,6 +78,12 @@ class MetricsWriter:
             self.db.execute("ROLLBACK")
             raise
 
+    def write_profile(self, step: int, by_rank: list[dict]) -> None:
+        with self.db:
+            self.db.executemany("INSERT OR REPLACE INTO profile VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                                [(step, r, p["steps"], p["wall_s"], p["compute_s"], p["comm_s"], p["overlap_s"],
+                                  p["idle_s"]) for r, p in enumerate(by_rank)])
+
     def write_eval(self, record: dict) -> None:
         with self.db:
             self.db.execute("INSERT INTO evals VALUES (?, ?, ?, ?, ?, ?)",
@@ -94,7 +103,7 @@ class MetricsReader:
         self.db.row_factory = sqlite3.Row
 
     def rows(self, table: str, after: int = -1) -> list[dict]:
-        if table not in ("train", "ranks", "evals", "comm", "state", "stragglers"):
+        if table not in ("train", "ranks", "evals", "comm", "state", "stragglers", "profile"):
             raise ValueError(f"unknown table {table}")
         cur = self.db.execute(f"SELECT * FROM {table} WHERE step > ? ORDER BY step", (after,))
         return [dict(r) for r in cur.fetchall()]

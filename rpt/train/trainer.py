@@ -40,6 +40,7 @@ from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
 from rpt.monitor.metrics import PhaseClock, gather_rows, memory_bytes, pack, state_rms, stragglers, unpack
+from rpt.monitor.profile import StepProfiler
 from rpt.monitor.store import MetricsWriter
 from rpt.models.state import all_finite, cat_rows, detach_state, map_state, rows
 from rpt.parallel import pipeline
@@ -103,6 +104,7 @@ class Trainer:
         self.clock = PhaseClock(self.device)  # seconds per phase since the last log line, for the metrics store
         self.window_first_step, self.window_began = 0, time.perf_counter()
         self.store = MetricsWriter(self.run_dir) if dist_info.is_main else None
+        self.profiler = StepProfiler(cfg.monitor.profile, self.run_dir, dist_info.rank, self.device)
         if self.store:
             self.store.set_meta(world_size=dist_info.world_size, n_layers=cfg.model.n_layers, params=self.params,
                                 pp=self.pipe.plan.pp if self.pipe else 1, dp=self.dp_size, config=cfg.to_toml(),
@@ -199,8 +201,10 @@ class Trainer:
                     group["lr"] = lr
                 with self.clock("data"):
                     batch = next(self.loader)
+                self.profiler.before_step(self.step + 1)
                 loss, grad_norm = self.train_step(batch)
                 self.step += 1
+                self.profiler.after_step(self.step)
                 self.tokens += t.batch_size * t.seq_len * self.dp_size
                 window_tokens += t.batch_size * t.seq_len * self.dp_size
                 if self.bad_streak >= t.max_bad_steps:
@@ -221,6 +225,7 @@ class Trainer:
         finally:
             bar.close()
         wall = time.perf_counter() - started
+        self._store_profile()
         log.info("parameter digest %s", param_digest(self.model))  # ranks compare equal under data parallel
         final = self._evaluate(final=True)
         if self.last_saved_step == self.step:  # saved by the interval at this very step: record its loss
@@ -318,6 +323,20 @@ class Trainer:
                     layers.setdefault(layer, []).append(v)
         self.store.write_interval(record, rows, {k: sum(v) / len(v) for k, v in layers.items()},
                                   comm.get("comm_bytes_by_bucket", {}), stragglers(rows))
+
+    def _store_profile(self) -> None:
+        """The profiled steps' timeline summary of every rank (all ranks take part when a range was asked for)."""
+        if self.profiler.range is None:
+            return
+        self.profiler.finish()  # a run that ended inside the range
+        keys = ("steps", "wall_s", "compute_s", "comm_s", "overlap_s", "idle_s")
+        mine = self.profiler.summary or dict.fromkeys(keys, 0.0)
+        every = gather_rows(torch.tensor([float(mine[k]) for k in keys], dtype=torch.float64), self.d.world_size,
+                            self.d.enabled)
+        by_rank = [dict(zip(keys, row.tolist())) for row in every]
+        self.profile_by_rank = by_rank
+        if self.store:
+            self.store.write_profile(self.step, by_rank)
 
     def _evaluate(self, final: bool) -> dict:
         with self.clock("eval"):
@@ -439,6 +458,7 @@ class Trainer:
             "params": self.params, "flops_per_token": self.flops_per_token,
             "pp": self.pipe.plan.pp if self.pipe else 1, "dp": self.dp_size, **self._bubble_by_stage(),
             "skipped_steps": self.skipped_steps, "precision": self.cfg.train.precision, "device": str(self.device),
+            "profile_by_rank": getattr(self, "profile_by_rank", None),
         }
         if self.d.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

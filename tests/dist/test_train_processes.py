@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 TIMEOUT = 300
 
@@ -124,3 +126,21 @@ def test_a_rank_that_computes_slowly_is_flagged_as_the_straggler(tmp_path, tiny_
         fast, slow = (next(r for r in ranks if r["step"] == step and r["rank"] == k) for k in (0, 1))
         assert slow["forward_s"] > fast["forward_s"] + 0.025  # 0.05 s of sleep, less the sharing of 2 cores
         assert fast["exposed_comm_s"] > slow["exposed_comm_s"]  # the fast rank waits for the slow one
+
+
+def test_profiled_steps_give_every_rank_a_trace_and_a_timeline_summary(tmp_path, tiny_data):
+    from rpt.monitor.store import MetricsReader
+
+    proc = rpt_train(tmp_path / "r", tiny_data, "--nproc", "2", "--set", "train.max_steps=6", "--profile", "2:4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "r" / "traces" / f"rank{rank}.json").read_text())
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert {"rpt_step#2", "rpt_step#3", "rpt_step#4"} <= names and "rpt_step#5" not in names
+        assert "gloo:all_reduce" in names
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    stored = MetricsReader(tmp_path / "r").rows("profile")
+    assert [r["rank"] for r in stored] == [0, 1]
+    for p, row in zip(summary["profile_by_rank"], stored):
+        assert p["steps"] == 3 and p["compute_s"] > 0 and p["comm_s"] > 0 and p["wall_s"] == row["wall_s"]
+        assert p["compute_s"] + p["comm_s"] - p["overlap_s"] + p["idle_s"] == pytest.approx(p["wall_s"], rel=1e-6)

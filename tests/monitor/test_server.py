@@ -118,6 +118,8 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
     writer.set_meta(world_size=2, n_layers=2, tokens_per_rank_step=128)
     for step in (1, 2, 3):
         _write_step(writer, step)
+    writer.write_profile(3, [{"steps": 2, "wall_s": 0.2, "compute_s": 0.12, "comm_s": 0.06, "overlap_s": 0.02,
+                              "idle_s": 0.04}] * 2)
     server, thread, port = _serve_in_thread(create_app([recorded, live]))
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
@@ -156,6 +158,9 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
         assert driver.execute_script(hot) == "hot spots: bucket 0 80% of bytes, bucket 1 20% of bytes"
         z = driver.execute_script("return document.getElementById('heatmap').data[0].z")
         assert z == [[4096.0] * 5, [1024.0] * 5]
+        assert driver.execute_script(names, "profile") == ["compute only", "compute + communication (overlap)",
+                                                          "communication only", "idle"]
+        assert driver.execute_script("return document.getElementById('profile').data[0].y") == pytest.approx([0.05] * 2)
         cells = driver.execute_script("return [...document.querySelectorAll('#progress tbody tr')]"
                                       ".map(r => [r.cells[0].textContent, r.cells[2].textContent])")
         assert cells == [["0", "5"], ["1", "5"]]

@@ -1,7 +1,7 @@
 // rpt monitor: polls the run store through /api every 2 s and redraws; no reload, no CDN.
 "use strict";
 const TOKEN = new URLSearchParams(location.search).get("token");
-const TABLES = ["train", "ranks", "evals", "comm", "state", "stragglers"];
+const TABLES = ["train", "ranks", "evals", "comm", "state", "stragglers", "profile"];
 const runs = [];            // {id, name, live, meta, summary, rows: {table: [...]}, last: {table: step}}
 let selected = 0;
 
@@ -53,6 +53,7 @@ function draw() {
     layout({xaxis: {title: "step"}, yaxis: {title: "tokens/s"}}));
   drawBreakdown(perRank);
   drawHeatmap(run.rows.comm);
+  drawProfile(run.rows.profile);
   const layers = groupBy(run.rows.state, p => p.layer);
   Plotly.react("state", Object.entries(layers).map(([layer, ps]) => ({name: `layer ${layer}`,
     x: ps.map(p => p.step), y: ps.map(p => p.rms), mode: "lines"})), layout({xaxis: {title: "step"}, yaxis: {title: "RMS"}}));
@@ -77,6 +78,18 @@ function drawBreakdown(perRank) {
   };
   Plotly.react("breakdown", Object.entries(parts).map(([name, f]) => ({name, type: "bar", x: ranks, y: latest.map(f)})),
     layout({barmode: "stack", yaxis: {title: "seconds per step"}}));
+}
+
+function drawProfile(rows) {
+  const last = rows.length ? rows[rows.length - 1].step : null;
+  const latest = rows.filter(p => p.step === last);
+  const ranks = latest.map(p => `rank ${p.rank}`);
+  const parts = {
+    "compute only": p => p.compute_s - p.overlap_s, "compute + communication (overlap)": p => p.overlap_s,
+    "communication only": p => p.comm_s - p.overlap_s, "idle": p => p.idle_s,
+  };
+  Plotly.react("profile", Object.entries(parts).map(([name, f]) => ({name, type: "bar", x: ranks,
+    y: latest.map(p => f(p) / Math.max(1, p.steps))})), layout({barmode: "stack", yaxis: {title: "seconds per step"}}));
 }
 
 function drawHeatmap(comm) {
