@@ -42,6 +42,7 @@ from rpt.models import RecurrentLM
 from rpt.monitor.metrics import PhaseClock, gather_rows, memory_bytes, pack, state_rms, stragglers, unpack
 from rpt.monitor.profile import StepProfiler
 from rpt.monitor.store import MetricsWriter
+from rpt.monitor.tensorboard import TensorBoardWriter, require_tensorboard
 from rpt.models.state import all_finite, cat_rows, detach_state, map_state, rows
 from rpt.parallel import pipeline
 from rpt.parallel.launch import Dist
@@ -104,6 +105,7 @@ class Trainer:
         self.clock = PhaseClock(self.device)  # seconds per phase since the last log line, for the metrics store
         self.window_first_step, self.window_began = 0, time.perf_counter()
         self.store = MetricsWriter(self.run_dir) if dist_info.is_main else None
+        self.tensorboard = TensorBoardWriter(self.run_dir) if dist_info.is_main and cfg.monitor.tensorboard else None
         self.profiler = StepProfiler(cfg.monitor.profile, self.run_dir, dist_info.rank, self.device)
         if self.store:
             self.store.set_meta(world_size=dist_info.world_size, n_layers=cfg.model.n_layers, params=self.params,
@@ -323,6 +325,8 @@ class Trainer:
                     layers.setdefault(layer, []).append(v)
         self.store.write_interval(record, rows, {k: sum(v) / len(v) for k, v in layers.items()},
                                   comm.get("comm_bytes_by_bucket", {}), stragglers(rows))
+        if self.tensorboard:
+            self.tensorboard.interval(record, rows)
 
     def _store_profile(self) -> None:
         """The profiled steps' timeline summary of every rank (all ranks take part when a range was asked for)."""
@@ -355,6 +359,8 @@ class Trainer:
         log.info(json.dumps(record))
         if self.store:
             self.store.write_eval(record)
+        if self.tensorboard:
+            self.tensorboard.evaluation(record)
         if self.d.is_main:
             tqdm.write(f"step {self.step}: val loss {result['loss']:.4f}, ppl {result['ppl']:.2f}, "
                        f"bpb {result['bpb']:.4f}" + (" (final, whole split)" if final else ""))
@@ -463,6 +469,8 @@ class Trainer:
         if self.d.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             self.store.set_meta(summary=summary)
+        if self.tensorboard:
+            self.tensorboard.close()
         return summary
 
 
@@ -479,6 +487,8 @@ def param_digest(model: torch.nn.Module) -> str:
 
 def refuse_unbuilt(cfg: Config) -> None:
     """Settings whose machinery is not in this version: refused rather than silently ignored."""
-    if cfg.monitor.tensorboard or cfg.monitor.wandb:
-        raise RptError("monitor.tensorboard / monitor.wandb: this version writes metrics.jsonl only",
-                       "set both to false; RUN_DIR/metrics.jsonl holds every logged step and evaluation")
+    if cfg.monitor.tensorboard:
+        require_tensorboard()  # on every rank, so that all of them stop, not rank 0 alone
+    if cfg.monitor.wandb:
+        raise RptError("monitor.wandb: this version writes metrics.sqlite (and TensorBoard files) only",
+                       "set monitor.wandb = false; `rpt monitor RUN_DIR` or monitor.tensorboard = true show the run")

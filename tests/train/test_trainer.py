@@ -175,7 +175,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(make_cfg, tmp_pa
     assert newest.endswith("step_00000004")
 
 
-@pytest.mark.parametrize("setting", ["monitor.tensorboard=true"])
+@pytest.mark.parametrize("setting", ["monitor.wandb=true"])
 def test_settings_without_machinery_yet_are_refused_not_ignored(make_cfg, tmp_path, solo, setting):
     with pytest.raises(RptError, match="this version"):
         Trainer(make_cfg(setting), tmp_path / "r", solo, progress=False)
