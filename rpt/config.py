@@ -91,6 +91,7 @@ class TrainConfig:
     eval_interval: int = 200  # steps between validations; 0: only at the end
     eval_tokens: int = 0  # tokens of a periodic validation; 0: the whole split (the final one always is)
     max_bad_steps: int = 25  # stop after this many optimiser steps in a row with non-finite gradients
+    stall_timeout: float = 300.0  # seconds a rank may wait in one phase while others are elsewhere; 0: off
 
 
 @dataclass
@@ -209,7 +210,7 @@ class Config:
         if t.batch_size % t.grad_accum:
             raise RptError(f"train.batch_size = {t.batch_size} is not divisible by train.grad_accum = {t.grad_accum}",
                            "the batch is split into grad_accum equal micro-batches; choose a divisor")
-        for name in ("train.max_steps", "train.max_tokens", "train.max_time", "train.warmup_steps",
+        for name in ("train.max_steps", "train.max_tokens", "train.max_time", "train.warmup_steps", "train.stall_timeout",
                      "train.eval_interval", "train.eval_tokens", "train.grad_clip", "train.weight_decay",
                      "checkpoint.interval", "checkpoint.keep_last", "checkpoint.keep_best", "model.vocab_size"):
             _non_negative(name, self.get(name))

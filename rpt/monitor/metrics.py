@@ -27,13 +27,15 @@ FIELDS = ("step", "time", "loss", "tokens_per_s", "step_s", *(f"{p}_s" for p in 
 
 
 class PhaseClock:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, on_phase=None):
         self.cuda = device.type == "cuda"
         self.device = device
         self.sums = dict.fromkeys(PHASES, 0.0)
+        self.on_phase = on_phase or (lambda phase: None)  # the stall watchdog follows the phases
 
     @contextmanager
     def __call__(self, phase: str):
+        self.on_phase(phase)
         if self.cuda:
             torch.cuda.synchronize(self.device)
         began = time.perf_counter()

@@ -118,7 +118,14 @@ def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> None:
     try:
         elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as exc:
+        from rpt.train.watchdog import STALL_EXIT
+
         first = next(iter(exc.failures.values()), None)
+        if first is not None and first.exitcode == STALL_EXIT:
+            raise RptError("a rank stalled: the job stopped instead of waiting for it "
+                           f"(after {max_restarts} restart(s))",
+                           "the stall message in RUN_DIR/logs/rank*.log names the rank behind and the operation; "
+                           "raise train.stall_timeout if that phase is legitimately long") from None
         detail = f" (rank {first.local_rank}: {first.message})" if first is not None else ""
         raise RptError(f"a training worker failed after {max_restarts} restart(s){detail}",
                        "read the rank's log in RUN_DIR/logs/; --max-restarts N retries from the newest checkpoint") from None

@@ -5,6 +5,7 @@
     RPT_FAULT="nan@3"             the loss of step 3 becomes NaN on every rank (non-finite gradients)
     RPT_FAULT="nan@3-99"          steps 3 to 99
     RPT_FAULT="slow@1-99:rank=1:seconds=0.05"   rank 1 computes 0.05 s longer in every step's forward (a straggler)
+    RPT_FAULT="stall@4:rank=1:seconds=120"      rank 1 hangs for 120 s in the forward of step 4
 
 A worker that the elastic launcher restarted (TORCHELASTIC_RESTART_COUNT > 0) does not kill
 itself again, so a restarted run can finish. Unset, this costs one dictionary lookup per step.
@@ -52,5 +53,5 @@ def poisons_loss(fault: Fault | None, step: int, rank: int) -> bool:
 
 
 def maybe_stall(fault: Fault | None, step: int, rank: int) -> None:
-    if fault and fault.kind == "slow" and fault.active(step, rank):
+    if fault and fault.kind in ("slow", "stall") and fault.active(step, rank):
         time.sleep(fault.seconds)

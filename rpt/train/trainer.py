@@ -51,6 +51,7 @@ from rpt.train import faults
 from rpt.train.checkpoint import Checkpointer
 from rpt.train.evaluate import evaluate
 from rpt.train.optim import build_optimizer, lr_at
+from rpt.train.watchdog import Watchdog
 
 log = logging.getLogger("rpt.train")
 
@@ -102,7 +103,9 @@ class Trainer:
         self.comm_window: list[dict] = []  # per-step communication figures since the last log line
         self.progress = progress and dist_info.is_main
         self.fault = faults.from_env()
-        self.clock = PhaseClock(self.device)  # seconds per phase since the last log line, for the metrics store
+        self.watchdog = Watchdog(dist_info.rank, dist_info.world_size, t.stall_timeout if dist_info.enabled else 0)
+        in_step = ("data", "forward", "backward", "optimizer")  # phases of the step being run: step + 1
+        self.clock = PhaseClock(self.device, lambda phase: self.watchdog.mark(self.step + (phase in in_step), phase))
         self.window_first_step, self.window_began = 0, time.perf_counter()
         self.store = MetricsWriter(self.run_dir) if dist_info.is_main else None
         self.tensorboard = TensorBoardWriter(self.run_dir) if dist_info.is_main and cfg.monitor.tensorboard else None
@@ -144,7 +147,7 @@ class Trainer:
                     loss = F.cross_entropy(logits.float().flatten(0, 1), y[part].flatten())
                     if faults.poisons_loss(self.fault, self.step, self.d.rank):
                         loss = loss * float("nan")
-                    faults.maybe_stall(self.fault, self.step, self.d.rank)
+                    faults.maybe_stall(self.fault, self.step + 1, self.d.rank)  # numbered as in the logs
                 with self.clock("backward"):
                     self.scaler.scale(loss / t.grad_accum).backward()
             loss_sum += loss.detach()
@@ -194,6 +197,7 @@ class Trainer:
                  self.d.world_size)
         try:
             while True:
+                self.watchdog.mark(self.step + 1, "data")
                 elapsed = self._agreed_elapsed(self.elapsed_before + time.perf_counter() - started)
                 if self._budget_spent(elapsed):
                     break
@@ -236,7 +240,9 @@ class Trainer:
         else:
             self._save(wall)
         self.checkpointer.finish_pending()
-        return self._summary(wall, final)
+        summary = self._summary(wall, final)
+        self.watchdog.stop()
+        return summary
 
     # ------------------------------------------------------------------ pieces
     def _autocast(self):
@@ -286,6 +292,7 @@ class Trainer:
         return {"pipeline_bubble": self.pipe.take_bubble()} if self.pipe else {}
 
     def _log_step(self, my_loss: float, loss: float, grad_norm: float, lr: float, tokens_per_s: float, bar) -> None:
+        self.watchdog.mark(self.step, "log")
         self.last_train_loss = loss
         comm, pipe = self._comm_window_figures(), self._pipeline_figures()
         record = {"kind": "train", "step": self.step, "tokens": self.tokens, "loss": loss, "grad_norm": grad_norm,

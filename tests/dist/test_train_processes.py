@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,17 @@ def test_profiled_steps_give_every_rank_a_trace_and_a_timeline_summary(tmp_path,
     for p, row in zip(summary["profile_by_rank"], stored):
         assert p["steps"] == 3 and p["compute_s"] > 0 and p["comm_s"] > 0 and p["wall_s"] == row["wall_s"]
         assert p["compute_s"] + p["comm_s"] - p["overlap_s"] + p["idle_s"] == pytest.approx(p["wall_s"], rel=1e-6)
+
+
+def test_a_stalled_rank_stops_the_job_with_a_message_naming_it_and_the_operation(tmp_path, tiny_data):
+    """Rank 1 hangs in its forward of step 4. Without the watchdog the job would wait out the 10-minute
+    collective timeout and gloo's error would name neither rank nor operation."""
+    began = time.monotonic()
+    proc = rpt_train(tmp_path / "r", tiny_data, "--nproc", "2", "--set", "train.max_steps=20",
+                     "--set", "train.stall_timeout=3", env={"RPT_FAULT": "stall@4:rank=1:seconds=120"})
+    assert proc.returncode != 0
+    assert time.monotonic() - began < 90
+    logs = {r: (tmp_path / "r" / "logs" / f"rank{r}.log").read_text() for r in (0, 1)}
+    assert "stall: rank 1 made no progress" in logs[0]
+    assert "last at step 4 in forward" in logs[0] and "rank 0 waits at step 4 in backward" in logs[0]
+    assert "stalled" in proc.stderr and "names the rank" in proc.stderr
