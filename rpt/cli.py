@@ -152,6 +152,10 @@ def _cmd_train(args) -> None:
     cfg = Config.load(config_path, overrides)
     run_dir = args.run_dir or default_run_dir(args.config)
     _check_writable(run_dir)
+    if args.nproc > 1:
+        from rpt.parallel.pipeline import check_layout
+
+        check_layout(cfg, args.nproc)  # before any worker starts
     # Under torchrun every rank runs this command: rank 0 alone judges the folder, before any rank writes
     # to it, and a restarted group continues its own run.
     first_look = int(os.environ.get("RANK", "0")) == 0 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
@@ -167,6 +171,8 @@ def _cmd_train(args) -> None:
 
 
 def _check_writable(run_dir: Path) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RptError(f"the run directory {run_dir} is a file", "choose another --run-dir (a folder)")
     probe = run_dir
     while not probe.exists():
         probe = probe.parent

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rpt.comm.sync import clip_global_norm
+from rpt.errors import RptError
 from rpt.models.state import cat_rows, detach_state, rows
 from rpt.parallel.plan import Plan
 
@@ -229,6 +230,15 @@ class PipelineEval(nn.Module):
             dist.send(out.float().contiguous(), group=mesh.pp_group, group_dst=mesh.pp_rank + 1)
             return None, state
         return out, state
+
+
+def check_layout(cfg, world_size: int) -> None:
+    """Refuse, before anything is built or written, a pipeline degree the ranks cannot form."""
+    pp = cfg.parallel.pp
+    if pp != "auto" and world_size % int(pp):
+        raise RptError(f"world size {world_size} is not divisible by parallel.pp = {pp}",
+                       f"run a multiple of {pp} ranks (e.g. --nproc {pp * max(1, world_size // int(pp))}), "
+                       "or choose a parallel.pp that divides the world size")
 
 
 def setup(model, cfg, rank: int, world_size: int, device: torch.device, local_world: int = 1) -> Pipeline | None:

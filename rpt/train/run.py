@@ -27,9 +27,16 @@ def default_run_dir(config_path: str | None) -> Path:
     return Path("runs") / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
+class _LazyFileHandler(logging.FileHandler):
+    """Creates its folder and file with the first record: a run refused at start leaves no run directory."""
+
+    def _open(self):
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
 def setup_logging(run_dir: Path, rank: int) -> None:
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    handler = _LazyFileHandler(run_dir / "logs" / f"rank{rank}.log", delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger("rpt")
     root.handlers[:] = [handler]
@@ -47,7 +54,8 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, pr
         trainer = Trainer(cfg, run_dir, d, resume=resume or launch.restart_count() > 0, progress=progress)
         return trainer.run()
     except RptError as exc:
-        logging.getLogger("rpt").error("%s", exc)
+        if (run_dir / "config.toml").exists():  # a run that exists keeps the record; a refused new one leaves nothing
+            logging.getLogger("rpt").error("%s", exc)
         raise
     finally:
         launch.teardown()

@@ -46,7 +46,7 @@ from rpt.monitor.tensorboard import TensorBoardWriter, require_tensorboard
 from rpt.models.state import all_finite, cat_rows, detach_state, map_state, rows
 from rpt.parallel import pipeline
 from rpt.parallel.launch import Dist
-from rpt.parallel.pipeline import PipelineEval
+from rpt.parallel.pipeline import PipelineEval, check_layout
 from rpt.train import faults
 from rpt.train.checkpoint import Checkpointer
 from rpt.train.evaluate import evaluate
@@ -62,6 +62,7 @@ class Trainer:
         self.device = dist_info.device
         t = cfg.train
         refuse_unbuilt(cfg)
+        check_layout(cfg, dist_info.world_size)
         self.data = PreparedData(cfg.data.path)
         if cfg.model.vocab_size == 0:
             cfg.model.vocab_size = self.data.vocab_size
@@ -69,7 +70,6 @@ class Trainer:
             raise RptError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the data's vocabulary "
                            f"({self.data.vocab_size})", "set model.vocab_size = 0 to take it from the data")
         self.byte_lengths = token_byte_lengths(self.data.tokenizer)
-        self._write_run_files()
 
         torch.manual_seed(t.seed)  # the same initial model on every rank
         whole = RecurrentLM(cfg.model)
@@ -107,18 +107,21 @@ class Trainer:
         in_step = ("data", "forward", "backward", "optimizer")  # phases of the step being run: step + 1
         self.clock = PhaseClock(self.device, lambda phase: self.watchdog.mark(self.step + (phase in in_step), phase))
         self.window_first_step, self.window_began = 0, time.perf_counter()
-        self.store = MetricsWriter(self.run_dir) if dist_info.is_main else None
-        self.tensorboard = TensorBoardWriter(self.run_dir) if dist_info.is_main and cfg.monitor.tensorboard else None
         self.profiler = StepProfiler(cfg.monitor.profile, self.run_dir, dist_info.rank, self.device)
-        if self.store:
-            self.store.set_meta(world_size=dist_info.world_size, n_layers=cfg.model.n_layers, params=self.params,
-                                pp=self.pipe.plan.pp if self.pipe else 1, dp=self.dp_size, config=cfg.to_toml(),
-                                tokens_per_rank_step=t.batch_size * t.seq_len)
         torch.manual_seed(t.seed + 1000 * dist_info.rank)  # dropout differs per rank
         random.seed(t.seed + dist_info.rank)
         np.random.seed(t.seed + dist_info.rank)
         if resume:
             self._resume()
+        # Only now, with everything built and any checkpoint loaded, does the run directory get written: a run
+        # refused at start (a layout that cannot work, a checkpoint of another shape) leaves it as it was.
+        self._write_run_files()
+        self.store = MetricsWriter(self.run_dir) if dist_info.is_main else None
+        self.tensorboard = TensorBoardWriter(self.run_dir) if dist_info.is_main and cfg.monitor.tensorboard else None
+        if self.store:
+            self.store.set_meta(world_size=dist_info.world_size, n_layers=cfg.model.n_layers, params=self.params,
+                                pp=self.pipe.plan.pp if self.pipe else 1, dp=self.dp_size, config=cfg.to_toml(),
+                                tokens_per_rank_step=t.batch_size * t.seq_len)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,92 @@
+"""The catalogue of bad input: every user-facing entry point, given something wrong, answers with one clear
+message that names the fix (exit code 2, no traceback) and leaves no half-written output behind."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+TIMEOUT = 300
+
+
+def rpt(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rpt", *args], capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def snapshot(folder: Path) -> dict[str, str] | None:
+    """Every file under a folder with its checksum (its logs aside, which may record the refused attempt)."""
+    if not folder.exists():
+        return None
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.relative_to(folder).parts[0] != "logs"}
+
+
+def test_every_entry_point_refuses_bad_input_clearly_and_writes_nothing(tmp_path, tiny_data, shakespeare_text):
+    small = ["--set", "model.d_model=32", "--set", "train.batch_size=4", "--set", "train.seq_len=16"]
+    data = ["--set", f"data.path={tiny_data}"]
+    # a finished run, to resume and evaluate wrongly
+    run = tmp_path / "run"
+    done = rpt("train", "--run-dir", str(run), *data, *small, "--set", "train.max_steps=3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    # data prepared with another tokenizer
+    text = tmp_path / "other.txt"
+    text.write_text(shakespeare_text[:200_000])
+    other = tmp_path / "other-data"
+    assert rpt("prepare", "--input", str(text), "--out", str(other), "--vocab-size", "280").returncode == 0
+    # inputs that are wrong in themselves
+    (tmp_path / "bad.toml").write_text("[train\nmax_steps = 3\n")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "afile").write_text("not a folder")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = str(busy.getsockname()[1])
+    new = tmp_path / "new"
+
+    cases = [  # (what, argv, text the message must hold, folders that must stay as they were)
+        ("malformed TOML", ["train", "--config", str(tmp_path / "bad.toml"), "--run-dir", str(new)], "bad.toml", [new]),
+        ("unknown key", ["train", "--run-dir", str(new), *data, "--set", "train.max_stepz=3"],
+         "did you mean 'train.max_steps'", [new]),
+        ("mistyped value", ["train", "--run-dir", str(new), *data, "--set", "train.max_steps=many"], "train.max_steps",
+         [new]),
+        ("missing data", ["train", "--run-dir", str(new), "--set", f"data.path={tmp_path / 'nowhere'}"],
+         "not a prepared dataset", [new]),
+        ("empty data", ["prepare", "--input", str(tmp_path / "empty"), "--out", str(tmp_path / "prep")],
+         "no input files", [tmp_path / "prep"]),
+        ("tokenizer of other data", ["eval", str(run), "--data", str(other)], "another tokenizer", [run]),
+        ("token ids beyond the model's vocabulary", ["train", "--run-dir", str(new), *data, *small,
+         "--set", "model.vocab_size=100"], "smaller than the data's vocabulary", [new]),
+        ("checkpoint of another shape", ["train", "--run-dir", str(run), "--resume", *data, *small,
+         "--set", "model.d_model=48", "--set", "train.max_steps=6"], "blocks.0.cell", [run]),
+        ("unwritable run directory", ["train", "--run-dir", str(tmp_path / "afile"), *data], "is a file", []),
+        ("pipeline deeper than the blocks", ["train", "--run-dir", str(new), *data, "--set", "parallel.pp=5"],
+         "larger than model.n_layers", [new]),
+        ("world size not divisible by pp", ["train", "--run-dir", str(new), *data, *small, "--nproc", "3",
+         "--set", "parallel.pp=2"], "world size 3 is not divisible by parallel.pp = 2", [new]),
+        ("bad profile range", ["train", "--run-dir", str(new), *data, "--profile", "ten:12"], "START:END", [new]),
+        ("dashboard port in use", ["monitor", str(run), "--port", port], f"cannot listen on 127.0.0.1:{port}", [run]),
+        ("dashboard of a folder that is no run", ["monitor", str(tmp_path / "empty")], "not a run directory", []),
+        ("plan for an impossible layout", ["plan", "--world-size", "6", *data, "--set", "model.n_layers=4",
+         "--set", "parallel.pp=4"], "not divisible", []),
+    ]
+    failures = []
+    for what, argv, expected, folders in cases:
+        before = {folder: snapshot(folder) for folder in folders}  # a new run's folder: None, and must stay absent
+        proc = rpt(*argv)
+        problems = []
+        if proc.returncode != 2:
+            problems.append(f"exit code {proc.returncode}")
+        if expected not in proc.stderr:
+            problems.append(f"no '{expected}' in the message")
+        if "fix:" not in proc.stderr or "Traceback" in proc.stderr:
+            problems.append("not one message with its fix")
+        for folder in folders:
+            if snapshot(folder) != before[folder]:
+                problems.append(f"{folder.name} was written to")
+        if problems:
+            failures.append(f"{what}: {', '.join(problems)}\n    {proc.stderr.strip()[-600:]}")
+    busy.close()
+    assert not failures, "\n".join(failures)
