@@ -12,6 +12,7 @@ backend follows the device: gloo for CPU tensors, NCCL for CUDA tensors.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -115,6 +116,9 @@ def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> None:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"rpt-{os.getpid()}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
                           monitor_interval=0.5, start_method="spawn")
+    # torch's elastic agent logs every failed worker's traceback to stderr; rpt reports the failure itself
+    # (a user error as its one message, anything else with the rank's log, which holds the traceback)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as exc:
@@ -126,6 +130,12 @@ def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> None:
                            f"(after {max_restarts} restart(s))",
                            "the stall message in RUN_DIR/logs/rank*.log names the rank behind and the operation; "
                            "raise train.stall_timeout if that phase is legitimately long") from None
-        detail = f" (rank {first.local_rank}: {first.message})" if first is not None else ""
+        message = first.message.get("message", "") if first is not None and isinstance(first.message, dict) \
+            else str(first.message if first is not None else "")
+        if message.startswith("RptError: "):  # the same user error on a worker: say it as one process would
+            what, _, fix = message[len("RptError: "):].partition("\n  fix: ")
+            raise RptError(what, fix or None) from None
+        detail = f" (rank {first.local_rank}: {message.splitlines()[0] if message else 'exit ' + str(first.exitcode)})" \
+            if first is not None else ""
         raise RptError(f"a training worker failed after {max_restarts} restart(s){detail}",
                        "read the rank's log in RUN_DIR/logs/; --max-restarts N retries from the newest checkpoint") from None

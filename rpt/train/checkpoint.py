@@ -55,8 +55,10 @@ class Checkpointer:
         self._pending: tuple[Future, str, int, float | None] | None = None
 
     # ------------------------------------------------------------------ saving
-    def save(self, step: int, model, optimizer, extras: dict, val_loss: float | None = None) -> str:
-        """Save (all ranks call this). With async_save the write goes on in the background."""
+    def save(self, step: int, model, optimizer, extras: dict, val_loss: float | None = None,
+             before_commit=None) -> str:
+        """Save (all ranks call this). With async_save the write goes on in the background. `before_commit` runs
+        between the shards and the manifest (fault injection: a crash in the middle of a save)."""
         self.finish_pending()
         path = f"{self.root}/{PREFIX}{step:08d}"
         if self.rank == 0:
@@ -73,6 +75,8 @@ class Checkpointer:
             self._pending = (future, path, step, val_loss)
         else:
             dcp.save(state, storage_writer=self._writer(path))
+            if before_commit is not None:
+                before_commit()
             self._commit(path, step, val_loss)
         return path
 

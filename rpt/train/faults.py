@@ -2,6 +2,7 @@
 
     RPT_FAULT="kill@5"            rank 0 kills itself (SIGKILL) when step 5 begins
     RPT_FAULT="kill@5:rank=1"     rank 1 does
+    RPT_FAULT="killsave@6:rank=1" rank 1 kills itself inside the checkpoint of step 6: shards written, no manifest
     RPT_FAULT="nan@3"             the loss of step 3 becomes NaN on every rank (non-finite gradients)
     RPT_FAULT="nan@3-99"          steps 3 to 99
     RPT_FAULT="slow@1-99:rank=1:seconds=0.05"   rank 1 computes 0.05 s longer in every step's forward (a straggler)
@@ -39,12 +40,12 @@ def from_env() -> Fault | None:
     kind, _, steps = head.partition("@")
     first, _, last = steps.partition("-")
     opts = dict(o.split("=", 1) for o in options)
-    rank = int(opts["rank"]) if "rank" in opts else (0 if kind == "kill" else None)
+    rank = int(opts["rank"]) if "rank" in opts else (0 if kind in ("kill", "killsave") else None)
     return Fault(kind, int(first), int(last or first), rank, float(opts.get("seconds", 0.0)))
 
 
-def maybe_kill(fault: Fault | None, step: int, rank: int) -> None:
-    if fault and fault.kind == "kill" and fault.active(step, rank) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+def maybe_kill(fault: Fault | None, step: int, rank: int, kind: str = "kill") -> None:
+    if fault and fault.kind == kind and fault.active(step, rank) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -57,6 +57,9 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, pr
         if (run_dir / "config.toml").exists():  # a run that exists keeps the record; a refused new one leaves nothing
             logging.getLogger("rpt").error("%s", exc)
         raise
+    except Exception:
+        logging.getLogger("rpt").exception("training failed")  # the traceback, in RUN_DIR/logs/rankR.log
+        raise
     finally:
         launch.teardown()
 

@@ -54,6 +54,10 @@ def test_resume_after_a_killed_run_equals_the_uninterrupted_run(tmp_path, tiny_d
     killed = rpt_train(tmp_path / "cut", tiny_data, *common, env={"RPT_FAULT": "kill@7"})
     assert killed.returncode == -9  # SIGKILL at the start of step 8, after the checkpoint of step 6
     assert not (tmp_path / "cut" / "summary.json").exists()
+    # what was written before the kill is all there: the store's rows and the log's records of steps 1-7
+    from rpt.monitor.store import MetricsReader
+    assert [r["step"] for r in MetricsReader(tmp_path / "cut").rows("train")] == list(range(1, 8))
+    assert '"step": 7' in (tmp_path / "cut" / "logs" / "rank0.log").read_text()
     resumed = rpt_train(tmp_path / "cut", tiny_data, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr + resumed.stdout
@@ -109,6 +113,31 @@ def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_the_uninte
         return {re.findall(r"parameter digest (\w+)", (run / "logs" / f"rank{r}.log").read_text())[-1] for r in (0, 1)}
     assert digests(tmp_path / "cut") == digests(tmp_path / "full") and len(digests(tmp_path / "full")) == 1
 
+    # killed in the middle of the save of step 6 (its shards written, not its manifest): the restarted group
+    # ignores that half checkpoint, resumes from step 3 and still ends as the uninterrupted run
+    mid = rpt_train(tmp_path / "mid", tiny_data, *common, "--max-restarts", "1", env={"RPT_FAULT": "killsave@6:rank=1"})
+    assert mid.returncode == 0, mid.stderr[-3000:]
+    assert "resumed from" in (log := (tmp_path / "mid" / "logs" / "rank0.log").read_text())
+    assert re.search(r"resumed from \S*step_00000003 at step 3", log)
+    assert digests(tmp_path / "mid") == digests(tmp_path / "full")
+
+
+def test_a_corrupted_newest_checkpoint_is_skipped_with_a_warning_and_the_previous_resumed(tmp_path, tiny_data):
+    common = ("--nproc", "2", "--set", "checkpoint.interval=3", "--set", "checkpoint.keep_last=2")
+    first = rpt_train(tmp_path / "r", tiny_data, *common, "--set", "train.max_steps=6")
+    assert first.returncode == 0, first.stderr[-3000:]
+    newest = tmp_path / "r" / "checkpoints" / "step_00000006"
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, wrong checksum
+    shard.write_bytes(bytes(data))
+    again = rpt_train(tmp_path / "r", tiny_data, *common, "--set", "train.max_steps=9", "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    log = (tmp_path / "r" / "logs" / "rank0.log").read_text()
+    assert "skipping damaged checkpoint" in log and "step_00000006" in log and "does not match its checksum" in log
+    assert re.search(r"resumed from \S*step_00000003 at step 3", log)
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 9
+
 
 def test_a_rank_that_computes_slowly_is_flagged_as_the_straggler(tmp_path, tiny_data):
     """Rank 1 sleeps 50 ms in every forward: the store names it, by its own compute time, in every interval, and
@@ -159,3 +188,12 @@ def test_a_stalled_rank_stops_the_job_with_a_message_naming_it_and_the_operation
     assert "stall: rank 1 made no progress" in logs[0]
     assert "last at step 4 in forward" in logs[0] and "rank 0 waits at step 4 in backward" in logs[0]
     assert "stalled" in proc.stderr and "names the rank" in proc.stderr
+
+
+def test_persistent_non_finite_gradients_stop_every_rank_and_keep_the_last_good_checkpoint(tmp_path, tiny_data):
+    proc = rpt_train(tmp_path / "r", tiny_data, "--nproc", "2", "--set", "train.max_steps=30",
+                     "--set", "train.max_bad_steps=3", "--set", "checkpoint.interval=2", env={"RPT_FAULT": "nan@4-99"})
+    assert proc.returncode == 2 and "non-finite gradients" in proc.stderr and "Traceback" not in proc.stderr
+    kept = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
+    assert kept[-1] == "step_00000004"  # steps 5, 6 and 7 were skipped; the last good checkpoint is step 4's
+    assert (tmp_path / "r" / "checkpoints" / kept[-1] / "manifest.json").exists()
