@@ -3,6 +3,7 @@
     RPT_FAULT="kill@5"            rank 0 kills itself (SIGKILL) when step 5 begins
     RPT_FAULT="kill@5:rank=1"     rank 1 does
     RPT_FAULT="killsave@6:rank=1" rank 1 kills itself inside the checkpoint of step 6: shards written, no manifest
+    RPT_FAULT="corrupt@6:rank=1"  once the checkpoint of step 6 is complete, rank 1 flips a byte of its shard
     RPT_FAULT="nan@3"             the loss of step 3 becomes NaN on every rank (non-finite gradients)
     RPT_FAULT="nan@3-99"          steps 3 to 99
     RPT_FAULT="slow@1-99:rank=1:seconds=0.05"   rank 1 computes 0.05 s longer in every step's forward (a straggler)
@@ -40,7 +41,7 @@ def from_env() -> Fault | None:
     kind, _, steps = head.partition("@")
     first, _, last = steps.partition("-")
     opts = dict(o.split("=", 1) for o in options)
-    rank = int(opts["rank"]) if "rank" in opts else (0 if kind in ("kill", "killsave") else None)
+    rank = int(opts["rank"]) if "rank" in opts else (0 if kind in ("kill", "killsave", "corrupt") else None)
     return Fault(kind, int(first), int(last or first), rank, float(opts.get("seconds", 0.0)))
 
 
@@ -56,3 +57,19 @@ def poisons_loss(fault: Fault | None, step: int, rank: int) -> bool:
 def maybe_stall(fault: Fault | None, step: int, rank: int) -> None:
     if fault and fault.kind in ("slow", "stall") and fault.active(step, rank):
         time.sleep(fault.seconds)
+
+
+def maybe_corrupt(fault: Fault | None, step: int, rank: int, checkpoint: str | None) -> None:
+    """Flip one byte in the middle of this rank's largest shard of a complete (local) checkpoint: same size,
+    wrong checksum, as a bad disk or an interrupted copy leaves it."""
+    if not (fault and fault.kind == "corrupt" and fault.active(step, rank) and checkpoint):
+        return
+    from pathlib import Path
+
+    shards = sorted(Path(checkpoint).glob(f"__{rank}_*.distcp")) or sorted(Path(checkpoint).glob("*.distcp"))
+    if not shards:  # not a local folder (an fsspec URL): nothing to corrupt here
+        return
+    shard = max(shards, key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))

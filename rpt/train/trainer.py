@@ -388,8 +388,10 @@ class Trainer:
         }
         val = self.last_eval["loss"] if self.last_eval and self.last_eval["step"] == self.step else None
         with self.clock("checkpoint"):
-            self.checkpointer.save(self.step, self.model, self.optimizer, extras, val_loss=val,
-                                   before_commit=lambda: faults.maybe_kill(self.fault, self.step, self.d.rank, "killsave"))
+            path = self.checkpointer.save(self.step, self.model, self.optimizer, extras, val_loss=val,
+                                          before_commit=lambda: faults.maybe_kill(self.fault, self.step, self.d.rank,
+                                                                                  "killsave"))
+            faults.maybe_corrupt(self.fault, self.step, self.d.rank, path if not self.checkpointer.async_save else None)
         self.last_saved_step = self.step
 
     def _resume(self) -> None:

@@ -124,13 +124,10 @@ def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_the_uninte
 
 def test_a_corrupted_newest_checkpoint_is_skipped_with_a_warning_and_the_previous_resumed(tmp_path, tiny_data):
     common = ("--nproc", "2", "--set", "checkpoint.interval=3", "--set", "checkpoint.keep_last=2")
-    first = rpt_train(tmp_path / "r", tiny_data, *common, "--set", "train.max_steps=6")
+    # once the checkpoint of step 6 is complete, rank 1 flips one byte of its shard: same size, wrong checksum
+    first = rpt_train(tmp_path / "r", tiny_data, *common, "--set", "train.max_steps=6",
+                      env={"RPT_FAULT": "corrupt@6:rank=1"})
     assert first.returncode == 0, first.stderr[-3000:]
-    newest = tmp_path / "r" / "checkpoints" / "step_00000006"
-    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, wrong checksum
-    shard.write_bytes(bytes(data))
     again = rpt_train(tmp_path / "r", tiny_data, *common, "--set", "train.max_steps=9", "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
     log = (tmp_path / "r" / "logs" / "rank0.log").read_text()
