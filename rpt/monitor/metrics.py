@@ -120,3 +120,48 @@ def stragglers(rows: list[dict], threshold: float = 1.2) -> list[dict]:
                 found.append({"rank": int(r["rank"]), "compute_s": r["compute_s"], "reference_s": reference,
                               "ratio": r["compute_s"] / reference})
     return found
+
+
+class _GateRecorder(torch.overrides.TorchFunctionMode):
+    """Counts, per layer, the outputs of bounded gate functions (sigmoid, hard sigmoid, tanh) that sit in their
+    flat tails: sigmoid-like below 0.02 or above 0.98, tanh beyond +-0.98. Works for every cell, registered ones
+    included, because the single-step forms call these torch functions."""
+
+    SIGMOIDS = {torch.sigmoid, torch.Tensor.sigmoid, torch.nn.functional.hardsigmoid, torch.special.expit}
+    TANHS = {torch.tanh, torch.Tensor.tanh, torch.nn.functional.tanh}
+
+    def __init__(self, n_layers: int):
+        super().__init__()
+        self.layer = None
+        self.saturated = [0] * n_layers
+        self.total = [0] * n_layers
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.layer is not None and isinstance(out, torch.Tensor) and (func in self.SIGMOIDS or func in self.TANHS):
+            y = out.detach().float()
+            flat = (y.abs() > 0.98) if func in self.TANHS else ((y < 0.02) | (y > 0.98))
+            self.saturated[self.layer] += int(flat.sum())
+            self.total[self.layer] += y.numel()
+        return out
+
+
+@torch.no_grad()
+def gate_saturation(model, tokens: torch.Tensor, state, n_layers: int) -> list[float]:
+    """Share of saturated gate outputs per layer, from the single-step forms run over `tokens` ([B, T], a few
+    rows of the last batch) from `state` (theirs). The fast training paths (cuDNN/oneDNN LSTM, fused scans) do
+    not expose their gates, so this probe re-runs a few tokens through the readable step forms."""
+    recorder = _GateRecorder(n_layers)
+    hooks = [block.register_forward_pre_hook(lambda _m, _a, i=i: setattr(recorder, "layer", i))
+             for i, block in enumerate(model.blocks)]
+    was_training = model.training
+    model.eval()
+    try:
+        with recorder:
+            for t in range(tokens.shape[1]):
+                _, state = model.step(tokens[:, t], state)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    return [s / t if t else math.nan for s, t in zip(recorder.saturated, recorder.total)]

@@ -9,7 +9,7 @@ Tables (all keyed by step):
     ranks      every rank's row per log line: phase seconds per step, compute, memory, bytes, stage
     evals      validation loss, perplexity, bits per byte
     comm       bytes per bucket (or parameter group) per step
-    state      RMS of the recurrent state per layer
+    state      RMS of the recurrent state per layer, and the share of its gate outputs that are saturated
     stragglers ranks whose own compute exceeds their peers' (see metrics.stragglers)
     profile    per rank, over the steps of `--profile`: wall, compute, communication, overlap, idle seconds
     meta       key/value: config, world size, layers, ...
@@ -32,7 +32,7 @@ CREATE TABLE IF NOT EXISTS ranks (step INTEGER, rank INTEGER, {", ".join(f"{f} R
     PRIMARY KEY (step, rank));
 CREATE TABLE IF NOT EXISTS evals (step INTEGER, time REAL, final INTEGER, loss REAL, ppl REAL, bpb REAL);
 CREATE TABLE IF NOT EXISTS comm (step INTEGER, bucket INTEGER, bytes REAL, PRIMARY KEY (step, bucket));
-CREATE TABLE IF NOT EXISTS state (step INTEGER, layer INTEGER, rms REAL, PRIMARY KEY (step, layer));
+CREATE TABLE IF NOT EXISTS state (step INTEGER, layer INTEGER, rms REAL, saturated REAL, PRIMARY KEY (step, layer));
 CREATE TABLE IF NOT EXISTS stragglers (step INTEGER, rank INTEGER, compute_s REAL, reference_s REAL, ratio REAL);
 CREATE TABLE IF NOT EXISTS profile (step INTEGER, rank INTEGER, steps INTEGER, wall_s REAL, compute_s REAL,
     comm_s REAL, overlap_s REAL, idle_s REAL, PRIMARY KEY (step, rank));
@@ -56,7 +56,7 @@ class MetricsWriter:
             self.db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
                                 [(k, json.dumps(v)) for k, v in values.items()])
 
-    def write_interval(self, train: dict, ranks: list[dict], state: dict[int, float], comm: dict[int, float],
+    def write_interval(self, train: dict, ranks: list[dict], state: dict[int, tuple[float, float]], comm: dict[int, float],
                        stragglers: list[dict]) -> None:
         step = int(train["step"])
         self.db.execute("BEGIN")
@@ -67,8 +67,8 @@ class MetricsWriter:
             cols = ["step", "rank", *[f for f in FIELDS if f != "step"]]
             self.db.executemany(f"INSERT OR REPLACE INTO ranks ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
                                 [(step, r["rank"], *[_clean(r.get(f)) for f in FIELDS if f != "step"]) for r in ranks])
-            self.db.executemany("INSERT OR REPLACE INTO state VALUES (?, ?, ?)",
-                                [(step, layer, _clean(v)) for layer, v in state.items()])
+            self.db.executemany("INSERT OR REPLACE INTO state VALUES (?, ?, ?, ?)",
+                                [(step, layer, _clean(rms), _clean(sat)) for layer, (rms, sat) in state.items()])
             self.db.executemany("INSERT OR REPLACE INTO comm VALUES (?, ?, ?)",
                                 [(step, int(b), float(v)) for b, v in comm.items()])
             self.db.executemany("INSERT INTO stragglers VALUES (?, ?, ?, ?, ?)",

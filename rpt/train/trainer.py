@@ -39,7 +39,8 @@ from rpt.data.stream import TokenStream
 from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
-from rpt.monitor.metrics import PhaseClock, gather_rows, memory_bytes, pack, state_rms, stragglers, unpack
+from rpt.monitor.metrics import (PhaseClock, gate_saturation, gather_rows, memory_bytes, pack, state_rms,
+                                 stragglers, unpack)
 from rpt.monitor.profile import StepProfiler
 from rpt.monitor.store import MetricsWriter
 from rpt.monitor.tensorboard import TensorBoardWriter, require_tensorboard
@@ -129,6 +130,7 @@ class Trainer:
         t = self.cfg.train
         model = self.sync.module
         x, y, reset = (v.to(self.device, non_blocking=True) for v in batch)
+        self.last_tokens = x
         reset = reset if self.cfg.data.reset_at_documents else None
         if self.pipe is not None:  # forward and backward of every micro-batch, through the pipeline schedule
             self.pipe.stage.state = self.state
@@ -322,21 +324,27 @@ class Trainer:
                 "memory_bytes": memory_bytes(self.device), "stage": self.pipe.stage.index if self.pipe else 0,
                 "bubble": pipe.get("pipeline_bubble") if pipe.get("pipeline_bubble") is not None else math.nan}
         first_layer = min(int(k) for k in self.pipe.stage.blocks.keys()) if self.pipe else 0
-        norms = state_rms(self.state, first_layer, self.cfg.model.n_layers)
-        every = gather_rows(pack(mine, norms), self.d.world_size, self.d.enabled)
+        n = self.cfg.model.n_layers
+        norms = state_rms(self.state, first_layer, n)
+        # gate saturation: a few tokens of the last batch through the step forms (not on pipeline stages yet)
+        saturated = [math.nan] * n if self.pipe else gate_saturation(
+            self.model, self.last_tokens[:2, :16], rows(self.state, slice(0, 2)), n)
+        every = gather_rows(pack(mine, norms + saturated), self.d.world_size, self.d.enabled)
         if self.store is None:
             return
-        rows, layers = [], {}
+        ranks, layers = [], {}
         for rank, vector in enumerate(every):
             row, state = unpack(vector)
-            rows.append({**row, "rank": rank})
-            for layer, v in enumerate(state):
-                if math.isfinite(v):
-                    layers.setdefault(layer, []).append(v)
-        self.store.write_interval(record, rows, {k: sum(v) / len(v) for k, v in layers.items()},
-                                  comm.get("comm_bytes_by_bucket", {}), stragglers(rows))
+            ranks.append({**row, "rank": rank})
+            for layer, (rms, sat) in enumerate(zip(state[:n], state[n:])):
+                if math.isfinite(rms):
+                    layers.setdefault(layer, []).append((rms, sat))
+        mean = lambda vs: sum(vs) / len(vs) if vs and all(map(math.isfinite, vs)) else math.nan  # noqa: E731
+        self.store.write_interval(record, ranks, {k: (mean([r for r, _ in v]), mean([s for _, s in v]))
+                                                 for k, v in layers.items()},
+                                  comm.get("comm_bytes_by_bucket", {}), stragglers(ranks))
         if self.tensorboard:
-            self.tensorboard.interval(record, rows)
+            self.tensorboard.interval(record, ranks)
 
     def _store_profile(self) -> None:
         """The profiled steps' timeline summary of every rank (all ranks take part when a range was asked for)."""

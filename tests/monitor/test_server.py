@@ -101,7 +101,7 @@ def _write_step(writer: MetricsWriter, step: int) -> None:
              "memory_bytes": 1e8, "stage": 0} for r in range(2)]
     writer.write_interval({"step": step, "time": time.time(), "tokens": step * 256, "loss": 5.0 - 0.1 * step,
                            "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 2560.0, "skipped_steps": 0},
-                          rows, {0: 0.5, 1: 0.7}, {0: 4096.0, 1: 1024.0}, stragglers(rows))
+                          rows, {0: (0.5, 0.01), 1: (0.7, 0.2)}, {0: 4096.0, 1: 1024.0}, stragglers(rows))
 
 
 @pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="Debian's chromium and chromium-driver are not "
@@ -141,6 +141,7 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
         assert driver.execute_script(names, "breakdown") == ["data", "forward", "backward + optimizer",
                                                             "exposed communication", "checkpoint", "evaluation", "other"]
         assert driver.execute_script(names, "state") == ["layer 0", "layer 1"]
+        assert driver.execute_script(names, "gates") == ["layer 0", "layer 1"]
         assert driver.execute_script("return document.querySelectorAll('svg.main-svg').length") >= 6  # drawn
         # the second run is live: new steps appear without a reload
         driver.execute_script("window.__same_page = 42")

@@ -34,6 +34,7 @@ def test_a_run_writes_every_logged_step_rank_eval_and_layer(make_cfg, tmp_path, 
     assert [(r["step"], r["final"]) for r in reader.rows("evals")] == [(3, 0), (6, 0), (6, 1)]
     layers = reader.rows("state")
     assert sorted({r["layer"] for r in layers}) == [0, 1, 2] and all(r["rms"] > 0 for r in layers)
+    assert all(0.0 <= r["saturated"] <= 1.0 for r in layers)
     meta = reader.meta()
     assert meta["world_size"] == 1 and meta["n_layers"] == 3 and meta["summary"]["steps"] == 6
 
@@ -45,7 +46,8 @@ w = MetricsWriter(sys.argv[1])
 for step in range(1, 100000):
     rows = [{"rank": r, "forward_s": 0.1 * r, "compute_s": 0.1} for r in range(4)]
     w.write_interval({"step": step, "time": time.time(), "tokens": step * 100, "loss": 1.0 / step, "grad_norm": 1.0,
-                      "lr": 1e-3, "tokens_per_s": 1e4, "skipped_steps": 0}, rows, {0: 1.0, 1: 2.0}, {0: 10.0}, [])
+                      "lr": 1e-3, "tokens_per_s": 1e4, "skipped_steps": 0}, rows, {0: (1.0, 0.1), 1: (2.0, 0.2)},
+                     {0: 10.0}, [])
     print(step, flush=True)
 """
 

@@ -57,6 +57,9 @@ function draw() {
   const layers = groupBy(run.rows.state, p => p.layer);
   Plotly.react("state", Object.entries(layers).map(([layer, ps]) => ({name: `layer ${layer}`,
     x: ps.map(p => p.step), y: ps.map(p => p.rms), mode: "lines"})), layout({xaxis: {title: "step"}, yaxis: {title: "RMS"}}));
+  Plotly.react("gates", Object.entries(layers).map(([layer, ps]) => ({name: `layer ${layer}`,
+    x: ps.map(p => p.step), y: ps.map(p => p.saturated), mode: "lines"})),
+    layout({xaxis: {title: "step"}, yaxis: {title: "share saturated", rangemode: "tozero"}}));
   fillTable("stragglers", run.rows.stragglers.slice(-20).reverse().map(s =>
     [s.step, s.rank, s.compute_s.toFixed(4), s.reference_s.toFixed(4), s.ratio.toFixed(2)]), () => true);
   const flagged = new Set(run.rows.stragglers.filter(s => s.step === run.last.ranks).map(s => s.rank));
