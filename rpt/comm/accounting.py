@@ -35,6 +35,7 @@ class CommMeter:
 
     def _begin(self) -> None:
         self.by_bucket: dict[int, int] = defaultdict(int)
+        self.seconds_by_bucket: dict[int, float] = defaultdict(float)  # launch to completion, per bucket
         self.intervals: list[tuple[float, float]] = []
         self.exposed = 0.0
         self.last_launch = 0.0
@@ -50,6 +51,7 @@ class CommMeter:
         end = time.perf_counter()
         with self._lock:
             self.by_bucket[bucket] += int(wire_bytes)
+            self.seconds_by_bucket[bucket] += end - start
             self.intervals.append((start, end))
 
     def add_exposed(self, seconds: float) -> None:
@@ -62,6 +64,7 @@ class CommMeter:
             comm = _union_length(self.intervals)
             step_bytes = sum(self.by_bucket.values())
             record = {"comm_bytes": step_bytes, "comm_bytes_by_bucket": dict(sorted(self.by_bucket.items())),
+                      "comm_seconds_by_bucket": dict(sorted(self.seconds_by_bucket.items())),
                       "comm_seconds": comm, "exposed_comm_seconds": min(self.exposed, comm) if comm else self.exposed,
                       "hidden_comm_fraction": (1.0 - min(self.exposed, comm) / comm) if comm > 0 else None}
             self.steps += 1

@@ -8,7 +8,7 @@ Tables (all keyed by step):
     train      rank 0's record per log line: loss (mean over ranks), grad norm, lr, tokens/s, ...
     ranks      every rank's row per log line: phase seconds per step, compute, memory, bytes, stage
     evals      validation loss, perplexity, bits per byte
-    comm       bytes per bucket (or parameter group) per step
+    comm       bytes and seconds (launch to completion, mean over the interval's steps) per bucket per step
     state      RMS of the recurrent state per layer, and the share of its gate outputs that are saturated
     stragglers ranks whose own compute exceeds their peers' (see metrics.stragglers)
     profile    per rank, over the steps of `--profile`: wall, compute, communication, overlap, idle seconds
@@ -31,7 +31,7 @@ CREATE TABLE IF NOT EXISTS train (step INTEGER PRIMARY KEY, time REAL, tokens IN
 CREATE TABLE IF NOT EXISTS ranks (step INTEGER, rank INTEGER, {", ".join(f"{f} REAL" for f in FIELDS if f != "step")},
     PRIMARY KEY (step, rank));
 CREATE TABLE IF NOT EXISTS evals (step INTEGER, time REAL, final INTEGER, loss REAL, ppl REAL, bpb REAL);
-CREATE TABLE IF NOT EXISTS comm (step INTEGER, bucket INTEGER, bytes REAL, PRIMARY KEY (step, bucket));
+CREATE TABLE IF NOT EXISTS comm (step INTEGER, bucket INTEGER, bytes REAL, seconds REAL, PRIMARY KEY (step, bucket));
 CREATE TABLE IF NOT EXISTS state (step INTEGER, layer INTEGER, rms REAL, saturated REAL, PRIMARY KEY (step, layer));
 CREATE TABLE IF NOT EXISTS stragglers (step INTEGER, rank INTEGER, compute_s REAL, reference_s REAL, ratio REAL);
 CREATE TABLE IF NOT EXISTS profile (step INTEGER, rank INTEGER, steps INTEGER, wall_s REAL, compute_s REAL,
@@ -57,7 +57,7 @@ class MetricsWriter:
                                 [(k, json.dumps(v)) for k, v in values.items()])
 
     def write_interval(self, train: dict, ranks: list[dict], state: dict[int, tuple[float, float]], comm: dict[int, float],
-                       stragglers: list[dict]) -> None:
+                       stragglers: list[dict], comm_seconds: dict[int, float] | None = None) -> None:
         step = int(train["step"])
         self.db.execute("BEGIN")
         try:
@@ -69,8 +69,9 @@ class MetricsWriter:
                                 [(step, r["rank"], *[_clean(r.get(f)) for f in FIELDS if f != "step"]) for r in ranks])
             self.db.executemany("INSERT OR REPLACE INTO state VALUES (?, ?, ?, ?)",
                                 [(step, layer, _clean(rms), _clean(sat)) for layer, (rms, sat) in state.items()])
-            self.db.executemany("INSERT OR REPLACE INTO comm VALUES (?, ?, ?)",
-                                [(step, int(b), float(v)) for b, v in comm.items()])
+            seconds = comm_seconds or {}
+            self.db.executemany("INSERT OR REPLACE INTO comm VALUES (?, ?, ?, ?)",
+                                [(step, int(b), float(v), _clean(seconds.get(b))) for b, v in comm.items()])
             self.db.executemany("INSERT INTO stragglers VALUES (?, ?, ?, ?, ?)",
                                 [(step, s["rank"], s["compute_s"], s["reference_s"], s["ratio"]) for s in stragglers])
             self.db.execute("COMMIT")

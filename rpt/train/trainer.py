@@ -291,7 +291,9 @@ class Trainer:
         return {"comm_bytes_per_step": sum(f["comm_bytes"] for f in w) / len(w),
                 "comm_seconds_per_step": seconds / len(w), "exposed_comm_seconds_per_step": exposed / len(w),
                 "hidden_comm_fraction": 1.0 - exposed / seconds if seconds > 0 else None,
-                "comm_bytes_by_bucket": w[-1]["comm_bytes_by_bucket"], **self.sync.schedule_in_force()}
+                "comm_bytes_by_bucket": w[-1]["comm_bytes_by_bucket"],
+                "comm_seconds_by_bucket": _mean_by_key([f["comm_seconds_by_bucket"] for f in w]),
+                **self.sync.schedule_in_force()}
 
     def _pipeline_figures(self) -> dict:
         return {"pipeline_bubble": self.pipe.take_bubble()} if self.pipe else {}
@@ -342,7 +344,8 @@ class Trainer:
         mean = lambda vs: sum(vs) / len(vs) if vs and all(map(math.isfinite, vs)) else math.nan  # noqa: E731
         self.store.write_interval(record, ranks, {k: (mean([r for r, _ in v]), mean([s for _, s in v]))
                                                  for k, v in layers.items()},
-                                  comm.get("comm_bytes_by_bucket", {}), stragglers(ranks))
+                                  comm.get("comm_bytes_by_bucket", {}), stragglers(ranks),
+                                  comm.get("comm_seconds_by_bucket", {}))
         if self.tensorboard:
             self.tensorboard.interval(record, ranks)
 
@@ -493,6 +496,12 @@ class Trainer:
         if self.tensorboard:
             self.tensorboard.close()
         return summary
+
+
+def _mean_by_key(dicts: list[dict]) -> dict:
+    """Per key, the mean over the steps of a log interval (a key missing in a step counts as 0 there)."""
+    keys = sorted({k for d in dicts for k in d})
+    return {k: sum(d.get(k, 0.0) for d in dicts) / len(dicts) for k in keys}
 
 
 def param_digest(model: torch.nn.Module) -> str:

@@ -153,6 +153,8 @@ def test_a_rank_that_computes_slowly_is_flagged_as_the_straggler(tmp_path, tiny_
         fast, slow = (next(r for r in ranks if r["step"] == step and r["rank"] == k) for k in (0, 1))
         assert slow["forward_s"] > fast["forward_s"] + 0.025  # 0.05 s of sleep, less the sharing of 2 cores
         assert fast["exposed_comm_s"] > slow["exposed_comm_s"]  # the fast rank waits for the slow one
+    comm = reader.rows("comm")  # the heat map's cells: bytes and seconds per bucket per logged step
+    assert {r["step"] for r in comm} == {3, 6, 9, 12} and all(r["bytes"] > 0 and r["seconds"] > 0 for r in comm)
 
 
 def test_profiled_steps_give_every_rank_a_trace_and_a_timeline_summary(tmp_path, tiny_data):

@@ -101,7 +101,8 @@ def _write_step(writer: MetricsWriter, step: int) -> None:
              "memory_bytes": 1e8, "stage": 0} for r in range(2)]
     writer.write_interval({"step": step, "time": time.time(), "tokens": step * 256, "loss": 5.0 - 0.1 * step,
                            "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 2560.0, "skipped_steps": 0},
-                          rows, {0: (0.5, 0.01), 1: (0.7, 0.2)}, {0: 4096.0, 1: 1024.0}, stragglers(rows))
+                          rows, {0: (0.5, 0.01), 1: (0.7, 0.2)}, {0: 4096.0, 1: 1024.0}, stragglers(rows),
+                          {0: 0.01, 1: 0.03})
 
 
 @pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="Debian's chromium and chromium-driver are not "
@@ -159,6 +160,10 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
         assert driver.execute_script(hot) == "hot spots: bucket 0 80% of bytes, bucket 1 20% of bytes"
         z = driver.execute_script("return document.getElementById('heatmap').data[0].z")
         assert z == [[4096.0] * 5, [1024.0] * 5]
+        # the same heat map in time: bucket 1 is the slow one although it sends less
+        driver.execute_script("const s = document.getElementById('heat-measure'); s.value = 'seconds';"
+                              "s.dispatchEvent(new Event('change'))")
+        assert driver.execute_script(hot) == "hot spots: bucket 1 75% of time, bucket 0 25% of time"
         assert driver.execute_script(names, "profile") == ["compute only", "compute + communication (overlap)",
                                                           "communication only", "idle"]
         assert driver.execute_script("return document.getElementById('profile').data[0].y") == pytest.approx([0.05] * 2)

@@ -96,15 +96,18 @@ function drawProfile(rows) {
 }
 
 function drawHeatmap(comm) {
+  const measure = document.getElementById("heat-measure").value;  // bytes or seconds
   const steps = [...new Set(comm.map(c => c.step))].sort((a, b) => a - b);
   const buckets = [...new Set(comm.map(c => c.bucket))].sort((a, b) => a - b);
-  const z = buckets.map(b => steps.map(s => { const c = comm.find(c => c.step === s && c.bucket === b); return c ? c.bytes : null; }));
+  const z = buckets.map(b => steps.map(s => { const c = comm.find(c => c.step === s && c.bucket === b);
+    return c ? c[measure] : null; }));
   Plotly.react("heatmap", [{type: "heatmap", x: steps, y: buckets.map(b => `bucket ${b}`), z, colorscale: "YlOrRd",
-    name: "bytes"}], layout({xaxis: {title: "step"}}));
+    name: measure}], layout({xaxis: {title: "step"}}));
   const totals = buckets.map((b, i) => [b, z[i].reduce((a, v) => a + (v || 0), 0)]).sort((a, b) => b[1] - a[1]);
   const sum = totals.reduce((a, t) => a + t[1], 0) || 1;
+  const unit = measure === "bytes" ? "bytes" : "time";
   document.getElementById("hotspots").textContent = totals.length ? "hot spots: " + totals.slice(0, 3).map(([b, v]) =>
-    `bucket ${b} ${(100 * v / sum).toFixed(0)}% of bytes`).join(", ") : "no communication recorded (one process)";
+    `bucket ${b} ${(100 * v / sum).toFixed(0)}% of ${unit}`).join(", ") : "no communication recorded (one process)";
 }
 
 function drawConfig() {
@@ -135,5 +138,6 @@ function groupBy(rows, key) {
 }
 
 document.getElementById("config-run").addEventListener("change", e => { selected = Number(e.target.value); draw(); });
+document.getElementById("heat-measure").addEventListener("change", () => draw());
 poll();
 setInterval(poll, 2000);
