@@ -108,6 +108,11 @@ def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_the_uninte
     cut = rpt_train(tmp_path / "cut", tiny_data, *common, "--max-restarts", "1", env={"RPT_FAULT": "kill@5:rank=1"})
     assert cut.returncode == 0, cut.stderr[-3000:]
     assert "resumed from" in (tmp_path / "cut" / "logs" / "rank0.log").read_text()
+    # the killed rank's log kept what it wrote before the SIGKILL (its record of step 5's predecessor, step 4,
+    # appears twice: before the kill and again after the resume from step 3), and the store every step
+    from rpt.monitor.store import MetricsReader
+    assert (tmp_path / "cut" / "logs" / "rank1.log").read_text().count('"kind": "train", "step": 4,') == 2
+    assert [r["step"] for r in MetricsReader(tmp_path / "cut").rows("train")] == list(range(1, 11))
 
     def digests(run: Path) -> set[str]:
         return {re.findall(r"parameter digest (\w+)", (run / "logs" / f"rank{r}.log").read_text())[-1] for r in (0, 1)}
