@@ -4,6 +4,7 @@ message that names the fix (exit code 2, no traceback) and leaves no half-writte
 from __future__ import annotations
 
 import hashlib
+import json
 import socket
 import subprocess
 import sys
@@ -36,6 +37,17 @@ def test_every_entry_point_refuses_bad_input_clearly_and_writes_nothing(tmp_path
     text.write_text(shakespeare_text[:200_000])
     other = tmp_path / "other-data"
     assert rpt("prepare", "--input", str(text), "--out", str(other), "--vocab-size", "280").returncode == 0
+    # data whose token file holds an id beyond its vocabulary (same size, so it passes the size check)
+    import shutil
+
+    import numpy as np
+    damaged = tmp_path / "damaged-data"
+    shutil.copytree(tiny_data, damaged)
+    train_bin = next(damaged.glob("train.*"))
+    ids = np.memmap(train_bin, dtype=json.loads((damaged / "meta.json").read_text())["dtype"], mode="r+")
+    ids[100] = 5000
+    ids.flush()
+    del ids
     # inputs that are wrong in themselves
     (tmp_path / "bad.toml").write_text("[train\nmax_steps = 3\n")
     (tmp_path / "empty").mkdir()
@@ -59,6 +71,8 @@ def test_every_entry_point_refuses_bad_input_clearly_and_writes_nothing(tmp_path
         ("tokenizer of other data", ["eval", str(run), "--data", str(other)], "another tokenizer", [run]),
         ("token ids beyond the model's vocabulary", ["train", "--run-dir", str(new), *data, *small,
          "--set", "model.vocab_size=100"], "smaller than the data's vocabulary", [new]),
+        ("token ids beyond the data's vocabulary", ["train", "--run-dir", str(new), "--set", f"data.path={damaged}",
+         *small], "token id 5000", [new]),
         ("checkpoint of another shape", ["train", "--run-dir", str(run), "--resume", *data, *small,
          "--set", "model.d_model=48", "--set", "train.max_steps=6"], "blocks.0.cell", [run]),
         ("unwritable run directory", ["train", "--run-dir", str(tmp_path / "afile"), *data], "is a file", []),

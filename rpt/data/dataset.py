@@ -43,6 +43,18 @@ class PreparedData:
         info = self.meta["splits"][split]
         return np.memmap(self.path / info["file"], dtype=self.dtype, mode="r", shape=(int(info["tokens"]),))
 
+    def check_ids(self, split: str, vocab_size: int, sample: int = 4_000_000) -> None:
+        """Refuse token ids the model has no embedding for: the whole split when it is small, else its first and
+        last `sample` / 2 tokens (the training loop checks every batch it reads as well)."""
+        tokens = self.tokens(split)
+        half = sample // 2
+        parts = [(0, tokens)] if len(tokens) <= sample else [(0, tokens[:half]), (len(tokens) - half, tokens[-half:])]
+        for offset, part in parts:
+            if len(part) and int(part.max()) >= vocab_size:
+                position = offset + int(np.argmax(part >= vocab_size))
+                raise_bad_id(int(tokens[position]), position, self.path / self.meta["splits"][split]["file"],
+                             vocab_size)
+
     def num_bytes(self, split: str) -> int:
         """UTF-8 bytes of text behind a split's tokens: the denominator of bits per byte."""
         return int(self.meta["splits"][split]["bytes"])
@@ -52,3 +64,10 @@ class PreparedData:
         from rpt.data.tokenizer import load_tokenizer
 
         return load_tokenizer(self.path / "tokenizer.json")
+
+
+def raise_bad_id(token: int, position: int | None, where, vocab_size: int) -> None:
+    at = f" at token {position:,}" if position is not None else ""
+    raise RptError(f"token id {token} in {where}{at} is outside the model's vocabulary of {vocab_size}",
+                   "the token files do not belong to this tokenizer or are damaged: prepare the data again "
+                   "(rpt prepare ... --force)")

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from rpt.comm.sync import build_sync
 from rpt.config import Config
-from rpt.data.dataset import PreparedData
+from rpt.data.dataset import PreparedData, raise_bad_id
 from rpt.data.stream import TokenStream
 from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
@@ -71,6 +71,8 @@ class Trainer:
             raise RptError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the data's vocabulary "
                            f"({self.data.vocab_size})", "set model.vocab_size = 0 to take it from the data")
         self.byte_lengths = token_byte_lengths(self.data.tokenizer)
+        for split in ("train", "val"):
+            self.data.check_ids(split, cfg.model.vocab_size)
 
         torch.manual_seed(t.seed)  # the same initial model on every rank
         whole = RecurrentLM(cfg.model)
@@ -212,6 +214,10 @@ class Trainer:
                     group["lr"] = lr
                 with self.clock("data"):
                     batch = next(self.loader)
+                    largest = max(int(batch[0].max()), int(batch[1].max()))  # on the CPU, before the device
+                    if largest >= self.cfg.model.vocab_size:
+                        raise_bad_id(largest, None, f"the training batch of step {self.step + 1}",
+                                     self.cfg.model.vocab_size)
                 self.profiler.before_step(self.step + 1)
                 loss, grad_norm = self.train_step(batch)
                 self.step += 1
