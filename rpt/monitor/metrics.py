@@ -1,7 +1,8 @@
 """What every rank measures per step, and the one small collective that brings it to rank 0.
 
 Each rank times its phases (data wait, forward, backward, optimiser, checkpoint, evaluation; on
-CUDA with a synchronisation at each boundary, so the time is the device's), takes the exposed
+CUDA with event pairs resolved once per log line, so the time is the device's and the step never
+waits for the device because of the measurement), takes the exposed
 communication from the comm meter, its memory (CUDA peak, or the process's resident set), and the
 RMS of the recurrent state it carries per layer. Every log interval the ranks all-gather one
 fixed-size float64 vector each (`pack`), and rank 0 writes the rows to the store.
@@ -31,25 +32,36 @@ class PhaseClock:
         self.cuda = device.type == "cuda"
         self.device = device
         self.sums = dict.fromkeys(PHASES, 0.0)
+        self.events: list[tuple[str, object, object]] = []  # CUDA: (phase, start, end), resolved in take()
         self.on_phase = on_phase or (lambda phase: None)  # the stall watchdog follows the phases
 
     @contextmanager
     def __call__(self, phase: str):
         self.on_phase(phase)
         if self.cuda:
-            torch.cuda.synchronize(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self.events.append((phase, start, end))
+            return
         began = time.perf_counter()
         try:
             yield
         finally:
-            if self.cuda:
-                torch.cuda.synchronize(self.device)
             self.sums[phase] += time.perf_counter() - began
 
     def add(self, phase: str, seconds: float) -> None:
         self.sums[phase] += seconds
 
     def take(self) -> dict[str, float]:
+        if self.events:
+            self.events[-1][2].synchronize()  # the last phase's end: every earlier event has happened too
+            for phase, start, end in self.events:
+                self.sums[phase] += start.elapsed_time(end) / 1000.0
+            self.events = []
         sums, self.sums = self.sums, dict.fromkeys(PHASES, 0.0)
         return sums
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -140,5 +139,4 @@ def serve(run_dirs: list[str], host: str, port: int, token: str | None) -> None:
                            f"choose another port, e.g. --port {port + 1}, or stop what uses it") from None
     address = f"http://{host}:{port}/" + (f"?token={token}" if token else "")
     print(f"rpt monitor: {len(run_dirs)} run(s) at {address}  (Ctrl-C stops)", flush=True)
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     uvicorn.run(create_app([Path(r) for r in run_dirs], token), host=host, port=port, log_level="warning")
