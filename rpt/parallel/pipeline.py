@@ -88,7 +88,7 @@ class Stage(nn.Module):
             if self.cfg.tie_embeddings and not self.first:  # its own copy of the (identically seeded) embedding
                 self.head.weight = nn.Parameter(model.embed.weight.detach().clone())
         self.batch_size, self.micro = batch_size, batch_size // microbatches
-        self.state = self.init_state(batch_size)
+        self.state: list | None = None  # the whole batch's state of these blocks: the trainer hands it in each step
         self._calls, self._new = 0, []
         self.compute_seconds, self.marks = 0.0, []  # forward + backward seconds of this step; backward durations
 
@@ -147,7 +147,6 @@ class Pipeline:
         self.mesh, self.plan, self.device = mesh, plan, device
         s = mesh.pp_rank
         self.stage = Stage(model, s, plan.pp, plan.stages[s].blocks, batch_size, plan.microbatches).to(device)
-        self.stage.state = self.stage.init_state(batch_size, device)
         self.module: nn.Module = self.stage  # replaced by the data-parallel wrapper (DDP) when dp > 1
         self.batch_size, self.seq_len, self.schedule_name = batch_size, seq_len, schedule
         self._schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]

@@ -109,7 +109,6 @@ class Trainer:
         self.watchdog = Watchdog(dist_info.rank, dist_info.world_size, t.stall_timeout if dist_info.enabled else 0)
         in_step = ("data", "forward", "backward", "optimizer")  # phases of the step being run: step + 1
         self.clock = PhaseClock(self.device, lambda phase: self.watchdog.mark(self.step + (phase in in_step), phase))
-        self.window_first_step, self.window_began = 0, time.perf_counter()
         self.profiler = StepProfiler(cfg.monitor.profile, self.run_dir, dist_info.rank, self.device)
         torch.manual_seed(t.seed + 1000 * dist_info.rank)  # dropout differs per rank
         random.seed(t.seed + dist_info.rank)
