@@ -104,8 +104,17 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def memory_bytes(device) -> int:
+    """Process RSS on the CPU; on a GPU the device's peak allocation since the last reset."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(device)
+    return rss_bytes()
+
+
 def bench_generation(device, lengths):
-    print("\n| generation | new tokens | tokens/s | state numel | RSS growth |")
+    what = "peak CUDA memory growth" if device.type == "cuda" else "RSS growth"
+    print(f"\n| generation | new tokens | tokens/s | state numel | {what} |")
     print("|---|---|---|---|---|")
     for cell in ("lstm", "mingru", "modlstm"):
         torch.manual_seed(0)
@@ -113,14 +122,16 @@ def bench_generation(device, lengths):
         model = RecurrentLM(cfg).to(device)
         prompt = torch.randint(0, 8192, (16,), device=device)
         for n in lengths:
-            before = rss_bytes()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            before = memory_bytes(device)
             t = time.perf_counter()
             count = sum(1 for _ in model.generate(prompt, n, temperature=1.0, top_k=50))
             dt = time.perf_counter() - t
             state = model(prompt[None])[1]
             numel = sum(t.numel() for block in state for part in block for t in part)
             print(f"| {cell} 4x256 + attention | {count:,} | {count / dt:,.0f} | {numel:,} | "
-                  f"{(rss_bytes() - before) / 2**20:+.1f} MiB |")
+                  f"{(memory_bytes(device) - before) / 2**20:+.1f} MiB |")
 
 
 def main():

@@ -135,8 +135,8 @@ class MonitorConfig:
     """Metrics written by rank 0 and read by `rpt monitor`."""
 
     log_interval: int = 10
-    tensorboard: bool = False
-    wandb: bool = False
+    tensorboard: Union[bool, Literal["auto"]] = "auto"  # "auto": event files in RUN_DIR/tb when tensorboard is installed
+    wandb: bool = False  # a W&B run (needs wandb; WANDB_PROJECT, WANDB_MODE=offline, ... apply)
     profile: str = ""  # "START:END": torch.profiler traces of those steps on every rank (rpt train --profile)
 
 

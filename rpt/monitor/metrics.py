@@ -159,21 +159,25 @@ class _GateRecorder(torch.overrides.TorchFunctionMode):
 
 
 @torch.no_grad()
-def gate_saturation(model, tokens: torch.Tensor, state, n_layers: int) -> list[float]:
-    """Share of saturated gate outputs per layer, from the single-step forms run over `tokens` ([B, T], a few
-    rows of the last batch) from `state` (theirs). The fast training paths (cuDNN/oneDNN LSTM, fused scans) do
-    not expose their gates, so this probe re-runs a few tokens through the readable step forms."""
+def gate_saturation(owner, inputs: torch.Tensor, state, n_layers: int, first_layer: int = 0) -> list[float]:
+    """Share of saturated gate outputs per layer (NaN for layers `owner` does not hold), from the single-step
+    forms run over `inputs` ([B, T]: a few rows of the last batch's tokens; on a later pipeline stage, of the
+    activations it received) from `state`. `owner` is the model or a pipeline stage: anything with `blocks`
+    and `step(x_t, state)`. The fast training paths (cuDNN/oneDNN LSTM, fused scans) do not expose their
+    gates, so this probe re-runs a few tokens through the readable step forms."""
+    blocks = owner.blocks.values() if isinstance(owner.blocks, torch.nn.ModuleDict) else owner.blocks
     recorder = _GateRecorder(n_layers)
-    hooks = [block.register_forward_pre_hook(lambda _m, _a, i=i: setattr(recorder, "layer", i))
-             for i, block in enumerate(model.blocks)]
-    was_training = model.training
-    model.eval()
+    hooks = [block.register_forward_pre_hook(lambda _m, _a, i=i: setattr(recorder, "layer", first_layer + i))
+             for i, block in enumerate(blocks)]
+    inputs = inputs.float() if inputs.is_floating_point() else inputs  # activations arrive in the autocast dtype
+    was_training = owner.training
+    owner.eval()
     try:
         with recorder:
-            for t in range(tokens.shape[1]):
-                _, state = model.step(tokens[:, t], state)
+            for t in range(inputs.shape[1]):
+                _, state = owner.step(inputs[:, t], state)
     finally:
         for h in hooks:
             h.remove()
-        model.train(was_training)
+        owner.train(was_training)
     return [s / t if t else math.nan for s, t in zip(recorder.saturated, recorder.total)]

@@ -90,6 +90,7 @@ class Stage(nn.Module):
         self.batch_size, self.micro = batch_size, batch_size // microbatches
         self.state: list | None = None  # the whole batch's state of these blocks: the trainer hands it in each step
         self._calls, self._new = 0, []
+        self.probe_input: torch.Tensor | None = None  # the gate-saturation probe's inputs (see forward)
         self.compute_seconds, self.marks = 0.0, []  # forward + backward seconds of this step; backward durations
 
     def init_state(self, batch: int, device=None) -> list:
@@ -108,11 +109,23 @@ class Stage(nn.Module):
             x = self.head(self.norm(x)).float()
         return x, new
 
+    def step(self, x_t, state):
+        """One token through these blocks' single-step forms (the gate-saturation probe): tokens on the first
+        stage, activations otherwise; returns activations and the new state."""
+        x = self.embed(x_t) if self.embed is not None else x_t
+        new = []
+        for block, s in zip(self.blocks.values(), state):
+            x, s = block(x, s, step=True)
+            new.append(s)
+        return x, new
+
     def forward(self, x, reset=None):
         """One micro-batch inside a schedule: rows of the carried state by the order of the calls."""
         began = time.perf_counter()
         k = self._calls
         self._calls += 1
+        if k == 0:  # the probe's inputs: the first row's first tokens (activations, on a later stage)
+            self.probe_input = x[:1, :8].detach().clone()
         part = slice(k * self.micro, (k + 1) * self.micro)
         y, s = self.run(x, rows(self.state, part), reset)
         self._new.append(detach_state(s))

@@ -38,7 +38,22 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, only=None) -> torc
     groups = [g for g in param_groups(model, cfg.weight_decay, only) if g["params"]]
     if not groups:
         return None
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=None if torch.cuda.is_available() else False)
+    # fused: one kernel per parameter group on GPU and CPU alike, and it can skip a step on the device (below)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=True)
+
+
+def step_unless(optimizer: torch.optim.AdamW, nonfinite: torch.Tensor) -> None:
+    """The AdamW step, skipped on the device where `nonfinite` (a 0-d bool tensor) is set.
+
+    Fused AdamW reads a `found_inf` tensor (GradScaler hands fp16 steps the same way) and then leaves
+    parameters, moments and step counts untouched, so the host never waits for the gradient norm:
+    on a GPU the next step's kernels queue behind this one instead of after a synchronisation.
+    """
+    optimizer.found_inf = nonfinite.float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:

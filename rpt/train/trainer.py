@@ -43,7 +43,7 @@ from rpt.monitor.metrics import (PhaseClock, gate_saturation, gather_rows, memor
                                  stragglers, unpack)
 from rpt.monitor.profile import StepProfiler
 from rpt.monitor.store import MetricsWriter
-from rpt.monitor.tensorboard import TensorBoardWriter, require_tensorboard
+from rpt.monitor import sinks
 from rpt.models.state import all_finite, cat_rows, detach_state, map_state, rows
 from rpt.parallel import pipeline
 from rpt.parallel.launch import Dist
@@ -51,7 +51,7 @@ from rpt.parallel.pipeline import PipelineEval, check_layout
 from rpt.train import faults
 from rpt.train.checkpoint import Checkpointer
 from rpt.train.evaluate import evaluate
-from rpt.train.optim import build_optimizer, lr_at
+from rpt.train.optim import build_optimizer, lr_at, step_unless
 from rpt.train.watchdog import Watchdog
 
 log = logging.getLogger("rpt.train")
@@ -62,7 +62,7 @@ class Trainer:
         self.cfg, self.run_dir, self.d = cfg, Path(run_dir), dist_info
         self.device = dist_info.device
         t = cfg.train
-        refuse_unbuilt(cfg)
+        sinks.require(cfg.monitor)  # on every rank, so that all of them stop, not rank 0 alone
         check_layout(cfg, dist_info.world_size)
         self.data = PreparedData(cfg.data.path)
         if cfg.model.vocab_size == 0:
@@ -99,6 +99,7 @@ class Trainer:
         self.checkpointer = Checkpointer(ck.path or str(self.run_dir / "checkpoints"), dist_info.rank,
                                          dist_info.world_size, ck.keep_last, ck.keep_best, ck.async_save)
         self.step = self.tokens = self.skipped_steps = self.bad_streak = 0
+        self.pending_skip = None  # on a GPU: the last step's non-finite flag, not read yet
         self.elapsed_before = 0.0  # training seconds of earlier runs of this run directory
         self.last_eval: dict | None = None
         self.last_train_loss: float | None = None
@@ -119,7 +120,7 @@ class Trainer:
         # refused at start (a layout that cannot work, a checkpoint of another shape) leaves it as it was.
         self._write_run_files()
         self.store = MetricsWriter(self.run_dir) if dist_info.is_main else None
-        self.tensorboard = TensorBoardWriter(self.run_dir) if dist_info.is_main and cfg.monitor.tensorboard else None
+        self.sinks = sinks.open_sinks(cfg.monitor, self.run_dir, cfg.to_dict()) if dist_info.is_main else []
         if self.store:
             self.store.set_meta(world_size=dist_info.world_size, n_layers=cfg.model.n_layers, params=self.params,
                                 pp=self.pipe.plan.pp if self.pipe else 1, dp=self.dp_size, config=cfg.to_toml(),
@@ -130,7 +131,8 @@ class Trainer:
         """One optimiser step over one batch; returns (mean loss, gradient norm)."""
         t = self.cfg.train
         model = self.sync.module
-        x, y, reset = (v.to(self.device, non_blocking=True) for v in batch)
+        pin = self.device.type == "cuda"  # a copy from pageable memory would wait for the queued kernels
+        x, y, reset = ((v.pin_memory() if pin else v).to(self.device, non_blocking=True) for v in batch)
         self.last_tokens = x
         reset = reset if self.cfg.data.reset_at_documents else None
         if self.pipe is not None:  # forward and backward of every micro-batch, through the pipeline schedule
@@ -172,22 +174,48 @@ class Trainer:
         if self.optimizer is not None:
             self.scaler.unscale_(self.optimizer)
         grad_norm = (self.pipe or self.sync).clip_grad_norm(t.grad_clip)  # over every stage's gradients
-        scale_before = self.scaler.get_scale()
-        finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the norm is global
-        if finite and self.optimizer is not None:
-            self.scaler.step(self.optimizer)
-        self.scaler.update()
+        nonfinite = ~torch.isfinite(grad_norm)  # the same on every rank: the norm is global
         if self.optimizer is not None:
+            if self.scaler.is_enabled():  # fp16: the scaler hands fused AdamW its own overflow flag
+                self.scaler.step(self.optimizer)
+            else:
+                step_unless(self.optimizer, nonfinite)
             self.optimizer.zero_grad(set_to_none=True)
-        if finite:
-            self.sync.share_parameters()
+        self.scaler.update()
+        self.sync.share_parameters()  # a skipped step shares unchanged parameters
         self.comm_window.append(self.sync.meter.end_step())
-        skipped = not finite or self.scaler.get_scale() < scale_before  # a shrinking scale: fp16 overflow
+        self._count_skip(nonfinite)
+        return loss, grad_norm
+
+    def _count_skip(self, nonfinite: torch.Tensor) -> None:
+        """Count a skipped step. On a GPU the flag is read one step late, from pinned memory, so no step
+        waits for its own gradient norm; on the CPU at once. Only the bookkeeping lags: the skip itself
+        happened on the device."""
+        if self.device.type == "cuda":
+            flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            flag.copy_(nonfinite, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            previous, self.pending_skip = self.pending_skip, (flag, event)
+            if previous is not None:
+                self._settle_skip(*previous)
+        else:
+            self._settle_skip(nonfinite, None)
+
+    def _settle_skip(self, flag: torch.Tensor, event) -> None:
+        if event is not None:
+            event.synchronize()
+        skipped = bool(flag)
         self.skipped_steps += skipped
         self.bad_streak = self.bad_streak + 1 if skipped else 0
-        if skipped and not all_finite(self.state):
-            self.state = self.model.init_state(t.batch_size, self.device)
-        return loss, grad_norm
+        if skipped and not all_finite(self.state):  # a step late on a GPU: that step was skipped as well
+            self.state = self.model.init_state(self.cfg.train.batch_size, self.device)
+
+    def _settle_pending_skip(self) -> None:
+        """Read the last step's flag now (before a checkpoint, a log line, the end)."""
+        if self.pending_skip is not None:
+            pending, self.pending_skip = self.pending_skip, None
+            self._settle_skip(*pending)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
@@ -229,6 +257,7 @@ class Trainer:
                                    "lower train.lr, raise train.warmup_steps or use precision fp32/bf16; "
                                    f"the last good checkpoint is {self.checkpointer.latest() or 'none'}")
                 if self.step % self.cfg.monitor.log_interval == 0:
+                    self._settle_pending_skip()
                     rate = window_tokens / (time.perf_counter() - window_start)
                     self._log_step(loss.item(), self._mean_across_ranks(loss), grad_norm.item(), lr, rate, bar)
                     window_tokens, window_start = 0, time.perf_counter()
@@ -236,10 +265,13 @@ class Trainer:
                 bar.update(done - bar.n)
                 if t.eval_interval and self.step % t.eval_interval == 0:
                     self._evaluate(final=False)
-                if ck.interval and self.step % ck.interval == 0 and self.bad_streak == 0:  # keep good ones good
-                    self._save(time.perf_counter() - started)
+                if ck.interval and self.step % ck.interval == 0:
+                    self._settle_pending_skip()
+                    if self.bad_streak == 0:  # keep good ones good
+                        self._save(time.perf_counter() - started)
         finally:
             bar.close()
+        self._settle_pending_skip()
         wall = time.perf_counter() - started
         self._store_profile()
         log.info("parameter digest %s", param_digest(self.model))  # ranks compare equal under data parallel
@@ -333,9 +365,10 @@ class Trainer:
         first_layer = min(int(k) for k in self.pipe.stage.blocks.keys()) if self.pipe else 0
         n = self.cfg.model.n_layers
         norms = state_rms(self.state, first_layer, n)
-        # gate saturation: a few tokens of the last batch through the step forms (not on pipeline stages yet)
-        saturated = [math.nan] * n if self.pipe else gate_saturation(
-            self.model, self.last_tokens[:1, :8], rows(self.state, slice(0, 1)), n)  # ~5 ms per log line
+        # gate saturation: a few tokens of the last batch through the step forms (~5 ms per log line); a pipeline
+        # stage probes its own blocks with the activations it received
+        owner, probe = (self.pipe.stage, self.pipe.stage.probe_input) if self.pipe else (self.model, self.last_tokens)
+        saturated = gate_saturation(owner, probe[:1, :8], rows(self.state, slice(0, 1)), n, first_layer)
         every = gather_rows(pack(mine, norms + saturated), self.d.world_size, self.d.enabled)
         if self.store is None:
             return
@@ -351,8 +384,8 @@ class Trainer:
                                                  for k, v in layers.items()},
                                   comm.get("comm_bytes_by_bucket", {}), stragglers(ranks),
                                   comm.get("comm_seconds_by_bucket", {}))
-        if self.tensorboard:
-            self.tensorboard.interval(record, ranks)
+        for sink in self.sinks:
+            sink.scalars(sinks.interval_scalars(record, ranks), self.step)
 
     def _store_profile(self) -> None:
         """The profiled steps' timeline summary of every rank (all ranks take part when a range was asked for)."""
@@ -385,8 +418,8 @@ class Trainer:
         log.info(json.dumps(record))
         if self.store:
             self.store.write_eval(record)
-        if self.tensorboard:
-            self.tensorboard.evaluation(record)
+        for sink in self.sinks:
+            sink.scalars(sinks.eval_scalars(record), self.step)
         if self.d.is_main:
             tqdm.write(f"step {self.step}: val loss {result['loss']:.4f}, ppl {result['ppl']:.2f}, "
                        f"bpb {result['bpb']:.4f}" + (" (final, whole split)" if final else ""))
@@ -498,8 +531,8 @@ class Trainer:
         if self.d.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             self.store.set_meta(summary=summary)
-        if self.tensorboard:
-            self.tensorboard.close()
+        for sink in self.sinks:
+            sink.finish(summary)
         return summary
 
 
@@ -518,12 +551,3 @@ def param_digest(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def refuse_unbuilt(cfg: Config) -> None:
-    """Settings whose machinery is not in this version: refused rather than silently ignored."""
-    if cfg.monitor.tensorboard:
-        require_tensorboard()  # on every rank, so that all of them stop, not rank 0 alone
-    if cfg.monitor.wandb:
-        raise RptError("monitor.wandb: this version writes metrics.sqlite (and TensorBoard files) only",
-                       "set monitor.wandb = false; `rpt monitor RUN_DIR` or monitor.tensorboard = true show the run")

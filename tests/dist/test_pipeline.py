@@ -10,6 +10,7 @@ from harness import run_ranks
 from pipeline_workers import losses_of, pipeline_overrides, train_runs
 
 from rpt.config import Config
+from rpt.monitor.store import MetricsReader
 from rpt.parallel.launch import Dist
 from rpt.train.run import eval_run
 from rpt.train.trainer import Trainer
@@ -65,6 +66,15 @@ def test_two_stages_train_exactly_as_one_process(two_stages, tiny_data, tmp_path
         assert (s["pp"], s["dp"], s["pipeline_schedule"]) == (2, 1, schedule)
         assert s["pipeline_bubble_theory"] == pytest.approx(1 / 3)
         assert 0.0 < s["pipeline_bubble"] < 1.0 and len(s["pipeline_bubble_by_stage"]) == 2
+    # gate saturation from both stages: every layer, and the first stage's layers as in one process (same tokens,
+    # same state rows); a later stage probes with the activations it received, so only its range is checked
+    ref = {(r["step"], r["layer"]): r["saturated"] for r in MetricsReader(tmp_path / "ref").rows("state")}
+    got = {(r["step"], r["layer"]): r["saturated"] for r in MetricsReader(out / "1f1b").rows("state")}
+    assert got.keys() == ref.keys() and {layer for _, layer in got} == {0, 1, 2, 3}
+    assert all(0.0 <= v <= 1.0 for v in got.values())
+    for (step, layer), v in got.items():
+        if layer in ranks[0]["1f1b"]["stage_blocks"]:
+            assert v == pytest.approx(ref[(step, layer)], abs=1e-6), (step, layer)
 
 
 def test_pipelined_resume_equals_the_uninterrupted_run(two_stages):

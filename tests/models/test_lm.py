@@ -75,7 +75,7 @@ def test_generation_memory_is_constant_in_length():
             _, state = model.step(torch.tensor([1]), state)
         state_sizes.append(sum(t.numel() for block in state for part in block for t in part))
     assert state_sizes[0] == state_sizes[1]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)  # the GPU run of these tests too
     tokens = list(model.generate(torch.tensor([1, 2, 3]), 20, temperature=0.8, top_k=10, top_p=0.9, generator=g))
     assert len(tokens) == 20 and all(0 <= t < V for t in tokens)
 
@@ -83,7 +83,7 @@ def test_generation_memory_is_constant_in_length():
 def test_sampling_rules():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     assert sample_next(logits, temperature=0).item() == 1
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)  # the GPU run of these tests too
     drawn = {sample_next(logits, top_k=2, generator=g).item() for _ in range(200)}
     assert drawn == {1, 3}
     # top_p = 0.6: token 1 alone holds ~64% of the mass, so only it survives

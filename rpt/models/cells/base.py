@@ -14,6 +14,7 @@ flash-linear-attention keeps for its ops, and the tests hold them equal, gradien
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -89,6 +90,12 @@ def reset_rows(state: State, mask: torch.Tensor) -> State:
     """Zero the rows of every state tensor where mask (bool [B]) is set."""
     keep = (~mask).to(state[0].dtype)[:, None]
     return tuple(s * keep for s in state)
+
+
+# The cuDNN cells (lstm, gru) keep their four weights as separate parameters, so that weight norm and
+# DropConnect act on them; cuDNN copies them into one buffer per call and warns once per process. Measured on
+# an H200 (benchmarks/RESULTS.md): lstm 373,721 tokens/s against nn.LSTM's 375,437 with flattened weights.
+warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous chunk")
 
 
 def over_segments(run, x: torch.Tensor, state: State, reset: torch.Tensor | None):

@@ -35,8 +35,10 @@ class GRU(GatedRNNCell):
 
     def forward(self, x, state=None, reset=None):
         state = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
-        if x.is_cuda:
+        if x.is_cuda:  # cuDNN runs the autocast dtype; the carried state keeps the caller's
+            dtype = state[0].dtype
             y, state = self.library_path(x, state, reset)
+            state = tuple(s.to(dtype) for s in state)
         else:
             with full_precision(x):
                 x = as_fp32(x)

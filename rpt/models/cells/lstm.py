@@ -41,8 +41,10 @@ class LSTM(GatedRNNCell):
             y, h, c = torch.lstm(xs, (st[0][None], st[1][None]), weights, True, 1, 0.0, self.training, False, True)
             return y, (h[0], c[0])
 
-        if x.is_cuda:  # cuDNN runs the autocast dtype
+        if x.is_cuda:  # cuDNN runs the autocast dtype; the carried state keeps the caller's
+            dtype = state[0].dtype
             y, state = over_segments(run, x, state, reset)
+            state = tuple(s.to(dtype) for s in state)
         else:
             with full_precision(x):
                 y, state = over_segments(run, as_fp32(x), state, reset)
