@@ -7,7 +7,9 @@ Three ways to run `rpt train`, one code path:
   same machinery torchrun uses, so `--max-restarts` behaves exactly as under torchrun.
 
 Each rank takes `cuda:LOCAL_RANK` when CUDA is there, else the CPU; `--device` overrides. The
-backend follows the device: gloo for CPU tensors, NCCL for CUDA tensors.
+ranks tell each other their device through the rendezvous store before the group is made: NCCL
+(with gloo beside it for CPU tensors) when every rank has a GPU, gloo for all of them otherwise,
+so a job that mixes CPU and GPU ranks runs (gloo takes CUDA tensors through host memory).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from rpt.errors import RptError
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+log = logging.getLogger("rpt.launch")
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Dist:
     world_size: int
     local_rank: int
     device: torch.device
+    mixed_devices: bool = False  # some ranks on a GPU, some on the CPU: every rank on gloo
 
     @property
     def is_main(self) -> bool:
@@ -69,20 +73,37 @@ def setup(device: str | None = None) -> Dist:
     if world > 1 and not dist.is_initialized():
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
-        attempt = restart_count()
-        if attempt and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # A restarted group must not read the previous attempt's connection keys from the agent's store:
-            # with torch's default setup the new ranks were handed the dead workers' gloo addresses (seen
-            # here: "connectFullMesh ... Connection refused", or a hang, in most restarts after a SIGKILL).
-            # Prefixing the store with the attempt gives each attempt its own keys (8 of 8 restarts resumed).
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                                  timeout=COLLECTIVE_TIMEOUT)
-            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"rpt-attempt-{attempt}", store),
-                                    rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-        else:
-            dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
+        store = rendezvous_store(rank, world)
+        kinds = device_kinds(store, rank, world, dev)
+        mixed = kinds == {"cpu", "cuda"}
+        if mixed and rank == 0:
+            log.warning("this job mixes CPU and GPU ranks: every rank uses gloo (CUDA tensors pass through host memory)")
+        backend = "cpu:gloo,cuda:nccl" if kinds == {"cuda"} else "gloo"
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        return Dist(rank, world, local_rank, dev, mixed)
     return Dist(rank, world, local_rank, dev)
+
+
+def rendezvous_store(rank: int, world: int) -> dist.Store:
+    """The store at MASTER_ADDR:MASTER_PORT (the elastic agent's under torchrun and --nproc, else rank 0's),
+    with keys of this attempt only.
+
+    A restarted group must not read the previous attempt's connection keys: with torch's default setup
+    the new ranks were handed the dead workers' gloo addresses (seen here: "connectFullMesh ... Connection
+    refused", or a hang, in most restarts after a SIGKILL). The prefix gives each attempt its own keys
+    (8 of 8 restarts resumed)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
+                          world, is_master=not agent and rank == 0, timeout=COLLECTIVE_TIMEOUT)
+    return dist.PrefixStore(f"rpt-attempt-{restart_count()}", store)
+
+
+def device_kinds(store: dist.Store, rank: int, world: int, device: torch.device) -> set[str]:
+    """Every rank publishes its device type and reads all of them (NCCL is for jobs where all are "cuda")."""
+    store.set(f"device/{rank}", device.type)
+    keys = [f"device/{r}" for r in range(world)]
+    store.wait(keys)
+    return {store.get(k).decode() for k in keys}
 
 
 def teardown() -> None:

@@ -64,6 +64,7 @@ class Trainer:
         t = cfg.train
         sinks.require(cfg.monitor)  # on every rank, so that all of them stop, not rank 0 alone
         check_layout(cfg, dist_info.world_size)
+        check_mixed_devices(cfg, dist_info)
         self.data = PreparedData(cfg.data.path)
         if cfg.model.vocab_size == 0:
             cfg.model.vocab_size = self.data.vocab_size
@@ -551,3 +552,18 @@ def param_digest(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def check_mixed_devices(cfg: Config, dist_info: Dist) -> None:
+    """A job of CPU and GPU ranks runs on gloo, whose CUDA support is all-reduce and broadcast: the modes that
+    send, all-gather or pipeline CUDA tensors need ranks of one kind."""
+    if not dist_info.mixed_devices:
+        return
+    uses = [what for what, on in (("comm.mode = " + repr(cfg.comm.mode), cfg.comm.mode in ("ps", "ps-sharded")),
+                                  ("comm.compression = 'topk'", cfg.comm.compression == "topk"),
+                                  (f"parallel.pp = {cfg.parallel.pp}", cfg.parallel.pp != 1)) if on]
+    if uses:
+        raise RptError(f"this job mixes CPU and GPU ranks (gloo for all), which cannot carry {', '.join(uses)}",
+                       "run every rank on one kind of device (--device cpu on all, or GPUs on all), or use "
+                       "comm.mode = 'allreduce' with compression none, fp16, bf16 or powersgd and parallel.pp = 1")
+
