@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -98,17 +99,30 @@ def reset_rows(state: State, mask: torch.Tensor) -> State:
 warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous chunk")
 
 
+_last_mask: tuple = (lambda: None, [])
+
+
+def reset_columns(reset: torch.Tensor | None) -> list[int]:
+    """The columns where some row resets. Every block of a forward is handed the same mask, and on a GPU
+    reading it is a host synchronisation: it is read once per mask (the last one is remembered)."""
+    global _last_mask
+    if reset is None:
+        return []
+    if _last_mask[0]() is not reset:
+        _last_mask = (weakref.ref(reset), torch.nonzero(reset.any(dim=0)).flatten().tolist())
+    return _last_mask[1]
+
+
 def over_segments(run, x: torch.Tensor, state: State, reset: torch.Tensor | None):
     """Run a whole-sequence kernel that cannot reset mid-sequence (nn.LSTM, nn.GRU) between reset columns.
 
     The sequence is cut at every column where some row resets; documents are long next to a
     training window, so most batches are one or two segments.
     """
-    if reset is None or not bool(reset.any()):
+    cols = reset_columns(reset)
+    if not cols:
         return run(x, state)
-    T = x.shape[1]
-    cols = torch.nonzero(reset.any(dim=0)).flatten().tolist()
-    bounds = sorted(set([0, *cols, T]))
+    bounds = sorted(set([0, *cols, x.shape[1]]))
     ys = []
     for a, b in zip(bounds, bounds[1:]):
         state = reset_rows(state, reset[:, a])
