@@ -285,6 +285,8 @@ class Trainer:
         self.checkpointer.finish_pending()
         summary = self._summary(wall, final)
         self.watchdog.stop()
+        if self.store:  # the last connection closing folds the WAL into metrics.sqlite: one file to copy
+            self.store.close()
         return summary
 
     # ------------------------------------------------------------------ pieces

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -80,3 +81,11 @@ def test_stragglers_are_judged_against_peers_of_the_same_stage():
             {"rank": 2, "stage": 1, "compute_s": 3.0}, {"rank": 3, "stage": 1, "compute_s": 3.1}]
     assert [s["rank"] for s in stragglers(rows)] == [1]  # stage 1 is slower by design, not a straggler
     assert stragglers([{"rank": 0, "stage": 0, "compute_s": 1.0}]) == []
+
+
+def test_a_finished_run_leaves_one_self_contained_database_file(make_cfg, tmp_path, solo):
+    Trainer(make_cfg("train.max_steps=4", "monitor.log_interval=1"), tmp_path / "r", solo, progress=False).run()
+    assert not (tmp_path / "r" / "metrics.sqlite-wal").exists()  # folded in when the writer closed
+    (tmp_path / "copy").mkdir()
+    shutil.copy(tmp_path / "r" / "metrics.sqlite", tmp_path / "copy")  # the file alone, as users copy it
+    assert [r["step"] for r in MetricsReader(tmp_path / "copy").rows("train")] == [1, 2, 3, 4]
