@@ -1,4 +1,5 @@
-"""Benchmark: the pipeline's measured bubble against the 1F1B / GPipe theory (p - 1) / (m + p - 1) (issue 6).
+"""Benchmark: the pipeline's measured bubble against the theory (p - 1) / (v m + p - 1) (issue 6; v = 1 for
+1F1B and GPipe, v virtual stages per rank for the interleaved schedule).
 
 Each case runs `rpt train --nproc p` with parallel.pp = p and m micro-batches for a fixed number of
 steps, and reads the summary: each stage's idle share of the step (1 - its forward + backward time
@@ -8,6 +9,7 @@ gets one thread; with p = 4 on a 2-core machine two stages share a core, so thos
 as mechanics, not against the target.
 
     .venv/bin/python benchmarks/pipeline_bubble.py [--cases 2:8,2:16,4:16] [--steps 30] [--schedule 1f1b]
+        [--schedule interleaved --stages-per-rank 2]
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_case(data: str, p: int, m: int, steps: int, schedule: str, layers_per_stage: int, rows: int,
-             d_model: int) -> dict:
+             d_model: int, stages_per_rank: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         sets = {"data.path": data, "model.cell": "lstm", "model.n_layers": layers_per_stage * p, "model.d_model": d_model,
                 "train.batch_size": rows * m, "train.seq_len": 64, "train.max_steps": steps, "train.eval_interval": 0,
                 "train.eval_tokens": 4096, "parallel.pp": p, "parallel.microbatches": m,
-                "parallel.schedule": schedule, "monitor.log_interval": 10, "checkpoint.keep_last": 1}
+                "parallel.schedule": schedule, "parallel.stages_per_rank": stages_per_rank,
+                "monitor.log_interval": 10, "checkpoint.keep_last": 1}
         cmd = [sys.executable, "-m", "rpt", "train", "--run-dir", str(run), "--nproc", str(p)]
         for k, v in sets.items():
             cmd += ["--set", f"{k}={v}"]
@@ -46,7 +49,8 @@ def main() -> None:
     ap.add_argument("--data", default="data/shakespeare-512")
     ap.add_argument("--cases", default="2:8,2:16,4:16", help="p:m pairs")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"])
+    ap.add_argument("--stages-per-rank", type=int, default=2, help="virtual stages per rank (interleaved)")
     ap.add_argument("--layers-per-stage", type=int, default=2)
     ap.add_argument("--rows", type=int, default=2, help="rows per micro-batch")
     ap.add_argument("--d-model", type=int, default=512)
@@ -56,7 +60,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case in args.cases.split(","):
         p, m = (int(v) for v in case.split(":"))
-        s = run_case(args.data, p, m, args.steps, args.schedule, args.layers_per_stage, args.rows, args.d_model)
+        s = run_case(args.data, p, m, args.steps, args.schedule, args.layers_per_stage, args.rows, args.d_model,
+                     args.stages_per_rank)
         theory, measured = s["pipeline_bubble_theory"], s["pipeline_bubble"]
         stages = ", ".join(f"{b:.3f}" for b in s["pipeline_bubble_by_stage"])
         ideal = ", ".join(f"{b:.3f}" for b in s["pipeline_bubble_ideal_by_stage"])

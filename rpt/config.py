@@ -100,7 +100,8 @@ class ParallelConfig:
 
     pp: Union[int, Literal["auto"]] = 1   # pipeline stages; "auto": the fewest whose memory fits (rpt plan)
     microbatches: int = 1                 # micro-batches per step through the pipeline (batch_size divisible)
-    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    stages_per_rank: int = 2              # schedule "interleaved": virtual stages (block chunks) on each rank
 
 
 @dataclass
@@ -246,6 +247,20 @@ class Config:
                 raise RptError(f"parallel.pp = {p.pp} is larger than model.n_layers = {m.n_layers}: "
                                "a pipeline stage needs at least one block",
                                f"use parallel.pp <= {m.n_layers}, or more layers")
+        if p.schedule == "interleaved":
+            if p.stages_per_rank < 2:
+                raise RptError(f"parallel.stages_per_rank = {p.stages_per_rank} with the interleaved schedule",
+                               "use 2 or more virtual stages per rank, or parallel.schedule = '1f1b'")
+            if not isinstance(p.pp, int) or p.pp < 2:
+                raise RptError(f"parallel.schedule = 'interleaved' with parallel.pp = {p.pp!r}",
+                               "give parallel.pp >= 2 as a number: the interleaved schedule has no 'auto' plan")
+            if p.pp * p.stages_per_rank > m.n_layers:
+                raise RptError(f"parallel.pp x stages_per_rank = {p.pp * p.stages_per_rank} virtual stages, but "
+                               f"model.n_layers = {m.n_layers}: each needs at least one block",
+                               "use fewer stages_per_rank, a smaller pp, or more layers")
+            if p.microbatches % p.pp:
+                raise RptError(f"parallel.microbatches = {p.microbatches} is not a multiple of parallel.pp = {p.pp}, "
+                               "which the interleaved schedule needs", f"use e.g. {2 * p.pp} micro-batches")
         if p.pp != 1:
             if c.mode in ("ps", "ps-sharded"):
                 raise RptError(f"comm.mode = '{c.mode}' with parallel.pp = {p.pp}: the parameter servers do not run "

@@ -76,15 +76,16 @@ def memory_bytes(device: torch.device) -> float:
         return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-def state_rms(state, first_layer: int, n_layers: int) -> list[float]:
-    """RMS of each block's carried cell state (NaN for layers this rank does not hold)."""
+def state_rms(state, layers, n_layers: int) -> list[float]:
+    """RMS of each block's carried cell state; `layers` names the block of each state entry (NaN for layers
+    this rank does not hold)."""
     out = [math.nan] * n_layers
-    for i, (cell, _attn) in enumerate(state):
+    for layer, (cell, _attn) in zip(layers, state):
         tensors = [t for t in _flatten(cell) if torch.is_tensor(t) and t.is_floating_point()]
         if tensors:
             total = sum(float(t.detach().float().pow(2).sum()) for t in tensors)
             count = sum(t.numel() for t in tensors)
-            out[first_layer + i] = math.sqrt(total / max(count, 1))
+            out[layer] = math.sqrt(total / max(count, 1))
     return out
 
 

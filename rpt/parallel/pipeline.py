@@ -1,16 +1,17 @@
 """Layer pipeline parallelism: torch.distributed.pipelining, with the recurrent state carried per micro-batch.
 
 The ranks form a 2-D mesh `pp x dp` (DeviceMesh; pipeline outermost as torchtitan lays it out, so the
-heavier data-parallel all-reduce runs among neighbouring ranks). Each rank holds one `Stage`: a
-contiguous run of blocks cut from the whole `RecurrentLM` by the plan (rpt/parallel/plan.py), the
-embedding on the first stage, the final norm and head on the last. Parameter names stay those of
+heavier data-parallel all-reduce runs among neighbouring ranks). Each rank holds one `Stage`: the
+blocks the plan (rpt/parallel/plan.py) cut for it from the whole `RecurrentLM`, the embedding on the
+first rank, the final norm and head on the last. Its blocks form one `Chunk` (a stage of the
+schedule), or `v` chunks under the interleaved schedule, where rank r runs stages r, r + pp, ... Parameter names stay those of
 the whole model (`blocks.7.cell.weight`), so checkpoints move between pipeline degrees and `rpt eval`
 and `rpt generate` read a pipelined run's checkpoint like any other.
 
-Training steps go through torch's GPipe or 1F1B schedule. What pipelining does not know about is
-the recurrent state: each stage keeps its blocks' state for the whole batch, and micro-batch k reads
-and writes rows [k b, (k+1) b) of it. Both schedules run a stage's forwards in micro-batch order, so
-the stage counts its forward calls to know which rows it has (and checks the count after the step).
+Training steps go through torch's GPipe, 1F1B or interleaved 1F1B schedule. What pipelining does not
+know about is the recurrent state: each rank keeps its blocks' state for the whole batch, and micro-batch
+k reads and writes rows [k b, (k+1) b) of it. Every schedule runs a stage's forwards in micro-batch order,
+so each chunk counts its forward calls to know which rows it has (and the count is checked after the step).
 The state is detached between steps, as without a pipeline, so losses equal the unpipelined model's.
 
 Tied embeddings: the last stage holds its own copy of the embedding matrix as the head, and after
@@ -75,12 +76,18 @@ class _BackwardClock(torch.autograd.Function):
 
 
 class Stage(nn.Module):
-    def __init__(self, model, index: int, stages: int, blocks: tuple[int, int], batch_size: int, microbatches: int):
+    """What one pipeline rank holds: its blocks (one contiguous run, or one per virtual stage under the
+    interleaved schedule), the embedding on rank 0, the final norm and head on the last rank, and the
+    recurrent state of its blocks for the whole batch. Parameter names are the whole model's."""
+
+    def __init__(self, model, pp_rank: int, pp: int, chunks: list[tuple[int, tuple[int, int]]], n_stages: int,
+                 batch_size: int, microbatches: int):
         super().__init__()
-        self.index, self.first, self.last = index, index == 0, index == stages - 1
+        self.index, self.first, self.last = pp_rank, pp_rank == 0, pp_rank == pp - 1
         self.cfg = model.cfg
         self.embed = model.embed if self.first else None
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(*blocks)})
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for _, (a, b) in chunks for i in range(a, b)})
+        self.layers = [int(k) for k in self.blocks]  # ascending: the order of the state list
         self.norm = model.norm if self.last else None
         self.head = None
         if self.last:
@@ -89,18 +96,61 @@ class Stage(nn.Module):
                 self.head.weight = nn.Parameter(model.embed.weight.detach().clone())
         self.batch_size, self.micro = batch_size, batch_size // microbatches
         self.state: list | None = None  # the whole batch's state of these blocks: the trainer hands it in each step
-        self._calls, self._new = 0, []
-        self.probe_input: torch.Tensor | None = None  # the gate-saturation probe's inputs (see forward)
         self.compute_seconds, self.marks = 0.0, []  # forward + backward seconds of this step; backward durations
+        self.chunks = [Chunk(self, j, blocks, n_stages) for j, blocks in chunks]  # a list: not submodules
 
     def init_state(self, batch: int, device=None) -> list:
         return [b.init_state(batch, device) for b in self.blocks.values()]
+
+    def chunk_state(self, chunk: "Chunk", state: list) -> list:
+        return state[chunk.offset:chunk.offset + len(chunk.blocks)]
+
+    def forward(self, x, reset=None):
+        """One micro-batch inside a schedule of one stage per rank (the module DDP wraps)."""
+        return self.chunks[0](x, reset)
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function on the last stage: timed, and its backward marks the stage's start."""
+        began = time.perf_counter()
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
+        self.compute_seconds += time.perf_counter() - began
+        return _BackwardClock.apply(loss, self.marks)
+
+    def begin_step(self) -> None:
+        self.marks, self.compute_seconds = [], 0.0
+        for c in self.chunks:
+            c.calls, c.new = 0, []
+
+    def end_step(self) -> None:
+        for c in self.chunks:
+            if c.calls * self.micro != self.batch_size:
+                raise RuntimeError(f"pipeline stage {c.index} ran {c.calls} micro-batch forwards, expected "
+                                   f"{self.batch_size // self.micro}")
+        self.state = [s for c in self.chunks for s in cat_rows(c.new)]
+        self.compute_seconds += sum(self.marks)  # the backward durations
+
+
+class Chunk(nn.Module):
+    """One stage of the schedule: a contiguous run of the rank's blocks (with the embedding when it is the
+    pipeline's first stage, the head when it is the last). Its forwards come in micro-batch order under
+    every schedule, so it counts them to know which rows of the carried state are its micro-batch's."""
+
+    def __init__(self, owner: Stage, index: int, blocks: tuple[int, int], n_stages: int):
+        super().__init__()
+        self.__dict__["owner"] = owner  # not a submodule: the owner holds the parameters
+        self.index, self.first, self.last = index, index == 0, index == n_stages - 1
+        self.embed = owner.embed if self.first else None
+        self.blocks = nn.ModuleDict({str(i): owner.blocks[str(i)] for i in range(*blocks)})
+        self.offset = owner.layers.index(blocks[0])
+        self.norm, self.head = (owner.norm, owner.head) if self.last else (None, None)
+        self.calls, self.new = 0, []
+        self.probe_input: torch.Tensor | None = None  # the gate-saturation probe's inputs (see forward)
 
     def run(self, x, state=None, reset=None):
         """x: tokens on the first stage, activations otherwise; returns activations, or logits on the last."""
         if self.embed is not None:
             x = self.embed(x)
-        state = state if state is not None else self.init_state(x.shape[0], x.device)
+        state = state if state is not None else [b.init_state(x.shape[0], x.device) for b in self.blocks.values()]
         new = []
         for block, s in zip(self.blocks.values(), state):
             x, s = block(x, s, reset)
@@ -121,33 +171,17 @@ class Stage(nn.Module):
 
     def forward(self, x, reset=None):
         """One micro-batch inside a schedule: rows of the carried state by the order of the calls."""
+        owner = self.owner
         began = time.perf_counter()
-        k = self._calls
-        self._calls += 1
+        k = self.calls
+        self.calls += 1
         if k == 0:  # the probe's inputs: the first row's first tokens (activations, on a later stage)
             self.probe_input = x[:1, :8].detach().clone()
-        part = slice(k * self.micro, (k + 1) * self.micro)
-        y, s = self.run(x, rows(self.state, part), reset)
-        self._new.append(detach_state(s))
-        self.compute_seconds += time.perf_counter() - began
-        return y if self.last else _BackwardClock.apply(y, self.marks)  # on the last stage the loss has the clock
-
-    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss function on the last stage: timed, and its backward marks the stage's start."""
-        began = time.perf_counter()
-        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
-        self.compute_seconds += time.perf_counter() - began
-        return _BackwardClock.apply(loss, self.marks)
-
-    def begin_step(self) -> None:
-        self._calls, self._new, self.marks, self.compute_seconds = 0, [], [], 0.0
-
-    def end_step(self) -> None:
-        if self._calls * self.micro != self.batch_size:
-            raise RuntimeError(f"pipeline stage {self.index} ran {self._calls} micro-batch forwards, expected "
-                               f"{self.batch_size // self.micro}")
-        self.state = cat_rows(self._new)
-        self.compute_seconds += sum(self.marks)  # the backward durations
+        part = slice(k * owner.micro, (k + 1) * owner.micro)
+        y, s = self.run(x, rows(owner.chunk_state(self, owner.state), part), reset)
+        self.new.append(detach_state(s))
+        owner.compute_seconds += time.perf_counter() - began
+        return y if self.last else _BackwardClock.apply(y, owner.marks)  # on the last stage the loss has the clock
 
 
 class Pipeline:
@@ -155,30 +189,41 @@ class Pipeline:
 
     def __init__(self, model, plan: Plan, mesh: Mesh, batch_size: int, seq_len: int, device: torch.device,
                  schedule: str):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
         self.mesh, self.plan, self.device = mesh, plan, device
-        s = mesh.pp_rank
-        self.stage = Stage(model, s, plan.pp, plan.stages[s].blocks, batch_size, plan.microbatches).to(device)
+        r = mesh.pp_rank
+        mine = [(st.index, st.blocks) for st in plan.rank_stages(r)]
+        self.stage = Stage(model, r, plan.pp, mine, len(plan.stages), batch_size, plan.microbatches).to(device)
         self.module: nn.Module = self.stage  # replaced by the data-parallel wrapper (DDP) when dp > 1
         self.batch_size, self.seq_len, self.schedule_name = batch_size, seq_len, schedule
-        self._schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        self._stage_cls = PipelineStage
         self.schedule = None
         self.history: list[tuple[float, float]] = []  # (this stage's compute seconds, step seconds) per step
         self._bubble_taken = 0
 
     def wrap(self, module: nn.Module) -> None:
-        """Build the schedule around the (possibly DDP-wrapped) stage; call once, after data parallelism."""
+        """Build the schedule around the (possibly DDP-wrapped) stage, or around each of the rank's stages under
+        the interleaved schedule (whose ranks have no data-parallel peers); call once, after data parallelism."""
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
+
         self.module = module
         mb, T, D, V = self.stage.micro, self.seq_len, self.stage.cfg.d_model, self.stage.cfg.vocab_size
-        # static shapes (no trial forward): activations and logits carry gradients, tokens do not
-        x = torch.zeros(mb, T, dtype=torch.long) if self.stage.first else torch.zeros(mb, T, D, requires_grad=True)
-        y = torch.zeros(mb, T, V if self.stage.last else D, requires_grad=True)
-        pipe_stage = self._stage_cls(module, self.mesh.pp_rank, self.plan.pp, self.device,
-                                     input_args=x.to(self.device), output_args=y.to(self.device),
-                                     group=self.mesh.pp_group)
-        self.schedule = self._schedule_cls(pipe_stage, self.plan.microbatches, loss_fn=self.stage.loss)
+
+        def pipe_stage(submodule, chunk: Chunk):
+            # static shapes (no trial forward): activations and logits carry gradients, tokens do not
+            x = torch.zeros(mb, T, dtype=torch.long) if chunk.first else torch.zeros(mb, T, D, requires_grad=True)
+            y = torch.zeros(mb, T, V if chunk.last else D, requires_grad=True)
+            return PipelineStage(submodule, chunk.index, len(self.plan.stages), self.device,
+                                 input_args=x.to(self.device), output_args=y.to(self.device), group=self.mesh.pp_group)
+
+        m, loss = self.plan.microbatches, self.stage.loss
+        if self.schedule_name == "interleaved":
+            if module is not self.stage:
+                raise RptError("the interleaved schedule with data-parallel replicas is not built",
+                               "use parallel.schedule = '1f1b' when the world size is more than parallel.pp")
+            self.schedule = ScheduleInterleaved1F1B([pipe_stage(c, c) for c in self.stage.chunks], m, loss_fn=loss)
+        else:
+            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule_name]
+            self.schedule = cls(pipe_stage(module, self.stage.chunks[0]), m, loss_fn=loss)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, reset: torch.Tensor | None) -> torch.Tensor:
         """Forward and backward of the whole batch through the pipeline; returns the mean loss on every stage."""
@@ -224,7 +269,7 @@ class Pipeline:
 
 class PipelineEval(nn.Module):
     """`model(x, state, reset) -> (logits, state)` across the stages, forward only: what evaluate() calls.
-    Logits exist on the last stage; the other stages return None for them."""
+    Logits exist on the last rank; the other ranks return None for them."""
 
     def __init__(self, pipeline: Pipeline):
         super().__init__()
@@ -233,15 +278,18 @@ class PipelineEval(nn.Module):
 
     def forward(self, x, state=None, reset=None):
         st, mesh = self.stage, self.pipe.mesh
-        if not st.first:
-            h = torch.empty(x.shape[0], x.shape[1], st.cfg.d_model, device=x.device)
-            dist.recv(h, group=mesh.pp_group, group_src=mesh.pp_rank - 1)
-            x = h
-        out, state = st.run(x, state, reset)
-        if not st.last:
-            dist.send(out.float().contiguous(), group=mesh.pp_group, group_dst=mesh.pp_rank + 1)
-            return None, state
-        return out, state
+        state = state if state is not None else st.init_state(x.shape[0], x.device)
+        new, out = [], None
+        for chunk in st.chunks:  # in stage order; stage j runs on pipeline rank j % pp
+            h = x
+            if not chunk.first:
+                h = torch.empty(x.shape[0], x.shape[1], st.cfg.d_model, device=x.device)
+                dist.recv(h, group=mesh.pp_group, group_src=(chunk.index - 1) % mesh.pp)
+            out, s = chunk.run(h, st.chunk_state(chunk, state), reset)
+            new.extend(s)
+            if not chunk.last:
+                dist.send(out.float().contiguous(), group=mesh.pp_group, group_dst=(chunk.index + 1) % mesh.pp)
+        return (out if st.last else None), new
 
 
 def check_layout(cfg, world_size: int) -> None:
@@ -251,6 +299,10 @@ def check_layout(cfg, world_size: int) -> None:
         raise RptError(f"world size {world_size} is not divisible by parallel.pp = {pp}",
                        f"run a multiple of {pp} ranks (e.g. --nproc {pp * max(1, world_size // int(pp))}), "
                        "or choose a parallel.pp that divides the world size")
+    if cfg.parallel.schedule == "interleaved" and world_size > int(pp):
+        raise RptError(f"the interleaved schedule on {world_size} ranks with parallel.pp = {pp}: data-parallel "
+                       "replicas of an interleaved pipeline are not built (each virtual stage would need its own DDP)",
+                       f"run {pp} ranks, or use parallel.schedule = '1f1b' for pp x dp")
 
 
 def setup(model, cfg, rank: int, world_size: int, device: torch.device, local_world: int = 1) -> Pipeline | None:

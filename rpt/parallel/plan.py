@@ -53,12 +53,16 @@ class Plan:
     grad_bytes_per_step: dict     # comm mode -> bytes the busiest rank sends per step over the dp dimension
     pipeline_bytes_per_step: int  # activations + their gradients a middle stage sends per step
     device_memory: int
-    bubble_theory: float          # 1F1B / GPipe idle share (p - 1) / (m + p - 1)
+    bubble_theory: float          # idle share (p - 1) / (v m + p - 1): v = 1 for 1F1B and GPipe
     cost_unit: str = "FLOP"       # how the stages were balanced: counted FLOPs, or seconds measured at start
+    stages_per_rank: int = 1      # v: virtual stages per rank (interleaved); stage j runs on pipeline rank j % pp
+
+    def rank_stages(self, pp_rank: int) -> list[StagePlan]:
+        return self.stages[pp_rank::self.pp]
 
     @property
     def peak_memory(self) -> int:
-        return max(s.memory["total"] for s in self.stages)
+        return max(sum(s.memory["total"] for s in self.rank_stages(r)) for r in range(self.pp))
 
     @property
     def fits(self) -> bool:
@@ -166,37 +170,40 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
     costs = costs or counted_costs(cfg, model)
     block_costs = [costs.block[b.attn is not None] for b in model.blocks]
     head_cost, embed_cost = costs.head, costs.embed
-    counts = balance(block_costs, pp, embed_cost, head_cost)
+    v = p.stages_per_rank if p.schedule == "interleaved" else 1
+    n = pp * v  # stages of the pipeline; rank r runs stages r, r + pp, ...
+    counts = balance(block_costs, n, embed_cost, head_cost)
     tokens_per_micro = t.batch_size // micro * t.seq_len
     embed_params = model.embed.weight.numel()
     stages, start = [], 0
-    for s, n in enumerate(counts):
-        blocks = model.blocks[start:start + n]
+    for s, count in enumerate(counts):
+        blocks = model.blocks[start:start + count]
         params = sum(q.numel() for b in blocks for q in b.parameters())
-        params += sum(q.numel() for q in model.norm.parameters()) if s == pp - 1 else 0
+        params += sum(q.numel() for q in model.norm.parameters()) if s == n - 1 else 0
         params += embed_params if s == 0 else 0
-        params += model.head.weight.numel() if s == pp - 1 and (pp > 1 or not m.tie_embeddings) else 0
+        params += model.head.weight.numel() if s == n - 1 and (pp > 1 or not m.tie_embeddings) else 0
         act = 0.0
-        for b in range(start, start + n):
+        for b in range(start, start + count):
             key = (repr(m), t.seq_len, model.blocks[b].attn is not None)  # blocks differ only by attention
             if key not in _ACTIVATIONS:
                 _ACTIVATIONS[key] = activation_bytes_per_token(cfg, b)
             act += _ACTIVATIONS[key]
-        if s == pp - 1:
+        if s == n - 1:
             act += 2 * 4 * m.vocab_size  # logits and their log-softmax, fp32
-        in_flight = micro if p.schedule == "gpipe" else min(micro, pp - s)
-        cost = sum(block_costs[start:start + n]) + (embed_cost if s == 0 else 0) + (head_cost if s == pp - 1 else 0)
-        stages.append(StagePlan(s, (start, start + n), cost, params,
+        in_flight = micro if p.schedule == "gpipe" else min(micro, n - s)  # interleaved: an estimate
+        cost = (sum(block_costs[start:start + count]) + (embed_cost if s == 0 else 0)
+                + (head_cost if s == n - 1 else 0))
+        stages.append(StagePlan(s, (start, start + count), cost, params,
                                 _memory(params, act * tokens_per_micro * in_flight, cfg.comm.mode, dp)))
-        start += n
-    grad = 4 * max(s.params for s in stages)
+        start += count
+    grad = 4 * max(sum(c.params for c in stages[r::pp]) for r in range(pp))
     share = (dp - 1) * grad // dp if dp > 1 else 0
     grad_bytes = {"allreduce": allreduce_wire_bytes(grad, dp) if dp > 1 else 0,
                   "ps": (dp - 1) * grad if dp > 1 else 0,   # the server sends every worker the parameters
                   "ps-sharded": 2 * share}                   # gradients to the owners, parameters back
     pipe_bytes = 2 * 4 * t.batch_size * t.seq_len * m.d_model if pp > 1 else 0
     return Plan(world_size, pp, dp, micro, p.schedule, model.num_params(), stages, grad_bytes, pipe_bytes,
-                device_memory, (pp - 1) / (micro + pp - 1), costs.unit)
+                device_memory, (pp - 1) / (v * micro + pp - 1), costs.unit, v)
 
 
 def _memory(params: int, activations: float, mode: str, dp: int) -> dict:
@@ -245,14 +252,14 @@ def format_plan(plan: Plan) -> str:
     cost_head, scale = ("GFLOP/tok", 1e-9) if plan.cost_unit == "FLOP" else ("us/tok", 1e6)
     lines = [f"world size {plan.world_size}: pp {plan.pp} x dp {plan.dp}, {plan.microbatches} micro-batches, "
              f"{plan.schedule}; {plan.params:,} parameters; bubble (theory) {plan.bubble_theory:.1%}",
-             f"{'stage':>5} {'blocks':>9} {'params':>15} {cost_head:>10} {'weights':>9} {'grads':>9} "
+             f"{'stage':>5} {'rank':>4} {'blocks':>9} {'params':>15} {cost_head:>10} {'weights':>9} {'grads':>9} "
              f"{'optim':>9} {'activ.':>9} {'total GiB':>10}"]
     for s in plan.stages:
         mem = s.memory
-        lines.append(f"{s.index:>5} {f'{s.blocks[0]}-{s.blocks[1] - 1}':>9} {s.params:>15,} {s.cost * scale:>10.3f} "
+        lines.append(f"{s.index:>5} {s.index % plan.pp:>4} {f'{s.blocks[0]}-{s.blocks[1] - 1}':>9} {s.params:>15,} {s.cost * scale:>10.3f} "
                      f"{gib(mem['weights']):>9} {gib(mem['grads']):>9} {gib(mem['optimizer']):>9} "
                      f"{gib(mem['activations']):>9} {gib(mem['total']):>10}")
-    lines.append(f"peak per rank {gib(plan.peak_memory)} GiB of {gib(plan.device_memory)} GiB: "
+    lines.append(f"peak per rank (its stages together) {gib(plan.peak_memory)} GiB of {gib(plan.device_memory)} GiB: "
                  + ("fits" if plan.fits else "DOES NOT FIT (90% rule)"))
     grads = ", ".join(f"{mode} {b / 2**20:,.1f} MiB" for mode, b in plan.grad_bytes_per_step.items())
     lines.append(f"gradient bytes sent per step by the busiest rank over dp: {grads}")

@@ -365,13 +365,19 @@ class Trainer:
                 "compute_s": max(0.0, per_step["forward_s"] + per_step["backward_s"] + per_step["optimizer_s"] - exposed),
                 "memory_bytes": memory_bytes(self.device), "stage": self.pipe.stage.index if self.pipe else 0,
                 "bubble": pipe.get("pipeline_bubble") if pipe.get("pipeline_bubble") is not None else math.nan}
-        first_layer = min(int(k) for k in self.pipe.stage.blocks.keys()) if self.pipe else 0
         n = self.cfg.model.n_layers
-        norms = state_rms(self.state, first_layer, n)
-        # gate saturation: a few tokens of the last batch through the step forms (~5 ms per log line); a pipeline
-        # stage probes its own blocks with the activations it received
-        owner, probe = (self.pipe.stage, self.pipe.stage.probe_input) if self.pipe else (self.model, self.last_tokens)
-        saturated = gate_saturation(owner, probe[:1, :8], rows(self.state, slice(0, 1)), n, first_layer)
+        norms = state_rms(self.state, self.pipe.stage.layers if self.pipe else range(n), n)
+        # gate saturation: a few tokens of the last batch through the step forms (~5 ms per log line); each
+        # pipeline stage probes its own blocks with the activations it received
+        first_row = rows(self.state, slice(0, 1))
+        if self.pipe is None:
+            saturated = gate_saturation(self.model, self.last_tokens[:1, :8], first_row, n)
+        else:
+            saturated = [math.nan] * n
+            for chunk in self.pipe.stage.chunks:
+                shares = gate_saturation(chunk, chunk.probe_input[:1, :8], self.pipe.stage.chunk_state(chunk, first_row),
+                                         n, int(next(iter(chunk.blocks))))
+                saturated = [b if math.isnan(a) else a for a, b in zip(shares, saturated)]
         every = gather_rows(pack(mine, norms + saturated), self.d.world_size, self.d.enabled)
         if self.store is None:
             return
@@ -488,8 +494,8 @@ class Trainer:
     def _bubble_by_stage(self) -> dict:
         """Pipeline idle share per stage over the run (the first step, which sets up the links, left out), and
         what the schedule would leave idle with these stage costs and no overhead: with c_s the compute of
-        stage s per micro-batch, a step takes (m - 1) max(c) + sum(c), so stage s idles 1 - m c_s / that
-        (equal stages: (p - 1) / (m + p - 1))."""
+        rank s per micro-batch and v stages per rank, a step takes m max(c) + (sum(c) - max(c)) / v, so
+        rank s idles 1 - m c_s / that (equal ranks: (p - 1) / (v m + p - 1))."""
         if self.pipe is None:
             return {}
         steps = self.pipe.history[1:] or self.pipe.history
@@ -500,7 +506,7 @@ class Trainer:
         compute = [sum(float(every[r][0] / every[r][2]) for r in reps) / len(reps) for reps in layout]  # per step
         wall = [sum(float(every[r][1] / every[r][2]) for r in reps) / len(reps) for reps in layout]
         m = self.pipe.plan.microbatches
-        ideal_step = (m - 1) * max(compute) / m + sum(compute) / m
+        ideal_step = max(compute) + (sum(compute) - max(compute)) / (m * self.pipe.plan.stages_per_rank)
         by_stage = [max(0.0, 1.0 - c / w) for c, w in zip(compute, wall)]
         return {"pipeline_bubble": sum(by_stage) / len(by_stage), "pipeline_bubble_by_stage": by_stage,
                 "pipeline_bubble_theory": self.pipe.plan.bubble_theory,

@@ -3,6 +3,8 @@ recurrent state carried per micro-batch, dp x pp replicas identical, checkpoints
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -45,6 +47,8 @@ def two_stages(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("pp2")
     runs = [("1f1b", ["parallel.pp=2"], False),
             ("gpipe", ["parallel.pp=2", "parallel.schedule=gpipe"], False),
+            # 4 blocks as 4 virtual stages, two on each rank
+            ("interleaved", ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.microbatches=2"], False),
             # a warm-up longer than the runs: the learning rate depends on the step alone, not on max_steps
             ("whole", ["parallel.pp=2", "train.warmup_steps=100"], False),
             ("resume", ["parallel.pp=2", "train.warmup_steps=100", "train.max_steps=3", "checkpoint.interval=3"], False),
@@ -55,16 +59,20 @@ def two_stages(tiny_data, tmp_path_factory):
 def test_two_stages_train_exactly_as_one_process(two_stages, tiny_data, tmp_path):
     out, ranks = two_stages
     ref_losses, ref_params = reference(tiny_data, tmp_path, "ref")
-    for schedule in ("1f1b", "gpipe"):
+    for schedule in ("1f1b", "gpipe", "interleaved"):
         first, last = ranks[0][schedule], ranks[1][schedule]
-        # the cut follows costs measured at start (so it may differ by machine): contiguous, every stage some
-        assert first["stage_blocks"] + last["stage_blocks"] == [0, 1, 2, 3] and first["stage_blocks"]
-        assert last["stage_blocks"]
+        if schedule == "interleaved":  # four stages of one block: stage j on rank j % 2
+            assert (first["stage_blocks"], last["stage_blocks"]) == ([0, 2], [1, 3])
+        else:  # the cut follows costs measured at start (so it may differ by machine): contiguous, every stage some
+            assert first["stage_blocks"] + last["stage_blocks"] == [0, 1, 2, 3] and first["stage_blocks"]
+            assert last["stage_blocks"]
         assert_same_training({"losses": first["losses"], "params": {**first["params"], **last["params"]}},
                              ref_losses, ref_params)
         s = first["summary"]
         assert (s["pp"], s["dp"], s["pipeline_schedule"]) == (2, 1, schedule)
-        assert s["pipeline_bubble_theory"] == pytest.approx(1 / 3)
+        assert s["pipeline_bubble_theory"] == pytest.approx(1 / 5 if schedule == "interleaved" else 1 / 3)
+        ref_val = json.loads((tmp_path / "ref" / "summary.json").read_text())["val_loss"]
+        assert s["val_loss"] == pytest.approx(ref_val, abs=1e-5)  # evaluation hops through every stage
         assert 0.0 < s["pipeline_bubble"] < 1.0 and len(s["pipeline_bubble_by_stage"]) == 2
     # gate saturation from both stages: every layer, and the first stage's layers as in one process (same tokens,
     # same state rows); a later stage probes with the activations it received, so only its range is checked

@@ -101,3 +101,42 @@ def test_rpt_plan_for_ten_billion_parameters_on_4096_ranks_allocates_nothing():
     maxrss_gib = int(out.rsplit("maxrss_kb", 1)[1]) / 2**20
     assert maxrss_gib < 2.0, f"planning {params:,} parameters used {maxrss_gib:.1f} GiB"  # fp32 weights: 46 GiB
     assert "fits" in out
+
+
+def test_interleaved_plan_gives_each_rank_every_pp_th_stage_and_sums_its_memory():
+    cfg = Config.load(None, ["model.n_layers=8", "model.d_model=64", "model.vocab_size=256", "parallel.pp=2",
+                             "parallel.schedule=interleaved", "parallel.stages_per_rank=2", "parallel.microbatches=4",
+                             "train.batch_size=8"])
+    plan = make_plan(cfg, 2, 2, 80 * GiB)
+    assert len(plan.stages) == 4 and plan.stages_per_rank == 2
+    assert [s.index for s in plan.rank_stages(0)] == [0, 2] and [s.index for s in plan.rank_stages(1)] == [1, 3]
+    assert [b for s in plan.stages for b in range(*s.blocks)] == list(range(8))  # contiguous, in order
+    assert plan.bubble_theory == pytest.approx(1 / (2 * 4 + 1))  # (p - 1) / (v m + p - 1)
+    per_rank = [sum(s.memory["total"] for s in plan.rank_stages(r)) for r in range(2)]
+    assert plan.peak_memory == max(per_rank)
+    one_f_one_b = make_plan(Config.load(None, ["model.n_layers=8", "model.d_model=64", "model.vocab_size=256",
+                                               "parallel.pp=2", "parallel.microbatches=4", "train.batch_size=8"]),
+                            2, 2, 80 * GiB)
+    assert plan.bubble_theory < one_f_one_b.bubble_theory
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.microbatches=3", "train.batch_size=6"], "not a multiple of parallel.pp"),
+    (["parallel.stages_per_rank=3"], "virtual stages"),
+    (["parallel.stages_per_rank=1"], "stages_per_rank = 1"),
+    (["parallel.pp=auto"], "interleaved"),
+])
+def test_interleaved_settings_that_cannot_work_are_refused(overrides, message):
+    with pytest.raises(RptError, match=message):
+        Config.load(None, ["model.n_layers=4", "parallel.pp=2", "parallel.schedule=interleaved",
+                           "parallel.microbatches=2", *overrides])
+
+
+def test_interleaved_with_data_parallel_replicas_is_refused_before_anything_runs():
+    from rpt.parallel.pipeline import check_layout
+
+    cfg = Config.load(None, ["model.n_layers=4", "parallel.pp=2", "parallel.schedule=interleaved",
+                             "parallel.microbatches=2"])
+    check_layout(cfg, 2)
+    with pytest.raises(RptError, match="replicas of an interleaved pipeline are not built"):
+        check_layout(cfg, 4)
