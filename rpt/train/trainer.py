@@ -567,6 +567,8 @@ def check_mixed_devices(cfg: Config, dist_info: Dist) -> None:
     send, all-gather or pipeline CUDA tensors need ranks of one kind."""
     if not dist_info.mixed_devices:
         return
+    if cfg.comm.mode == "auto":  # the servers' sends are not among gloo's CUDA collectives: all-reduce is the choice
+        cfg.comm.mode = "allreduce"
     uses = [what for what, on in (("comm.mode = " + repr(cfg.comm.mode), cfg.comm.mode in ("ps", "ps-sharded")),
                                   ("comm.compression = 'topk'", cfg.comm.compression == "topk"),
                                   (f"parallel.pp = {cfg.parallel.pp}", cfg.parallel.pp != 1)) if on]

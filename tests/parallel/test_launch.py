@@ -38,3 +38,6 @@ def test_a_mixed_job_refuses_what_gloo_cannot_carry_for_cuda_tensors(make_cfg, t
         Trainer(make_cfg(setting), tmp_path / "r", mixed, progress=False)
     assert setting.split("=")[0] in info.value.message and not (tmp_path / "r").exists()
     check_mixed_devices(make_cfg("comm.compression=powersgd"), mixed)  # all-reduce based: allowed
+    auto = make_cfg("comm.mode=auto")
+    check_mixed_devices(auto, mixed)
+    assert auto.comm.mode == "allreduce"  # the only mode a mixed job can run
