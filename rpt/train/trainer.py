@@ -564,7 +564,8 @@ def param_digest(model: torch.nn.Module) -> str:
 
 def check_mixed_devices(cfg: Config, dist_info: Dist) -> None:
     """A job of CPU and GPU ranks runs on gloo, whose CUDA support is all-reduce and broadcast: the modes that
-    send, all-gather or pipeline CUDA tensors need ranks of one kind."""
+    send, all-gather or pipeline CUDA tensors need ranks of one kind, and comm.mode "auto" resolves to
+    all-reduce here (the only choice left) rather than measuring the links."""
     if not dist_info.mixed_devices:
         return
     if cfg.comm.mode == "auto":  # the servers' sends are not among gloo's CUDA collectives: all-reduce is the choice
