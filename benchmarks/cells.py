@@ -3,7 +3,8 @@
 Hardware efficiency is the honest measure (issue 3): achieved FLOP/s, from `flops_per_token()`
 and tokens/s, over the fp32 matmul peak measured in the same run (the best of a few GEMM shapes).
 nn.LSTM with hidden 512 (2.1M parameters) is the reference; each cell's width is chosen to
-match its parameter count. Two shapes: B=16 x T=256 and B=2 x T=2048. Prints markdown rows.
+match its parameter count. Two shapes: B=16 x T=256 and B=2 x T=2048. Prints markdown rows; for the
+cells whose time loops run in C++ (rpt.models.cells.native), also the speed-up over their Python loops.
 
     .venv/bin/python benchmarks/cells.py [--repeats 3] [--device cpu|cuda] [--gen-tokens 100,10000]
 """
@@ -22,6 +23,7 @@ import torch
 from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
 from rpt.models.block import build_cell
+from rpt.models.cells import native
 from rpt.runtime import keep_freed_memory
 
 D = 512
@@ -80,23 +82,29 @@ def bench_cells(device, repeats, peak):
         ref = torch.nn.LSTM(D, D, batch_first=True).to(device)
         ref_flops = 3 * 2 * 4 * D * (D + D)
         ref_tps = B * T / timed(lambda: ref(x)[0].sum().backward(), device, repeats)
-        rows.append(("nn.LSTM", B, T, sum(p.numel() for p in ref.parameters()), ref_tps, ref_tps * ref_flops, ref_tps, None))
+        rows.append(("nn.LSTM", B, T, sum(p.numel() for p in ref.parameters()), ref_tps, ref_tps * ref_flops, ref_tps, None,
+                     None))
         for name, over in CELLS:
             cell = build_cell(ModelConfig(d_model=D, **over)).to(device)
             tps = B * T / timed(fwd_bwd(cell, x), device, repeats)
-            ref_speed = None
+            ref_speed = loop_speed = None
+            if name.startswith(("modlstm", "gru")) and native.loops() is not None:  # its time loops run in C++
+                with native.python_loops():
+                    loop_speed = B * T / timed(fwd_bwd(cell, x), device, repeats)
             if name.startswith("modlstm"):  # its own sequential reference, on a quarter of the sequence
                 xs = x[:, : T // 4].detach().requires_grad_()
                 ref_speed = B * (T // 4) / timed(fwd_bwd(cell, xs, reference=True), device, 1)
             params = sum(p.numel() for p in cell.parameters())
-            rows.append((name, B, T, params, tps, tps * 3 * cell.flops_per_token(), ref_tps, ref_speed))
+            rows.append((name, B, T, params, tps, tps * 3 * cell.flops_per_token(), ref_tps, ref_speed, loop_speed))
     print(f"\nmatmul peak {peak / 1e9:.0f} GFLOP/s (fp32, best of 5 GEMM shapes, this run)\n")
-    print("| cell | B x T | params | tokens/s | GFLOP/s | efficiency | vs nn.LSTM | vs own reference |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, B, T, params, tps, flops, ref_tps, ref_speed in rows:
+    print("| cell | B x T | params | tokens/s | GFLOP/s | efficiency | vs nn.LSTM | vs own reference | "
+          "vs its Python loops |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, B, T, params, tps, flops, ref_tps, ref_speed, loop_speed in rows:
         own = f"{tps / ref_speed:.1f}x" if ref_speed else ""
+        loops = f"{tps / loop_speed:.2f}x" if loop_speed else ""
         print(f"| {name} | {B} x {T} | {params / 1e6:.2f}M | {tps:,.0f} | {flops / 1e9:.0f} | {flops / peak:.2f} | "
-              f"{tps / ref_tps:.2f} | {own} |")
+              f"{tps / ref_tps:.2f} | {own} | {loops} |")
 
 
 def rss_bytes() -> int:

@@ -11,6 +11,8 @@ from rpt.errors import RptError
 from rpt.models import register_cell, register_gate
 from rpt.models.block import build_cell
 from rpt.models.cells.base import Cell
+from rpt.models.cells.native import loops as native_loops
+from rpt.models.cells.native import python_loops
 
 VARIANTS = {
     "lstm": dict(cell="lstm"),
@@ -53,8 +55,16 @@ def loss_of(y, state, w):
     return (y * w).sum() + sum((k + 1) * 0.3 * s.sum() for k, s in enumerate(state[:2]))
 
 
+@pytest.mark.parametrize("loop", ["native", "python"])
 @pytest.mark.parametrize("name", VARIANTS)
-def test_fast_path_matches_reference_with_all_gradients(name):
+def test_fast_path_matches_reference_with_all_gradients(name, loop):
+    """The fused kernels run their time loops in C++ where rpt.models.cells.native is built: both forms here."""
+    if loop == "python":
+        with python_loops():
+            test_fast_path_matches_reference_with_all_gradients(name, "checked")
+        return
+    if loop == "native" and native_loops() is None:
+        pytest.skip("the native loops are not built here (test_native_loops says whether they should be)")
     cell = make(name)
     B, T = 3, 9
     x = torch.randn(B, T, D, dtype=torch.float64, requires_grad=True)

@@ -4,7 +4,8 @@ Fast paths: on GPU, torch's fused GRU (cuDNN). On CPU torch's GRU has no oneDNN 
 its LSTM has one) and runs a small-batch GEMM per step, about 0.2 of the matmul peak at B=2;
 there `GRUFunction` runs instead: a fused sequence kernel with a hand-written backward, like
 the modified LSTM's (input projections and weight gradients as single GEMMs, the per-step
-product packed for oneDNN, every factor that does not depend on the recurrence precomputed).
+product packed for oneDNN, every factor that does not depend on the recurrence precomputed), whose
+two time loops run in C++ where rpt.models.cells.native could be built.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from rpt.models.cells.base import GatedRNNCell, as_fp32, full_precision, over_segments
+from rpt.models.cells.native import loops
 from rpt.models.cells.packed_linear import PackedLinear
 from rpt.models.registry import register_cell
 
@@ -72,16 +74,11 @@ class GRUFunction(torch.autograd.Function):
         HP = x.new_empty(T, B, 3, H)  # h_{t-1} W_hh^T + b_hh, whose n part the backward needs
         gates = x.new_empty(T, B, 3, H)  # r, z, n
         hs = x.new_empty(T, B, H)
-        h = h0
-        keeps = keep[:, :, None].unbind(0) if keep is not None else [None] * T
-        for xp, hp, g, out, kt in zip(XP.unbind(0), HP.unbind(0), gates.unbind(0), hs.unbind(0), keeps):
-            if kt is not None:
-                h = h * kt
-            hp.copy_(W(h, bias).view(B, 3, H))
-            r, z, n = g.unbind(1)
-            torch.sigmoid(xp[:, :2] + hp[:, :2], out=g[:, :2])
-            torch.tanh(torch.addcmul(xp[:, 2], r, hp[:, 2]), out=n)
-            h = torch.addcmul(n, z, h - n, out=out)
+        native = loops()
+        if native is not None:
+            h = native.gru_forward(XP, *W.operand, bias, keep, h0, HP, gates, hs)
+        else:
+            h = forward_steps(XP, W, bias, keep, h0, HP, gates, hs)
         ctx.save_for_backward(keep, x, w_ih, w_hh, h0, HP, gates, hs)
         return hs.transpose(0, 1).contiguous(), h
 
@@ -104,17 +101,49 @@ class GRUFunction(torch.autograd.Function):
         WT = PackedLinear(w_hh.T.contiguous(), B)
         grad_y = grad_y.transpose(0, 1)
         dh = grad_h if grad_h is not None else x.new_zeros(B, H)
-        keeps = keep[:, :, None].unbind(0) if keep is not None else [None] * T
-        steps = zip(grad_y.unbind(0), KX.unbind(0), KH.unbind(0), dXP.unbind(0), dHP.unbind(0), z.unbind(0), keeps)
-        for gy, kx, kh, dxp, dhp, zt, kt in reversed(list(steps)):
-            dh = dh + gy
-            torch.mul(dh[:, None], kx, out=dxp)
-            torch.mul(dh[:, None], kh, out=dhp)
-            dh = WT(dhp.view(B, 3 * H), dh * zt)
-            if kt is not None:
-                dh = dh * kt
+        keep3 = keep[:, :, None] if keep is not None else None
+        native = loops()
+        if native is not None:
+            dh = native.gru_backward(grad_y, KX, KH, z, dXP, dHP, keep3, *WT.operand, dh)
+        else:
+            dh = backward_steps(grad_y, KX, KH, z, dXP, dHP, keep3, WT, dh)
         dXPf, dHPf = dXP.view(T * B, 3 * H), dHP.view(T * B, 3 * H)
         grad_x = (dXPf @ w_ih).view(T, B, D).transpose(0, 1)
         grad_w_ih = dXPf.T @ x.transpose(0, 1).reshape(T * B, D)
         grad_w_hh = dHPf.T @ h_prev.reshape(T * B, H)
         return None, grad_x, grad_w_ih, grad_w_hh, dXPf.sum(0), dHPf.sum(0), dh
+
+
+# ---------------------------------------------------------------------- the time loops
+# The Python form of the kernel's two loops; rpt/models/cells/native/recurrent_loops.cpp is the same loops in
+# C++ (used when it is built), step for step.
+
+def forward_steps(XP, W: PackedLinear, bias, keep, h, HP, gates, hs):
+    """Run the recurrence over XP (the input projections, [T, B, 3, H]), filling HP, gates and hs; returns the
+    last h."""
+    B, H = h.shape
+    keeps = keep[:, :, None].unbind(0) if keep is not None else [None] * len(XP)
+    for xp, hp, g, out, kt in zip(XP.unbind(0), HP.unbind(0), gates.unbind(0), hs.unbind(0), keeps):
+        if kt is not None:
+            h = h * kt
+        hp.copy_(W(h, bias).view(B, 3, H))
+        r, z, n = g.unbind(1)
+        torch.sigmoid(xp[:, :2] + hp[:, :2], out=g[:, :2])
+        torch.tanh(torch.addcmul(xp[:, 2], r, hp[:, 2]), out=n)
+        h = torch.addcmul(n, z, h - n, out=out)
+    return h
+
+
+def backward_steps(grad_y, KX, KH, z, dXP, dHP, keep3, WT: PackedLinear, dh):
+    """Run the gradient back through time, filling dXP and dHP; returns the gradient of the initial h."""
+    B, H = dh.shape
+    keeps = keep3.unbind(0) if keep3 is not None else [None] * len(dXP)
+    steps = zip(grad_y.unbind(0), KX.unbind(0), KH.unbind(0), dXP.unbind(0), dHP.unbind(0), z.unbind(0), keeps)
+    for gy, kx, kh, dxp, dhp, zt, kt in reversed(list(steps)):
+        dh = dh + gy
+        torch.mul(dh[:, None], kx, out=dxp)
+        torch.mul(dh[:, None], kh, out=dhp)
+        dh = WT(dhp.view(B, 3 * H), dh * zt)
+        if kt is not None:
+            dh = dh * kt
+    return dh

@@ -22,8 +22,9 @@ the input projection for all steps is one GEMM, the loop does only what depends 
 (one packed small-batch product and a few elementwise ops, no autograd graph), everything
 that does not depend on the recurrence is precomputed for all steps at once before the
 backward loop, and the weight gradients are one GEMM each after it. torch.compile would
-unroll the time loop, and a Python loop through autograd records every op of every step;
-this kernel runs 5-10x faster than that and needs no compiler.
+unroll the time loop, and a Python loop through autograd records every op of every step.
+The two time loops (`forward_steps`, `backward_steps`, at the end of this file) run in C++
+where rpt.models.cells.native could be built, which halves their dispatch cost at small batch.
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ from torch import nn
 
 from rpt.errors import RptError
 from rpt.models.cells.base import Cell, as_fp32, full_precision
+from rpt.models.cells.native import loops
 from rpt.models.cells.packed_linear import PackedLinear
 from rpt.models.registry import GateFunction, get_gate, register_cell
 
 LN_EPS = 1e-5
+# The gates the native loops know (their codes there); a user-registered gate runs the Python loops.
+NATIVE_GATES = ((get_gate("sigmoid"), 0), (get_gate("hard_sigmoid"), 1))
 
 
 @register_cell("modlstm")
@@ -56,6 +60,7 @@ class ModLSTM(Cell):
             raise RptError("model.peepholes are not defined for the exponential gate (its cell state is unnormalised)",
                            "use model.gate = 'sigmoid' or 'hard_sigmoid' with peepholes")
         self.gate, self.coupled, self.gate_norm, self.peepholes = gate, coupled_gates, gate_norm, peepholes
+        self.native_gate = -1 if self.exp else next((code for g, code in NATIVE_GATES if g is self.gate_fn), None)
         # Gate groups in memory order: the ones driven by dc first, the output gate last.
         self.groups = ("f", "z", "o") if coupled_gates else ("i", "f", "z", "o")
         G = len(self.groups)
@@ -156,58 +161,16 @@ class ModLSTMFunction(torch.autograd.Function):
         ns = x.new_empty(T, B, H) if cell.exp else None
         ln_in = x.new_empty(T, B, G, H) if cell.gate_norm else None
         ln_stats = x.new_empty(T, 2, B, G, 1) if cell.gate_norm else None
-        h, c = state[0], state[1]
-        n, m = (state[2], state[3]) if cell.exp else (None, None)
-        gi = {g: k for k, g in enumerate(cell.groups)}
-        n_dc = G - 1  # gates driven by dc: (i, f, z) or (f, z); the output gate is last
-        use_sigmoid = cell.gate_fn is not None and cell.gate_fn.fn is torch.sigmoid
-        keeps = keep[:, :, None].unbind(0) if keep is not None else [None] * T
-        ns_t = ns.unbind(0) if cell.exp else [None] * T
-        for t, (xp, a, c_out, h_out, n_out, kt) in enumerate(
-                zip(XP.unbind(0), acts.unbind(0), cs.unbind(0), hs.unbind(0), ns_t, keeps)):
-            if kt is not None:
-                h, c = h * kt, c * kt
-                if cell.exp:
-                    n, m = n * kt, m * kt
-            P = W(h, xp).view(B, G, H)
-            if cell.gate_norm:
-                ln_in[t] = P
-                P, mean, rstd = torch.native_layer_norm(P, (H,), None, None, LN_EPS)
-                ln_stats[t, 0], ln_stats[t, 1] = mean, rstd
-                P = torch.addcmul(ln_b, P, ln_w)
-            if cell.exp:
-                P_i, P_f, P_z, P_o = P.unbind(1)
-                a_i, a_f, a_z, a_o = a.unbind(1)
-                m_prev = torch.where(n > 0, m, torch.full_like(m, -math.inf))
-                m = torch.maximum(P_f + m_prev, P_i)
-                torch.exp(P_i - m, out=a_i)
-                torch.exp(P_f + m_prev - m, out=a_f)
-                torch.tanh(P_z, out=a_z)
-                torch.sigmoid(P_o, out=a_o)
-                c = torch.addcmul(a_f * c, a_i, a_z, out=c_out)
-                n = torch.addcmul(a_i, a_f, n, out=n_out)
-                h = torch.mul(a_o, c / n, out=h_out)
-                continue
-            if cell.peepholes:
-                P[:, :n_dc - 1] += cell_peep_in(peep, c)  # i (and f) read c_{t-1}
-            gate_in = P[:, :n_dc - 1]  # (i, f) or (f)
-            if use_sigmoid:
-                torch.sigmoid(gate_in, out=a[:, :n_dc - 1])
-            else:
-                a[:, :n_dc - 1] = cell.gate_fn.fn(gate_in)
-            torch.tanh(P[:, n_dc - 1], out=a[:, n_dc - 1])
-            a_f, a_z = a[:, gi["f"]], a[:, n_dc - 1]
-            a_i = 1 - a_f if cell.coupled else a[:, 0]
-            c = torch.addcmul(a_f * c, a_i, a_z, out=c_out)
-            if cell.peepholes:
-                P[:, G - 1] += peep[-1] * c
-            torch.sigmoid(P[:, G - 1], out=a[:, G - 1])
-            h = torch.mul(a[:, G - 1], torch.tanh(c), out=h_out)
-            if pre is not None:
-                pre[t] = P
+        buffers = (acts, pre, cs, hs, ns, ln_in, ln_stats)
+        native = loops() if cell.native_gate is not None else None
+        if native is not None:
+            n_m = state[2:] if cell.exp else (None, None)
+            final = native.modlstm_forward(XP, *W.operand, keep, state[0], state[1], *n_m, *buffers, ln_w, ln_b, peep,
+                                           cell.native_gate, cell.coupled)
+        else:
+            final = forward_steps(cell, XP, W, keep, state, *buffers, ln_w, ln_b, peep)
         ctx.cell = cell
         ctx.save_for_backward(keep, x, w_x, w_h, ln_w, peep, acts, pre, cs, hs, ns, ln_in, ln_stats, *state)
-        final = (h.clone(), c.clone(), n.clone(), m) if cell.exp else (h.clone(), c.clone())  # not views of saved buffers
         return (hs.transpose(0, 1).contiguous(), *final)
 
     @staticmethod
@@ -268,25 +231,13 @@ class ModLSTMFunction(torch.autograd.Function):
         dh = grad_final[0] if grad_final[0] is not None else zeros
         dc = grad_final[1] if grad_final[1] is not None else zeros
         dn = (grad_final[2] if grad_final[2] is not None else zeros) if cell.exp else None
-        keeps = keep3.unbind(0) if keep3 is not None else [None] * T
-        per_step = zip(range(T), grad_y.unbind(0), K_c.unbind(0), K_o.unbind(0), K_dc.unbind(0), K_cc.unbind(0),
-                       dP.unbind(0), dP_raw.unbind(0), keeps)
-        for t, gy, k_c, k_o, k_dc, k_cc, dp, dp_raw, kt in reversed(list(per_step)):
-            dh = dh + gy
-            dc = torch.addcmul(dc, dh, k_c)
-            torch.mul(dh, k_o, out=dp[:, G - 1])
-            torch.mul(dc[:, None], k_dc, out=dp[:, :G - 1])
-            if cell.exp:
-                dn = torch.addcmul(dn, dh, K_n[t])
-                dp[:, :2].addcmul_(dn[:, None], K_dn[t])
-                dn = dn * k_cc  # K_cc is f (with the reset folded in)
-            if cell.gate_norm:
-                dp_raw.copy_(torch.ops.aten.native_layer_norm_backward(
-                    dp * ln_w, ln_in[t], (H,), ln_stats[t, 0], ln_stats[t, 1], None, None, (True, False, False))[0])
-            dc = dc * k_cc
-            dh = WT(dp_raw.view(B, G * H))
-            if kt is not None:
-                dh = dh * kt
+        factors = (K_c, K_o, K_dc, K_cc, K_n if cell.exp else None, K_dn if cell.exp else None)
+        native = loops() if cell.native_gate is not None else None
+        if native is not None:
+            grad_state = native.modlstm_backward(grad_y, *factors, dP, dP_raw, keep3, *WT.operand, dh, dc, dn,
+                                                 ln_w, ln_in, ln_stats)
+        else:
+            grad_state = backward_steps(grad_y, *factors, dP, dP_raw, keep3, WT, dh, dc, dn, ln_w, ln_in, ln_stats)
         dPf = dP_raw.view(T * B, G * H)
         xt = x.transpose(0, 1).reshape(T * B, D)
         grad_x = (dPf @ w_x).view(T, B, D).transpose(0, 1)
@@ -303,10 +254,93 @@ class ModLSTMFunction(torch.autograd.Function):
             rows = [(dP[:, :, k] * c_prev).sum((0, 1)) for k in range(G - 2)]  # i (and f) read c_{t-1}
             rows.append((dP[:, :, G - 1] * cs).sum((0, 1)))  # o reads c_t
             grad_peep = torch.stack(rows)
-        grad_state = [dh, dc] + ([dn, None] if cell.exp else [])
+        grad_state = [*grad_state, None] if cell.exp else list(grad_state)  # m is a constant
         return (None, None, grad_x, grad_wx, grad_wh, grad_bias, grad_ln_w, grad_ln_b, grad_peep, *grad_state)
 
 
-def cell_peep_in(peep: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Peephole terms of the gates that read c_{t-1}: (i, f), or (f) with coupled gates; shape [B, G-2, H]."""
-    return peep[:-1] * c[:, None]
+# ---------------------------------------------------------------------- the time loops
+# The Python form of the kernel's two loops; rpt/models/cells/native/recurrent_loops.cpp is the same loops in
+# C++ (used when it is built and the gate is a built-in one), step for step.
+
+def forward_steps(cell: ModLSTM, XP, W: PackedLinear, keep, state, acts, pre, cs, hs, ns, ln_in, ln_stats,
+                  ln_w, ln_b, peep):
+    """Run the recurrence over XP (the input projections, [T, B, G*H]), filling the buffers step by step;
+    returns the state after the last step."""
+    T, B, G, H = acts.shape
+    h, c = state[0], state[1]
+    n, m = (state[2], state[3]) if cell.exp else (None, None)
+    gi = {g: k for k, g in enumerate(cell.groups)}
+    n_dc = G - 1  # gates driven by dc: (i, f, z) or (f, z); the output gate is last
+    use_sigmoid = cell.gate_fn is not None and cell.gate_fn.fn is torch.sigmoid
+    keeps = keep[:, :, None].unbind(0) if keep is not None else [None] * T
+    ns_t = ns.unbind(0) if cell.exp else [None] * T
+    for t, (xp, a, c_out, h_out, n_out, kt) in enumerate(
+            zip(XP.unbind(0), acts.unbind(0), cs.unbind(0), hs.unbind(0), ns_t, keeps)):
+        if kt is not None:
+            h, c = h * kt, c * kt
+            if cell.exp:
+                n, m = n * kt, m * kt
+        P = W(h, xp).view(B, G, H)
+        if cell.gate_norm:
+            ln_in[t] = P
+            P, mean, rstd = torch.native_layer_norm(P, (H,), None, None, LN_EPS)
+            ln_stats[t, 0], ln_stats[t, 1] = mean, rstd
+            P = torch.addcmul(ln_b, P, ln_w)
+        if cell.exp:
+            P_i, P_f, P_z, P_o = P.unbind(1)
+            a_i, a_f, a_z, a_o = a.unbind(1)
+            m_prev = torch.where(n > 0, m, torch.full_like(m, -math.inf))
+            m = torch.maximum(P_f + m_prev, P_i)
+            torch.exp(P_i - m, out=a_i)
+            torch.exp(P_f + m_prev - m, out=a_f)
+            torch.tanh(P_z, out=a_z)
+            torch.sigmoid(P_o, out=a_o)
+            c = torch.addcmul(a_f * c, a_i, a_z, out=c_out)
+            n = torch.addcmul(a_i, a_f, n, out=n_out)
+            h = torch.mul(a_o, c / n, out=h_out)
+            continue
+        if cell.peepholes:
+            P[:, :n_dc - 1] += peep[:-1] * c[:, None]  # i (and f) read c_{t-1}
+        gate_in = P[:, :n_dc - 1]  # (i, f) or (f)
+        if use_sigmoid:
+            torch.sigmoid(gate_in, out=a[:, :n_dc - 1])
+        else:
+            a[:, :n_dc - 1] = cell.gate_fn.fn(gate_in)
+        torch.tanh(P[:, n_dc - 1], out=a[:, n_dc - 1])
+        a_f, a_z = a[:, gi["f"]], a[:, n_dc - 1]
+        a_i = 1 - a_f if cell.coupled else a[:, 0]
+        c = torch.addcmul(a_f * c, a_i, a_z, out=c_out)
+        if cell.peepholes:
+            P[:, G - 1] += peep[-1] * c  # o reads c_t
+        torch.sigmoid(P[:, G - 1], out=a[:, G - 1])
+        h = torch.mul(a[:, G - 1], torch.tanh(c), out=h_out)
+        if pre is not None:
+            pre[t] = P
+    return (h.clone(), c.clone(), n.clone(), m) if cell.exp else (h.clone(), c.clone())  # not views of saved buffers
+
+
+def backward_steps(grad_y, K_c, K_o, K_dc, K_cc, K_n, K_dn, dP, dP_raw, keep3, WT: PackedLinear, dh, dc, dn,
+                   ln_w, ln_in, ln_stats):
+    """Run the gradient back through time over the precomputed factors, filling dP (and dP_raw, the gradient
+    before the gate layer norm); returns the gradient of the initial state: (dh, dc), or (dh, dc, dn)."""
+    T, B, G, H = dP.shape
+    keeps = keep3.unbind(0) if keep3 is not None else [None] * T
+    per_step = zip(range(T), grad_y.unbind(0), K_c.unbind(0), K_o.unbind(0), K_dc.unbind(0), K_cc.unbind(0),
+                   dP.unbind(0), dP_raw.unbind(0), keeps)
+    for t, gy, k_c, k_o, k_dc, k_cc, dp, dp_raw, kt in reversed(list(per_step)):
+        dh = dh + gy
+        dc = torch.addcmul(dc, dh, k_c)
+        torch.mul(dh, k_o, out=dp[:, G - 1])
+        torch.mul(dc[:, None], k_dc, out=dp[:, :G - 1])
+        if K_n is not None:  # the exponential gate's normaliser
+            dn = torch.addcmul(dn, dh, K_n[t])
+            dp[:, :2].addcmul_(dn[:, None], K_dn[t])
+            dn = dn * k_cc  # K_cc is f (with the reset folded in)
+        if ln_w is not None:
+            dp_raw.copy_(torch.ops.aten.native_layer_norm_backward(
+                dp * ln_w, ln_in[t], (H,), ln_stats[t, 0], ln_stats[t, 1], None, None, (True, False, False))[0])
+        dc = dc * k_cc
+        dh = WT(dp_raw.view(B, G * H))
+        if kt is not None:
+            dh = dh * kt
+    return (dh, dc, dn) if K_n is not None else (dh, dc)

@@ -26,6 +26,11 @@ class PackedLinear:
             except RuntimeError:
                 self.packed = None
 
+    @property
+    def operand(self) -> tuple[torch.Tensor, bool]:
+        """(packed weight, True) or (plain weight, False): what the native loops (rpt.models.cells.native) take."""
+        return (self.packed, True) if self.packed is not None else (self.weight, False)
+
     def __call__(self, h: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
             if add is None:

@@ -1,0 +1,83 @@
+"""The time loops of the fused recurrent kernels (modlstm, gru) in C++, compiled once per machine.
+
+Why our own C++: at small batch each step of these loops is one small matrix product (~55 us at B=2,
+H=512 on the build machine) and 6-10 small elementwise ops. Called from Python, each op costs 5-8 us of
+dispatch, so the loop spends as long in the interpreter as in the product; the same ATen ops called from
+C++ cost 1-2 us each. torch.compile would unroll the T steps of the loop (and TorchScript is deprecated),
+and no library offers these cells' loops. `recurrent_loops.cpp` is the Python loops of modlstm.py and
+gru.py step for step, calling the same ATen kernels on the same buffers: it changes where the loop runs,
+not what it computes (tests/models/test_native_loops.py holds the two equal).
+
+It is built on first use with torch's JIT extension builder (g++ and ninja; about 25 s on 2 cores) into
+~/.cache/rpt/native/ (RPT_NATIVE_DIR overrides), one folder per torch version and source, and loaded from
+there afterwards. Where it cannot be built (no compiler), the Python loops run, after one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("recurrent_loops.cpp")
+NAME = "rpt_recurrent_loops"
+_use = True
+
+
+def build_directory() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    root = Path(os.environ.get("RPT_NATIVE_DIR") or Path.home() / ".cache" / "rpt" / "native")
+    return root / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
+
+
+@functools.cache
+def _build():
+    """torch.ops.rpt_loops, or None (with a warning saying why) where it cannot be built."""
+    from torch.utils import cpp_extension
+
+    out = build_directory()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if shutil.which("ninja") is None:  # the ninja wheel puts its binary beside the interpreter
+            os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+        # One process builds at a time (the ranks of a job start together). The kernel drops this lock when its
+        # holder dies; torch's own lock file would then stay behind and make every later build wait forever,
+        # so whoever holds this lock clears it.
+        with open(out / "build.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (out / "lock").unlink(missing_ok=True)
+            if not (out / f"{NAME}.so").exists():
+                print(f"rpt: compiling the native recurrent loops into {out} (once, ~25 s)", file=sys.stderr,
+                      flush=True)
+            cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=["-O3"], build_directory=str(out),
+                               is_python_module=False, verbose=False)
+        return torch.ops.rpt_loops
+    except Exception as e:  # no compiler, no ninja, a failed build: the Python loops are the same computation
+        warnings.warn(f"rpt: the native recurrent loops could not be built ({type(e).__name__}: {str(e)[:300]}); "
+                      "modlstm and gru run their Python loops (slower at small batch). Install g++ and ninja to "
+                      "build them.", stacklevel=3)
+        return None
+
+
+def loops():
+    """The compiled loops (`torch.ops.rpt_loops`), built on first use; None where they cannot be built."""
+    return _build() if _use else None
+
+
+@contextlib.contextmanager
+def python_loops():
+    """Run the Python loops inside this block (for tests and benchmarks that compare the two)."""
+    global _use
+    before, _use = _use, False
+    try:
+        yield
+    finally:
+        _use = before

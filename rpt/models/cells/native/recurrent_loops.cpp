@@ -1,0 +1,292 @@
+// The time loops of rpt's fused recurrent kernels (modlstm, gru), step for step the Python loops in
+// modlstm.py and gru.py: the same ATen ops on the same buffers, called from C++ instead of Python.
+// Why this file exists, and how it is built: native.py. The Python loop is the readable form; a change
+// there is made here too, and tests/models/test_native_loops.py holds the two equal.
+//
+// Buffers are time-major ([T, B, ...]); every step writes its slice of the caller's buffers in place.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+constexpr double kLayerNormEps = 1e-5;  // modlstm.LN_EPS
+
+// h @ W^T (+ add). `packed`: W was reordered for oneDNN by PackedLinear (rpt/models/cells/packed_linear.py),
+// whose ops these are; otherwise W is the plain [N, H] weight and this is addmm.
+Tensor project(const Tensor& h, const OptTensor& add, const Tensor& w, bool packed) {
+  if (packed) {
+    if (add) {
+      static auto binary = c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
+          .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, c10::string_view)>();
+      return binary.call(h, *add, w, std::nullopt, "add");
+    }
+    static auto plain = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+        .typed<Tensor(const Tensor&, const Tensor&, const OptTensor&, c10::string_view,
+                      c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>)>();
+    return plain.call(h, w, std::nullopt, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt);
+  }
+  return add ? at::addmm(*add, h, w.t()) : at::mm(h, w.t());
+}
+
+// ModLSTMFunction.forward's loop. gate: -1 the stabilised exponential gate, 0 sigmoid, 1 hard sigmoid
+// (clamp(x / 6 + 0.5, 0, 1), as registered in rpt/models/registry.py). Returns the state after the last step:
+// (h, c), or (h, c, n, m) for the exponential gate.
+std::vector<Tensor> modlstm_forward(
+    const Tensor& XP, const Tensor& w, bool packed, const OptTensor& keep, Tensor h, Tensor c, OptTensor n_in,
+    OptTensor m_in, const Tensor& acts, const OptTensor& pre, const Tensor& cs, const Tensor& hs,
+    const OptTensor& ns, const OptTensor& ln_in, const OptTensor& ln_stats, const OptTensor& ln_w,
+    const OptTensor& ln_b, const OptTensor& peep, int64_t gate, bool coupled) {
+  const int64_t T = acts.size(0), B = acts.size(1), G = acts.size(2), H = acts.size(3);
+  const bool exp_gate = gate < 0;
+  const int64_t n_dc = G - 1;            // gates driven by dc: (i, f, z) or (f, z); the output gate is last
+  const int64_t f_index = coupled ? 0 : 1;
+  Tensor n = exp_gate ? *n_in : Tensor(), m = exp_gate ? *m_in : Tensor();
+  for (int64_t t = 0; t < T; ++t) {
+    if (keep) {
+      Tensor kt = keep->select(0, t).unsqueeze(1);
+      h = h * kt;
+      c = c * kt;
+      if (exp_gate) {
+        n = n * kt;
+        m = m * kt;
+      }
+    }
+    Tensor P = project(h, XP.select(0, t), w, packed).view({B, G, H});
+    if (ln_w) {
+      ln_in->select(0, t).copy_(P);
+      auto [y, mean, rstd] = at::native_layer_norm(P, {H}, std::nullopt, std::nullopt, kLayerNormEps);
+      ln_stats->select(0, t).select(0, 0).copy_(mean);
+      ln_stats->select(0, t).select(0, 1).copy_(rstd);
+      P = at::addcmul(*ln_b, y, *ln_w);
+    }
+    Tensor a = acts.select(0, t), c_out = cs.select(0, t), h_out = hs.select(0, t);
+    if (exp_gate) {
+      Tensor P_i = P.select(1, 0), P_f = P.select(1, 1), P_z = P.select(1, 2), P_o = P.select(1, 3);
+      Tensor a_i = a.select(1, 0), a_f = a.select(1, 1), a_z = a.select(1, 2), a_o = a.select(1, 3);
+      Tensor m_prev = at::where(n > 0, m, at::full_like(m, -std::numeric_limits<double>::infinity()));
+      m = at::maximum(P_f + m_prev, P_i);
+      at::exp_out(a_i, P_i - m);
+      at::exp_out(a_f, P_f + m_prev - m);
+      at::tanh_out(a_z, P_z);
+      at::sigmoid_out(a_o, P_o);
+      Tensor n_out = ns->select(0, t);
+      c = at::addcmul_out(c_out, a_f * c, a_i, a_z);
+      n = at::addcmul_out(n_out, a_i, a_f, n);
+      h = at::mul_out(h_out, a_o, c / n);
+      continue;
+    }
+    if (peep) {  // i (and f) read c_{t-1}
+      P.slice(1, 0, n_dc - 1).add_(peep->slice(0, 0, G - 2) * c.unsqueeze(1));
+    }
+    Tensor gate_in = P.slice(1, 0, n_dc - 1), gate_out = a.slice(1, 0, n_dc - 1);
+    if (gate == 0) {
+      at::sigmoid_out(gate_out, gate_in);
+    } else {
+      gate_out.copy_(at::clamp(gate_in / 6 + 0.5, 0.0, 1.0));
+    }
+    Tensor a_z = a.select(1, n_dc - 1);
+    at::tanh_out(a_z, P.select(1, n_dc - 1));
+    Tensor a_f = a.select(1, f_index);
+    Tensor a_i = coupled ? 1 - a_f : a.select(1, 0);
+    c = at::addcmul_out(c_out, a_f * c, a_i, a_z);
+    if (peep) {
+      P.select(1, G - 1).add_(peep->select(0, G - 2) * c);
+    }
+    Tensor a_o = a.select(1, G - 1);
+    at::sigmoid_out(a_o, P.select(1, G - 1));
+    h = at::mul_out(h_out, a_o, at::tanh(c));
+    if (pre) {
+      pre->select(0, t).copy_(P);
+    }
+  }
+  if (exp_gate) {
+    return {h.clone(), c.clone(), n.clone(), m};
+  }
+  return {h.clone(), c.clone()};
+}
+
+// ModLSTMFunction.backward's loop over the precomputed factors K_*; fills dP (and dP_raw under gate norm).
+// Returns the gradients of the initial state: (dh, dc), or (dh, dc, dn) for the exponential gate.
+std::vector<Tensor> modlstm_backward(
+    const Tensor& grad_y, const Tensor& K_c, const Tensor& K_o, const Tensor& K_dc, const Tensor& K_cc,
+    const OptTensor& K_n, const OptTensor& K_dn, const Tensor& dP, const Tensor& dP_raw, const OptTensor& keep3,
+    const Tensor& wT, bool packed, Tensor dh, Tensor dc, OptTensor dn_in, const OptTensor& ln_w,
+    const OptTensor& ln_in, const OptTensor& ln_stats) {
+  const int64_t T = dP.size(0), B = dP.size(1), G = dP.size(2), H = dP.size(3);
+  const bool exp_gate = K_n.has_value();
+  const bool fused = dP.is_cpu();  // elsewhere (CUDA) the same step as ATen ops
+  TORCH_CHECK(dP.is_contiguous() && dP_raw.is_contiguous(), "modlstm_backward: dP and dP_raw must be contiguous");
+  Tensor dn = exp_gate ? *dn_in : Tensor();
+  Tensor gy_all, Kc, Ko, Kdc, Kcc, Kn, Kdn;
+  if (fused) {  // the pointwise part of a step in one pass over contiguous rows (the "else" below, fused)
+    gy_all = grad_y.contiguous(), Kc = K_c.contiguous(), Ko = K_o.contiguous(), Kdc = K_dc.contiguous();
+    Kcc = K_cc.contiguous();
+    dh = dh.contiguous().clone(), dc = dc.contiguous().clone();
+    if (exp_gate) {
+      Kn = K_n->contiguous(), Kdn = K_dn->contiguous(), dn = dn.contiguous().clone();
+    }
+  }
+  for (int64_t t = T - 1; t >= 0; --t) {
+    Tensor dp = dP.select(0, t), dp_raw = dP_raw.select(0, t);
+    if (fused) {
+      AT_DISPATCH_FLOATING_TYPES(dP.scalar_type(), "modlstm_backward", [&] {
+        const int64_t BH = B * H, off = t * BH;
+        scalar_t* dh_p = dh.data_ptr<scalar_t>();
+        scalar_t* dc_p = dc.data_ptr<scalar_t>();
+        scalar_t* dp_p = dp.data_ptr<scalar_t>();
+        const scalar_t* gy = gy_all.data_ptr<scalar_t>() + off;
+        const scalar_t* kc = Kc.data_ptr<scalar_t>() + off;
+        const scalar_t* ko = Ko.data_ptr<scalar_t>() + off;
+        const scalar_t* kcc = Kcc.data_ptr<scalar_t>() + off;
+        const scalar_t* kdc = Kdc.data_ptr<scalar_t>() + t * BH * (G - 1);
+        scalar_t* dn_p = exp_gate ? dn.data_ptr<scalar_t>() : nullptr;
+        const scalar_t* kn = exp_gate ? Kn.data_ptr<scalar_t>() + off : nullptr;
+        const scalar_t* kdn = exp_gate ? Kdn.data_ptr<scalar_t>() + t * BH * 2 : nullptr;
+        for (int64_t b = 0; b < B; ++b) {
+          scalar_t* dp_b = dp_p + b * G * H;
+          for (int64_t j = 0; j < H; ++j) {
+            const int64_t i = b * H + j;
+            const scalar_t dh_v = dh_p[i] + gy[i];
+            const scalar_t dc_v = dc_p[i] + dh_v * kc[i];
+            dh_p[i] = dh_v;
+            dp_b[(G - 1) * H + j] = dh_v * ko[i];
+            for (int64_t g = 0; g < G - 1; ++g) {
+              dp_b[g * H + j] = dc_v * kdc[(b * (G - 1) + g) * H + j];
+            }
+            if (exp_gate) {
+              const scalar_t dn_v = dn_p[i] + dh_v * kn[i];
+              dp_b[j] += dn_v * kdn[(b * 2) * H + j];
+              dp_b[H + j] += dn_v * kdn[(b * 2 + 1) * H + j];
+              dn_p[i] = dn_v * kcc[i];
+            }
+            dc_p[i] = dc_v * kcc[i];
+          }
+        }
+      });
+    } else {
+      dh = dh + grad_y.select(0, t);
+      dc = at::addcmul(dc, dh, K_c.select(0, t));
+      Tensor dp_o = dp.select(1, G - 1), dp_dc = dp.slice(1, 0, G - 1);
+      at::mul_out(dp_o, dh, K_o.select(0, t));
+      at::mul_out(dp_dc, dc.unsqueeze(1), K_dc.select(0, t));
+      if (exp_gate) {
+        dn = at::addcmul(dn, dh, K_n->select(0, t));
+        dp.slice(1, 0, 2).addcmul_(dn.unsqueeze(1), K_dn->select(0, t));
+        dn = dn * K_cc.select(0, t);
+      }
+    }
+    if (ln_w) {
+      Tensor in_t = ln_in->select(0, t), stats = ln_stats->select(0, t);
+      dp_raw.copy_(std::get<0>(at::native_layer_norm_backward(
+          dp * *ln_w, in_t, {H}, stats.select(0, 0), stats.select(0, 1), std::nullopt, std::nullopt,
+          {true, false, false})));
+    }
+    if (!fused) {
+      dc = dc * K_cc.select(0, t);
+    }
+    Tensor dh_prev = project(dp_raw.view({B, G * H}), std::nullopt, wT, packed);
+    if (keep3) {
+      dh_prev = dh_prev * keep3->select(0, t);
+    }
+    if (fused) {
+      dh.copy_(dh_prev);
+    } else {
+      dh = dh_prev;
+    }
+  }
+  if (exp_gate) {
+    return {dh, dc, dn};
+  }
+  return {dh, dc};
+}
+
+// GRUFunction.forward's loop; fills HP (h W_hh^T + b_hh), gates (r, z, n) and hs. Returns the last h.
+Tensor gru_forward(const Tensor& XP, const Tensor& w, bool packed, const Tensor& bias, const OptTensor& keep,
+                   Tensor h, const Tensor& HP, const Tensor& gates, const Tensor& hs) {
+  const int64_t T = gates.size(0), B = gates.size(1), H = gates.size(3);
+  for (int64_t t = 0; t < T; ++t) {
+    if (keep) {
+      h = h * keep->select(0, t).unsqueeze(1);
+    }
+    Tensor xp = XP.select(0, t), hp = HP.select(0, t), g = gates.select(0, t), out = hs.select(0, t);
+    hp.copy_(project(h, bias, w, packed).view({B, 3, H}));
+    Tensor rz = g.slice(1, 0, 2), n = g.select(1, 2);
+    at::sigmoid_out(rz, xp.slice(1, 0, 2) + hp.slice(1, 0, 2));
+    at::tanh_out(n, at::addcmul(xp.select(1, 2), g.select(1, 0), hp.select(1, 2)));
+    h = at::addcmul_out(out, n, g.select(1, 1), h - n);
+  }
+  return h;
+}
+
+// GRUFunction.backward's loop; fills dXP and dHP. Returns the gradient of the initial h.
+Tensor gru_backward(const Tensor& grad_y, const Tensor& KX, const Tensor& KH, const Tensor& z, const Tensor& dXP,
+                    const Tensor& dHP, const OptTensor& keep3, const Tensor& wT, bool packed, Tensor dh) {
+  const int64_t T = dXP.size(0), B = dXP.size(1), H = dXP.size(3);
+  const bool fused = dXP.is_cpu();  // elsewhere (CUDA) the same step as ATen ops
+  TORCH_CHECK(dXP.is_contiguous() && dHP.is_contiguous(), "gru_backward: dXP and dHP must be contiguous");
+  Tensor gy_all, kx_all, kh_all, z_all, dh_z;
+  if (fused) {  // the pointwise part of a step in one pass over contiguous rows (the "else" below, fused)
+    gy_all = grad_y.contiguous(), kx_all = KX.contiguous(), kh_all = KH.contiguous(), z_all = z.contiguous();
+    dh = dh.contiguous().clone();
+    dh_z = at::empty_like(dh);
+  }
+  for (int64_t t = T - 1; t >= 0; --t) {
+    Tensor dxp = dXP.select(0, t), dhp = dHP.select(0, t);
+    if (fused) {
+      AT_DISPATCH_FLOATING_TYPES(dXP.scalar_type(), "gru_backward", [&] {
+        const int64_t off = t * B * H, off3 = t * B * 3 * H;
+        scalar_t* dh_p = dh.data_ptr<scalar_t>();
+        scalar_t* dhz_p = dh_z.data_ptr<scalar_t>();
+        scalar_t* dxp_p = dxp.data_ptr<scalar_t>();
+        scalar_t* dhp_p = dhp.data_ptr<scalar_t>();
+        const scalar_t* gy = gy_all.data_ptr<scalar_t>() + off;
+        const scalar_t* zt = z_all.data_ptr<scalar_t>() + off;
+        const scalar_t* kx = kx_all.data_ptr<scalar_t>() + off3;
+        const scalar_t* kh = kh_all.data_ptr<scalar_t>() + off3;
+        for (int64_t b = 0; b < B; ++b) {
+          for (int64_t j = 0; j < H; ++j) {
+            const int64_t i = b * H + j;
+            const scalar_t dh_v = dh_p[i] + gy[i];
+            for (int64_t g = 0; g < 3; ++g) {
+              const int64_t k = (b * 3 + g) * H + j;
+              dxp_p[k] = dh_v * kx[k];
+              dhp_p[k] = dh_v * kh[k];
+            }
+            dhz_p[i] = dh_v * zt[i];
+          }
+        }
+      });
+      Tensor dh_prev = project(dhp.view({B, 3 * H}), dh_z, wT, packed);
+      dh.copy_(keep3 ? dh_prev * keep3->select(0, t) : dh_prev);
+      continue;
+    }
+    dh = dh + grad_y.select(0, t);
+    at::mul_out(dxp, dh.unsqueeze(1), KX.select(0, t));
+    at::mul_out(dhp, dh.unsqueeze(1), KH.select(0, t));
+    dh = project(dhp.view({B, 3 * H}), dh * z.select(0, t), wT, packed);
+    if (keep3) {
+      dh = dh * keep3->select(0, t);
+    }
+  }
+  return dh;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(rpt_loops, m) {
+  m.def("modlstm_forward", &modlstm_forward);
+  m.def("modlstm_backward", &modlstm_backward);
+  m.def("gru_forward", &gru_forward);
+  m.def("gru_backward", &gru_backward);
+}
