@@ -67,6 +67,11 @@ class GatedMLP(nn.Module):
         return 2 * 3 * self.up.in_features * self.down.in_features
 
 
+def has_attention(cfg: ModelConfig, index: int) -> bool:
+    """Whether block `index` holds the attention sub-layer: every `attention_every`-th block."""
+    return bool(cfg.attention_every) and (index + 1) % cfg.attention_every == 0
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -74,7 +79,7 @@ class Block(nn.Module):
         self.cell_norm, self.cell = make_norm(cfg), build_cell(cfg)
         self.cell_gate = nn.Parameter(torch.full((D,), gain))
         self.attn = None
-        if cfg.attention_every and (index + 1) % cfg.attention_every == 0:
+        if has_attention(cfg, index):
             self.attn_norm = make_norm(cfg)
             self.attn = SlidingWindowAttention(D, cfg.attention_heads, cfg.attention_window)
             self.attn_gate = nn.Parameter(torch.full((D,), gain))

@@ -9,7 +9,7 @@ a block has one). Training carries it from batch to batch, detached (truncated B
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -21,20 +21,34 @@ from rpt.models.sampling import sample_next
 
 
 class RecurrentLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`build(name)` says which parts ("embed", "blocks.<i>", "norm", "head") to allocate; the others are made
+    on the meta device (shapes only). Each part draws its initial values from its own seed, derived from one
+    draw of torch's global generator, so a part has the same values however many of the others are built:
+    a pipeline rank allocates its stage alone, with the values the whole model would have given it."""
+
+    def __init__(self, cfg: ModelConfig, build: Callable[[str], bool] | None = None):
         super().__init__()
         if cfg.vocab_size <= 0:
             raise RptError("model.vocab_size is not set", "take it from the data (meta.json) or set model.vocab_size")
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        nn.init.normal_(self.embed.weight, std=0.02)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = make_norm(cfg)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        base = int(torch.randint(0, 2**62, (1,), device="cpu"))
+        parts = iter(range(cfg.n_layers + 3))
+
+        def part(name: str, make: Callable[[], nn.Module]) -> nn.Module:
+            seed = base + next(parts)
+            if build is not None and not build(name):
+                with torch.device("meta"):
+                    return make()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                return make()
+
+        self.embed = part("embed", lambda: _embedding(cfg))
+        self.blocks = nn.ModuleList(part(f"blocks.{i}", lambda i=i: Block(cfg, i)) for i in range(cfg.n_layers))
+        self.norm = part("norm", lambda: make_norm(cfg))
+        self.head = part("head", lambda: _head(cfg))
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        else:
-            nn.init.normal_(self.head.weight, std=0.02)
 
     def init_state(self, batch: int, device=None, dtype=None) -> list:
         return [b.init_state(batch, device, dtype) for b in self.blocks]
@@ -84,3 +98,18 @@ class RecurrentLM(nn.Module):
         MLP and the output head; x3 for forward + backward when training. The embedding lookup is free."""
         forward = sum(b.flops_per_token() for b in self.blocks) + 2 * self.cfg.d_model * self.cfg.vocab_size
         return 3 * forward if training else forward
+
+
+def _embedding(cfg: ModelConfig) -> nn.Embedding:
+    embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+    nn.init.normal_(embed.weight, std=0.02)
+    return embed
+
+
+def _head(cfg: ModelConfig) -> nn.Linear:
+    if cfg.tie_embeddings:  # its weight will be the embedding's: nothing to allocate
+        with torch.device("meta"):
+            return nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+    head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+    nn.init.normal_(head.weight, std=0.02)
+    return head

@@ -305,32 +305,51 @@ def check_layout(cfg, world_size: int) -> None:
                        f"run {pp} ranks, or use parallel.schedule = '1f1b' for pp x dp")
 
 
-def setup(model, cfg, rank: int, world_size: int, device: torch.device, local_world: int = 1) -> Pipeline | None:
-    """The plan for this job (printed by rank 0), and this rank's pipeline when it has more than one stage."""
+def setup(cfg, rank: int, world_size: int, device: torch.device, local_world: int = 1,
+          seed: int = 0) -> Pipeline | None:
+    """The plan for this job (printed by rank 0), and this rank's pipeline when it has more than one stage.
+    The rank allocates the parts of the model its stages hold, and nothing else: with `seed` their initial
+    values are the ones `torch.manual_seed(seed); RecurrentLM(cfg.model)` gives the whole model."""
+    from rpt.models import RecurrentLM
     from rpt.parallel.plan import choose_plan, device_memory_bytes, format_plan
 
     if cfg.parallel.pp == 1:
         return None
-    costs = measure_costs(model, cfg, device)
+    costs = measure_costs(cfg, device)
     plan = choose_plan(cfg, world_size, device_memory_bytes(device, local_world), costs)
     if rank == 0:
         print(format_plan(plan), flush=True)
     if plan.pp == 1:
         return None
     mesh = Mesh(device, world_size, plan.pp)
+    torch.manual_seed(seed)
+    model = RecurrentLM(cfg.model, build=parts_of(plan, mesh.pp_rank, cfg.model.tie_embeddings).__contains__)
     return Pipeline(model, plan, mesh, cfg.train.batch_size, cfg.train.seq_len, device, cfg.parallel.schedule)
 
 
-def measure_costs(model, cfg, device: torch.device, repeats: int = 3):
-    """Seconds per token of forward + backward of each kind of block, the embedding and the output layer with
-    its loss, timed on this device at the micro-batch shape (best of `repeats`) and averaged over the ranks, so
-    every rank cuts the same stages. Counted FLOPs miss what dominates small models on a CPU (elementwise gate
-    work, the softmax of the loss): balanced by FLOPs, a 2-stage 4-block LSTM ran its last stage 25% longer."""
-    import copy
+def parts_of(plan: Plan, pp_rank: int, tied: bool) -> set[str]:
+    """Names of the model parts pipeline rank `pp_rank` holds: its blocks, the embedding on the first rank, the
+    final norm and head on the last (and the embedding there too when tied: the head starts as its copy)."""
+    parts = {f"blocks.{i}" for st in plan.rank_stages(pp_rank) for i in range(*st.blocks)}
+    first, last = pp_rank == 0, pp_rank == plan.pp - 1
+    if first or (last and tied):
+        parts.add("embed")
+    if last:
+        parts |= {"norm", "head"}
+    return parts
 
+
+def measure_costs(cfg, device: torch.device, repeats: int = 3):
+    """Seconds per token of forward + backward of each kind of block, the embedding and the output layer with
+    its loss, timed on this device at the micro-batch shape (best of `repeats`) on a sample of each, and averaged
+    over the ranks, so every rank cuts the same stages. Counted FLOPs miss what dominates small models on a CPU
+    (elementwise gate work, the softmax of the loss): balanced by FLOPs, a 2-stage 4-block LSTM ran its last
+    stage 25% longer."""
+    from rpt.models.block import Block, has_attention, make_norm
     from rpt.parallel.plan import Costs
 
-    B, T, D = cfg.train.batch_size // cfg.parallel.microbatches, cfg.train.seq_len, cfg.model.d_model
+    m = cfg.model
+    B, T, D = cfg.train.batch_size // cfg.parallel.microbatches, cfg.train.seq_len, m.d_model
     tokens = B * T
 
     def best_time(fn) -> float:
@@ -343,18 +362,19 @@ def measure_costs(model, cfg, device: torch.device, repeats: int = 3):
             times.append(time.perf_counter() - began)
         return min(times[1:]) / tokens
 
-    x = torch.randn(B, T, D, device=device, requires_grad=True)
-    kinds = {}
-    for i, block in enumerate(model.blocks):
-        kind = block.attn is not None
-        if kind not in kinds:
-            sample = copy.deepcopy(block).to(device)
-            kinds[kind] = best_time(lambda: sample(x, sample.init_state(B, device), None)[0].sum().backward())
-    embed = copy.deepcopy(model.embed).to(device)
-    ids = torch.randint(0, cfg.model.vocab_size, (B, T), device=device)
-    embed_cost = best_time(lambda: embed(ids).sum().backward())
-    norm, head = copy.deepcopy(model.norm).to(device), copy.deepcopy(model.head).to(device)
-    head_cost = best_time(lambda: F.cross_entropy(head(norm(x)).float().flatten(0, 1), ids.flatten()).backward())
+    with torch.random.fork_rng(devices=[]):  # the samples' values do not matter; the model's seeds stay as they were
+        x = torch.randn(B, T, D, device=device, requires_grad=True)
+        ids = torch.randint(0, m.vocab_size, (B, T), device=device)
+        kinds = {}
+        for i in range(m.n_layers):
+            kind = has_attention(m, i)
+            if kind not in kinds:
+                sample = Block(m, i).to(device)
+                kinds[kind] = best_time(lambda: sample(x, sample.init_state(B, device), None)[0].sum().backward())
+        embed = nn.Embedding(m.vocab_size, D).to(device)
+        embed_cost = best_time(lambda: embed(ids).sum().backward())
+        norm, head = make_norm(m).to(device), nn.Linear(D, m.vocab_size, bias=False).to(device)
+        head_cost = best_time(lambda: F.cross_entropy(head(norm(x)).float().flatten(0, 1), ids.flatten()).backward())
     figures = torch.tensor([kinds.get(False, 0.0), kinds.get(True, 0.0), embed_cost, head_cost],
                            dtype=torch.float64, device=device)
     if dist.is_initialized():

@@ -75,13 +75,18 @@ class Trainer:
         for split in ("train", "val"):
             self.data.check_ids(split, cfg.model.vocab_size)
 
-        torch.manual_seed(t.seed)  # the same initial model on every rank
-        whole = RecurrentLM(cfg.model)
-        self.params, self.flops_per_token = whole.num_params(), whole.flops_per_token()
-        # parallel.pp > 1: this rank keeps its stage of the model; the data-parallel ranks are the pipeline replicas
-        self.pipe = pipeline.setup(whole, cfg, dist_info.rank, dist_info.world_size, self.device,
-                                   int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        self.model = self.pipe.stage if self.pipe else whole.to(self.device)
+        with torch.device("meta"):  # shapes only: what the run counts
+            shape = RecurrentLM(cfg.model)
+        self.params, self.flops_per_token = shape.num_params(), shape.flops_per_token()
+        # parallel.pp > 1: this rank builds its stage of the model alone; the data-parallel ranks are the pipeline
+        # replicas. Either way the seed gives every rank the same initial values.
+        self.pipe = pipeline.setup(cfg, dist_info.rank, dist_info.world_size, self.device,
+                                   int(os.environ.get("LOCAL_WORLD_SIZE", "1")), seed=t.seed)
+        if self.pipe:
+            self.model = self.pipe.stage
+        else:
+            torch.manual_seed(t.seed)
+            self.model = RecurrentLM(cfg.model).to(self.device)
         mesh = self.pipe.mesh if self.pipe else None
         self.dp_rank, self.dp_size = (mesh.dp_rank, mesh.dp) if mesh else (dist_info.rank, dist_info.world_size)
         self.sync = build_sync(self.model, cfg.comm, rank=self.dp_rank, world_size=self.dp_size,

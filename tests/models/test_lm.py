@@ -127,3 +127,27 @@ def test_models_never_import_torch_distributed():
             names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
             module = node.module if isinstance(node, ast.ImportFrom) else ""
             assert not any("torch.distributed" in n for n in names + [module or ""]), path
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_part_built_alone_has_the_values_of_the_whole_model(tied):
+    """What a pipeline rank does: allocate its parts only, the rest on the meta device, with the same values."""
+    cfg = ModelConfig(cell="modlstm", vocab_size=V, d_model=16, n_layers=5, attention_every=2, mlp_ratio=2.0,
+                      tie_embeddings=tied)
+    torch.manual_seed(3)
+    whole = RecurrentLM(cfg)
+    after_whole = torch.rand(1)
+    mine = {"blocks.1", "blocks.2", "norm", "head"} | ({"embed"} if tied else set())
+    torch.manual_seed(3)
+    part = RecurrentLM(cfg, build=mine.__contains__)
+    assert torch.equal(torch.rand(1), after_whole)  # the global generator moved as a whole build moves it
+    want = dict(whole.named_parameters(remove_duplicate=False))
+    for name, p in part.named_parameters(remove_duplicate=False):
+        held = any(name.startswith(m + ".") for m in mine) or (tied and name == "head.weight")
+        assert (p.device.type != "meta") == held, name
+        if held:
+            assert torch.equal(p, want[name]), name
+    torch.manual_seed(4)
+    other = RecurrentLM(cfg)
+    assert not torch.equal(other.blocks[1].cell.w_h, whole.blocks[1].cell.w_h)  # the seed still decides
+    assert not torch.equal(whole.blocks[1].cell.w_h, whole.blocks[2].cell.w_h)  # and each part has its own draw
