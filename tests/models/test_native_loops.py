@@ -35,12 +35,17 @@ def test_built_wherever_a_compiler_is():
     assert native.loops() is not None, "g++ is here but the native loops did not build (see the warning)"
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "aten-steps"])
 @pytest.mark.parametrize("name", VARIANTS)
-def test_native_loops_as_accurate_as_python_loops_in_float32(name):
+def test_native_loops_as_accurate_as_python_loops_in_float32(name, fused):
     """In float32 both forms round differently (ATen's vectorised kernels fuse some multiply-adds): each is
-    measured against the same computation in float64, and the native loops may not be less accurate."""
+    measured against the same computation in float64, and the native loops may not be less accurate. Both
+    forms of the native backward step: fused into one pass (the CPU's) and as ATen ops (what a GPU runs)."""
     if native.loops() is None:
         pytest.skip("the native loops are not built here")
+    if not fused:
+        with native.unfused_steps():
+            return test_native_loops_as_accurate_as_python_loops_in_float32(name, True)
     torch.manual_seed(0)
     cell = build_cell(ModelConfig(d_model=16, **VARIANTS[name]))
     with torch.no_grad():

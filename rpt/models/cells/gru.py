@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from rpt.models.cells.base import GatedRNNCell, as_fp32, full_precision, over_segments
-from rpt.models.cells.native import loops
+from rpt.models.cells.native import fuse_pointwise, loops
 from rpt.models.cells.packed_linear import PackedLinear
 from rpt.models.registry import register_cell
 
@@ -104,7 +104,7 @@ class GRUFunction(torch.autograd.Function):
         keep3 = keep[:, :, None] if keep is not None else None
         native = loops()
         if native is not None:
-            dh = native.gru_backward(grad_y, KX, KH, z, dXP, dHP, keep3, *WT.operand, dh)
+            dh = native.gru_backward(grad_y, KX, KH, z, dXP, dHP, keep3, *WT.operand, dh, fuse_pointwise())
         else:
             dh = backward_steps(grad_y, KX, KH, z, dXP, dHP, keep3, WT, dh)
         dXPf, dHPf = dXP.view(T * B, 3 * H), dHP.view(T * B, 3 * H)

@@ -36,7 +36,7 @@ from torch import nn
 
 from rpt.errors import RptError
 from rpt.models.cells.base import Cell, as_fp32, full_precision
-from rpt.models.cells.native import loops
+from rpt.models.cells.native import fuse_pointwise, loops
 from rpt.models.cells.packed_linear import PackedLinear
 from rpt.models.registry import GateFunction, get_gate, register_cell
 
@@ -235,7 +235,7 @@ class ModLSTMFunction(torch.autograd.Function):
         native = loops() if cell.native_gate is not None else None
         if native is not None:
             grad_state = native.modlstm_backward(grad_y, *factors, dP, dP_raw, keep3, *WT.operand, dh, dc, dn,
-                                                 ln_w, ln_in, ln_stats)
+                                                 ln_w, ln_in, ln_stats, fuse_pointwise())
         else:
             grad_state = backward_steps(grad_y, *factors, dP, dP_raw, keep3, WT, dh, dc, dn, ln_w, ln_in, ln_stats)
         dPf = dP_raw.view(T * B, G * H)

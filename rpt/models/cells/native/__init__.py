@@ -30,6 +30,7 @@ import torch
 SOURCE = Path(__file__).with_name("recurrent_loops.cpp")
 NAME = "rpt_recurrent_loops"
 _use = True
+_fuse = True
 
 
 def build_directory() -> Path:
@@ -81,3 +82,19 @@ def python_loops():
         yield
     finally:
         _use = before
+
+
+def fuse_pointwise() -> bool:
+    """Whether the CPU backward loops run each step's pointwise part as one pass (the default)."""
+    return _fuse
+
+
+@contextlib.contextmanager
+def unfused_steps():
+    """Run the native loops' steps as ATen ops on the CPU too, the form they take on a GPU (for tests)."""
+    global _fuse
+    before, _fuse = _fuse, False
+    try:
+        yield
+    finally:
+        _fuse = before

@@ -117,15 +117,17 @@ std::vector<Tensor> modlstm_forward(
 }
 
 // ModLSTMFunction.backward's loop over the precomputed factors K_*; fills dP (and dP_raw under gate norm).
+// `fuse`: on the CPU, run each step's pointwise part as one pass (native.py's unfused_steps() turns it off, so
+// that the tests check the ATen form a GPU runs).
 // Returns the gradients of the initial state: (dh, dc), or (dh, dc, dn) for the exponential gate.
 std::vector<Tensor> modlstm_backward(
     const Tensor& grad_y, const Tensor& K_c, const Tensor& K_o, const Tensor& K_dc, const Tensor& K_cc,
     const OptTensor& K_n, const OptTensor& K_dn, const Tensor& dP, const Tensor& dP_raw, const OptTensor& keep3,
     const Tensor& wT, bool packed, Tensor dh, Tensor dc, OptTensor dn_in, const OptTensor& ln_w,
-    const OptTensor& ln_in, const OptTensor& ln_stats) {
+    const OptTensor& ln_in, const OptTensor& ln_stats, bool fuse) {
   const int64_t T = dP.size(0), B = dP.size(1), G = dP.size(2), H = dP.size(3);
   const bool exp_gate = K_n.has_value();
-  const bool fused = dP.is_cpu();  // elsewhere (CUDA) the same step as ATen ops
+  const bool fused = fuse && dP.is_cpu();  // elsewhere (CUDA) the same step as ATen ops
   TORCH_CHECK(dP.is_contiguous() && dP_raw.is_contiguous(), "modlstm_backward: dP and dP_raw must be contiguous");
   Tensor dn = exp_gate ? *dn_in : Tensor();
   Tensor gy_all, Kc, Ko, Kdc, Kcc, Kn, Kdn;
@@ -231,9 +233,10 @@ Tensor gru_forward(const Tensor& XP, const Tensor& w, bool packed, const Tensor&
 
 // GRUFunction.backward's loop; fills dXP and dHP. Returns the gradient of the initial h.
 Tensor gru_backward(const Tensor& grad_y, const Tensor& KX, const Tensor& KH, const Tensor& z, const Tensor& dXP,
-                    const Tensor& dHP, const OptTensor& keep3, const Tensor& wT, bool packed, Tensor dh) {
+                    const Tensor& dHP, const OptTensor& keep3, const Tensor& wT, bool packed, Tensor dh,
+                    bool fuse) {
   const int64_t T = dXP.size(0), B = dXP.size(1), H = dXP.size(3);
-  const bool fused = dXP.is_cpu();  // elsewhere (CUDA) the same step as ATen ops
+  const bool fused = fuse && dXP.is_cpu();  // elsewhere (CUDA) the same step as ATen ops
   TORCH_CHECK(dXP.is_contiguous() && dHP.is_contiguous(), "gru_backward: dXP and dHP must be contiguous");
   Tensor gy_all, kx_all, kh_all, z_all, dh_z;
   if (fused) {  // the pointwise part of a step in one pass over contiguous rows (the "else" below, fused)
