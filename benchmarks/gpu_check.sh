@@ -7,6 +7,10 @@
 #   OUT=/tmp/gpu QUICK=1 bash benchmarks/gpu_check.sh     # a dry run of the script itself on the CPU
 #   ONLY="prepare train-bf16" bash benchmarks/gpu_check.sh  # some parts only (a second call of a lease)
 #
+# The GPU machine has no network: carry the wheels rpt needs beyond its image (tomli_w, ninja) in .whl/ and
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH   # ninja builds the native loops (docs/cells.md)
+#
 # $OUT ends with two files (the device tool brings back only a few): summary.md, and logs.tgz with
 # every part's log and the runs (metrics stores, summaries, profiler traces; no checkpoints).
 #
@@ -41,7 +45,7 @@ part() {  # part NAME SECONDS COMMAND...: run one part under a timeout, its log 
     return $rc
 }
 
-part probe 60 $PY - <<EOF
+part probe 150 $PY - <<EOF
 import torch, time
 print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), "available", torch.cuda.is_available())
 dev = torch.device("$DEV")
@@ -59,9 +63,12 @@ def peak(dtype, n, tf32=False):
 n = 8192 if dev.type == "cuda" else 512
 print(f"PEAK fp32 {peak(torch.float32, n):.1f} tf32 {peak(torch.float32, n, True):.1f} "
       f"bf16 {peak(torch.bfloat16, n):.1f} TFLOP/s (n={n}, random data, mean of 10 after 3 warm-ups)")
+from rpt.models.cells import native  # gru/modlstm time loops in C++: needs g++ and ninja (carry ninja's wheel)
+t = time.perf_counter()
+print(f"NATIVE loops built: {native.loops() is not None} ({time.perf_counter() - t:.0f} s)")
 EOF
 if [ -f "$WORK/probe.log" ]; then  # PEAK_BF16=797 stands in when the probe is not among ONLY's parts
-    note "$(grep -E "^torch|PEAK" "$WORK/probe.log")"
+    note "$(grep -E "^torch|PEAK|NATIVE" "$WORK/probe.log")"
     PEAK_BF16=$(sed -n 's/.*bf16 \([0-9.]*\) TFLOP.*/\1/p' "$WORK/probe.log")
 fi
 BF16_PEAK=${PEAK_BF16:-}

@@ -47,8 +47,8 @@ def _build():
     out = build_directory()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        if shutil.which("ninja") is None:  # the ninja wheel puts its binary beside the interpreter
-            os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+        if shutil.which("ninja") is None:  # the ninja wheel's binary: beside the interpreter, or in the package
+            os.environ["PATH"] = os.pathsep.join([_ninja_bin_dir(), os.environ.get("PATH", "")])
         # One process builds at a time (the ranks of a job start together). The kernel drops this lock when its
         # holder dies; torch's own lock file would then stay behind and make every later build wait forever,
         # so whoever holds this lock clears it.
@@ -66,6 +66,17 @@ def _build():
                       "modlstm and gru run their Python loops (slower at small batch). Install g++ and ninja to "
                       "build them.", stacklevel=3)
         return None
+
+
+def _ninja_bin_dir() -> str:
+    try:
+        import ninja
+
+        if ninja.BIN_DIR:
+            return ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        pass
+    return str(Path(sys.executable).parent)
 
 
 def loops():
