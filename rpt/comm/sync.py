@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -70,21 +70,31 @@ class LocalSync:
 
 
 class AllReduceSync(LocalSync):
-    def __init__(self, model: torch.nn.Module, cfg: CommConfig, world_size: int, *, powersgd_start: int, seed: int,
-                 group=None):
-        super().__init__(model)
-        self.module = DDP(model, bucket_cap_mb=cfg.bucket_mb, process_group=group)
-        self.schedule = None
-        if cfg.adaptive:
-            self.schedule = AdaptiveSchedule(model, cfg, self.meter, world_size, group)
-            self.module.register_comm_hook(None, self.schedule.hook)
-        else:
-            compress.register(self.module, cfg.compression, self.meter, world_size=world_size,
-                              powersgd_rank=cfg.powersgd_rank, powersgd_start=powersgd_start,
-                              topk_fraction=cfg.topk_fraction, seed=seed, group=group)
+    """DDP over the model, or over each of `parts` (disjoint pieces of it that run their forward and backward
+    separately: the virtual stages of an interleaved pipeline, which torch's schedule hands DDP one by one).
+    Parts share the meter and the adaptive schedule; each has its own DDP buckets and codec state."""
 
+    def __init__(self, model: torch.nn.Module, cfg: CommConfig, world_size: int, *, powersgd_start: int, seed: int,
+                 group=None, parts: list[torch.nn.Module] | None = None):
+        super().__init__(model)
+        wrapped = [DDP(m, bucket_cap_mb=cfg.bucket_mb, process_group=group) for m in (parts or [model])]
+        self.module = wrapped if parts else wrapped[0]
+        self.schedule = AdaptiveSchedule(model, cfg, self.meter, world_size, group) if cfg.adaptive else None
+        for ddp in wrapped:
+            if self.schedule is not None:
+                ddp.register_comm_hook(None, self.schedule.hook)
+            else:
+                compress.register(ddp, cfg.compression, self.meter, world_size=world_size,
+                                  powersgd_rank=cfg.powersgd_rank, powersgd_start=powersgd_start,
+                                  topk_fraction=cfg.topk_fraction, seed=seed, group=group)
+        self._wrapped = wrapped
+
+    @contextmanager
     def no_sync(self):
-        return self.module.no_sync()
+        with ExitStack() as stack:
+            for ddp in self._wrapped:
+                stack.enter_context(ddp.no_sync())
+            yield
 
     def wait_gradients(self) -> None:
         # DDP waited for its buckets inside backward; the wait after the last bucket was launched is exposed.
@@ -256,9 +266,11 @@ def _assign_owners(groups: list[list[torch.nn.Parameter]], world_size: int, shar
 
 
 def build_sync(model: torch.nn.Module, cfg: CommConfig, *, rank: int, world_size: int, distributed: bool,
-               powersgd_start: int = 2, seed: int = 0, precision: str = "fp32", group=None) -> LocalSync:
+               powersgd_start: int = 2, seed: int = 0, precision: str = "fp32", group=None,
+               parts: list[torch.nn.Module] | None = None) -> LocalSync:
     """The mode of `cfg` over `world_size` data-parallel ranks: every rank, or the ranks of `group` (the dp
-    dimension of a pipeline mesh, where only all-reduce runs: config validation refuses the others)."""
+    dimension of a pipeline mesh, where only all-reduce runs: config validation refuses the others).
+    `parts`: the pieces of `model` that run separately (AllReduceSync)."""
     if not distributed or world_size == 1:
         return LocalSync(model)
     mode, predictions = cfg.mode, None
@@ -267,7 +279,8 @@ def build_sync(model: torch.nn.Module, cfg: CommConfig, *, rank: int, world_size
     if mode == "auto":
         mode, predictions = choose_mode(model, cfg, precision)
     if mode == "allreduce":
-        sync = AllReduceSync(model, cfg, world_size, powersgd_start=powersgd_start, seed=seed, group=group)
+        sync = AllReduceSync(model, cfg, world_size, powersgd_start=powersgd_start, seed=seed, group=group,
+                             parts=parts)
     else:
         sync = ParameterServerSync(model, cfg, rank, world_size, sharded=mode == "ps-sharded")
     sync.mode, sync.predictions = mode, predictions

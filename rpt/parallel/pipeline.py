@@ -199,9 +199,10 @@ class Pipeline:
         self.history: list[tuple[float, float]] = []  # (this stage's compute seconds, step seconds) per step
         self._bubble_taken = 0
 
-    def wrap(self, module: nn.Module) -> None:
-        """Build the schedule around the (possibly DDP-wrapped) stage, or around each of the rank's stages under
-        the interleaved schedule (whose ranks have no data-parallel peers); call once, after data parallelism."""
+    def wrap(self, module: nn.Module | list[nn.Module]) -> None:
+        """Build the schedule around the stage, or around each of the rank's virtual stages under the interleaved
+        schedule: as they are, or as the data-parallel wrapper made them (DDP of the stage, or a list with one
+        DDP per virtual stage). Call once, after data parallelism."""
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
@@ -217,10 +218,10 @@ class Pipeline:
 
         m, loss = self.plan.microbatches, self.stage.loss
         if self.schedule_name == "interleaved":
-            if module is not self.stage:
-                raise RptError("the interleaved schedule with data-parallel replicas is not built",
-                               "use parallel.schedule = '1f1b' when the world size is more than parallel.pp")
-            self.schedule = ScheduleInterleaved1F1B([pipe_stage(c, c) for c in self.stage.chunks], m, loss_fn=loss)
+            chunks = self.stage.chunks
+            modules = module if isinstance(module, list) else chunks
+            self.schedule = ScheduleInterleaved1F1B([pipe_stage(s, c) for s, c in zip(modules, chunks)], m,
+                                                    loss_fn=loss)
         else:
             cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule_name]
             self.schedule = cls(pipe_stage(module, self.stage.chunks[0]), m, loss_fn=loss)
@@ -299,10 +300,6 @@ def check_layout(cfg, world_size: int) -> None:
         raise RptError(f"world size {world_size} is not divisible by parallel.pp = {pp}",
                        f"run a multiple of {pp} ranks (e.g. --nproc {pp * max(1, world_size // int(pp))}), "
                        "or choose a parallel.pp that divides the world size")
-    if cfg.parallel.schedule == "interleaved" and world_size > int(pp):
-        raise RptError(f"the interleaved schedule on {world_size} ranks with parallel.pp = {pp}: data-parallel "
-                       "replicas of an interleaved pipeline are not built (each virtual stage would need its own DDP)",
-                       f"run {pp} ranks, or use parallel.schedule = '1f1b' for pp x dp")
 
 
 def setup(cfg, rank: int, world_size: int, device: torch.device, local_world: int = 1,

@@ -89,9 +89,11 @@ class Trainer:
             self.model = RecurrentLM(cfg.model).to(self.device)
         mesh = self.pipe.mesh if self.pipe else None
         self.dp_rank, self.dp_size = (mesh.dp_rank, mesh.dp) if mesh else (dist_info.rank, dist_info.world_size)
+        # the interleaved schedule runs each virtual stage's forward and backward on its own: one DDP each
+        parts = self.pipe.stage.chunks if self.pipe and cfg.parallel.schedule == "interleaved" else None
         self.sync = build_sync(self.model, cfg.comm, rank=self.dp_rank, world_size=self.dp_size,
                                distributed=dist_info.enabled, powersgd_start=t.warmup_steps, seed=t.seed,
-                               precision=t.precision, group=mesh.dp_group if mesh else None)
+                               precision=t.precision, group=mesh.dp_group if mesh else None, parts=parts)
         if self.pipe:
             self.pipe.wrap(self.sync.module)
         self.optimizer = build_optimizer(self.model, t, self.sync.owned)  # None where a rank owns nothing

@@ -118,16 +118,31 @@ def test_four_uneven_stages_train_exactly_as_one_process(tiny_data, tmp_path):
 
 
 def test_dp2_x_pp2_keeps_replicas_identical_and_equals_one_process_on_the_whole_batch(tiny_data, tmp_path):
-    ranks = run_ranks(train_runs, 4, tmp_path / "ranks", str(tiny_data), str(tmp_path),
-                      [("mesh", ["parallel.pp=2"], False)], timeout=240)
-    # the mesh is pp x dp, pipeline outermost: ranks 0, 1 hold stage 0; ranks 2, 3 stage 1
-    for a, b in ((0, 1), (2, 3)):
-        pa, pb = ranks[a]["mesh"]["params"], ranks[b]["mesh"]["params"]
-        assert pa.keys() == pb.keys()
-        assert all(torch.equal(pa[k], pb[k]) for k in pa), f"ranks {a} and {b} diverged"
-    s = ranks[0]["mesh"]["summary"]
-    assert (s["pp"], s["dp"], s["comm_mode"]) == (2, 2, "allreduce") and s["comm_bytes_per_step"] > 0
+    # 1F1B (one DDP per stage), and interleaved 1F1B (4 virtual stages of one block, one DDP each)
+    interleaved = ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.microbatches=2"]
+    runs = [("mesh", ["parallel.pp=2"], False), ("interleaved", interleaved, False),
+            # the communication middleware over the dp dimension, on every virtual stage's DDP
+            ("bf16", interleaved + ["comm.compression=bf16"], False),
+            ("adaptive", interleaved + ["comm.adaptive=true", "comm.adaptive_interval=2", "comm.adaptive_period=3",
+                                        "comm.adaptive_keep=0.3"], False)]
+    ranks = run_ranks(train_runs, 4, tmp_path / "ranks", str(tiny_data), str(tmp_path), runs, timeout=300)
+    for run in ("bf16", "adaptive"):  # lossy or late by design: replicas identical, fewer bytes sent
+        for a, b in ((0, 1), (2, 3)):
+            pa, pb = ranks[a][run]["params"], ranks[b][run]["params"]
+            assert all(torch.equal(pa[k], pb[k]) for k in pa), f"{run}: ranks {a} and {b} diverged"
+        sent = [r[run]["summary"]["comm_bytes_per_step"] for r in ranks]
+        plain = [r["interleaved"]["summary"]["comm_bytes_per_step"] for r in ranks]
+        assert all(0 < x < 0.9 * y for x, y in zip(sent, plain)), (run, sent, plain)
     # two data-parallel replicas of 4 rows read the streams one process reads with 8 rows
     ref_losses, ref_params = reference(tiny_data, tmp_path, "ref", "train.batch_size=8", "parallel.microbatches=4")
-    params = {**ranks[0]["mesh"]["params"], **ranks[2]["mesh"]["params"]}
-    assert_same_training({"losses": ranks[0]["mesh"]["losses"], "params": params}, ref_losses, ref_params)
+    for run in ("mesh", "interleaved"):
+        # the mesh is pp x dp, pipeline outermost: ranks 0, 1 hold stage 0 (or 0 and 2); ranks 2, 3 the others
+        for a, b in ((0, 1), (2, 3)):
+            pa, pb = ranks[a][run]["params"], ranks[b][run]["params"]
+            assert pa.keys() == pb.keys()
+            assert all(torch.equal(pa[k], pb[k]) for k in pa), f"{run}: ranks {a} and {b} diverged"
+        s = ranks[0][run]["summary"]
+        assert (s["pp"], s["dp"], s["comm_mode"]) == (2, 2, "allreduce") and s["comm_bytes_per_step"] > 0
+        params = {**ranks[0][run]["params"], **ranks[2][run]["params"]}
+        assert_same_training({"losses": ranks[0][run]["losses"], "params": params}, ref_losses, ref_params)
+    assert ranks[0]["interleaved"]["summary"]["pipeline_schedule"] == "interleaved"

@@ -130,13 +130,3 @@ def test_interleaved_settings_that_cannot_work_are_refused(overrides, message):
     with pytest.raises(RptError, match=message):
         Config.load(None, ["model.n_layers=4", "parallel.pp=2", "parallel.schedule=interleaved",
                            "parallel.microbatches=2", *overrides])
-
-
-def test_interleaved_with_data_parallel_replicas_is_refused_before_anything_runs():
-    from rpt.parallel.pipeline import check_layout
-
-    cfg = Config.load(None, ["model.n_layers=4", "parallel.pp=2", "parallel.schedule=interleaved",
-                             "parallel.microbatches=2"])
-    check_layout(cfg, 2)
-    with pytest.raises(RptError, match="replicas of an interleaved pipeline are not built"):
-        check_layout(cfg, 4)
