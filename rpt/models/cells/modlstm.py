@@ -166,7 +166,7 @@ class ModLSTMFunction(torch.autograd.Function):
         if native is not None:
             n_m = state[2:] if cell.exp else (None, None)
             final = native.modlstm_forward(XP, *W.operand, keep, state[0], state[1], *n_m, *buffers, ln_w, ln_b, peep,
-                                           cell.native_gate, cell.coupled)
+                                           cell.native_gate, cell.coupled, fuse_pointwise())
         else:
             final = forward_steps(cell, XP, W, keep, state, *buffers, ln_w, ln_b, peep)
         ctx.cell = cell

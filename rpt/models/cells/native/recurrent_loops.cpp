@@ -41,14 +41,16 @@ Tensor project(const Tensor& h, const OptTensor& add, const Tensor& w, bool pack
 
 // ModLSTMFunction.forward's loop. gate: -1 the stabilised exponential gate, 0 sigmoid, 1 hard sigmoid
 // (clamp(x / 6 + 0.5, 0, 1), as registered in rpt/models/registry.py). Returns the state after the last step:
-// (h, c), or (h, c, n, m) for the exponential gate.
+// (h, c), or (h, c, n, m) for the exponential gate. `fuse`: as for modlstm_backward (the exponential gate's
+// step only: its 17 small ops are where the loop's time went).
 std::vector<Tensor> modlstm_forward(
     const Tensor& XP, const Tensor& w, bool packed, const OptTensor& keep, Tensor h, Tensor c, OptTensor n_in,
     OptTensor m_in, const Tensor& acts, const OptTensor& pre, const Tensor& cs, const Tensor& hs,
     const OptTensor& ns, const OptTensor& ln_in, const OptTensor& ln_stats, const OptTensor& ln_w,
-    const OptTensor& ln_b, const OptTensor& peep, int64_t gate, bool coupled) {
+    const OptTensor& ln_b, const OptTensor& peep, int64_t gate, bool coupled, bool fuse) {
   const int64_t T = acts.size(0), B = acts.size(1), G = acts.size(2), H = acts.size(3);
   const bool exp_gate = gate < 0;
+  const bool fused = fuse && acts.is_cpu();  // elsewhere (CUDA) the step as ATen ops
   const int64_t n_dc = G - 1;            // gates driven by dc: (i, f, z) or (f, z); the output gate is last
   const int64_t f_index = coupled ? 0 : 1;
   Tensor n = exp_gate ? *n_in : Tensor(), m = exp_gate ? *m_in : Tensor();
@@ -71,6 +73,52 @@ std::vector<Tensor> modlstm_forward(
       P = at::addcmul(*ln_b, y, *ln_w);
     }
     Tensor a = acts.select(0, t), c_out = cs.select(0, t), h_out = hs.select(0, t);
+    if (exp_gate && fused) {  // the "else" below with its pointwise arithmetic in two passes: 4 ATen calls
+      Tensor n_out = ns->select(0, t), m_next = at::empty_like(m);
+      c = c.contiguous(), n = n.contiguous(), m = m.contiguous();
+      AT_DISPATCH_FLOATING_TYPES(P.scalar_type(), "modlstm_forward_exp", [&] {
+        const scalar_t* Pp = P.data_ptr<scalar_t>();
+        scalar_t* ap = a.data_ptr<scalar_t>();
+        const scalar_t *np = n.data_ptr<scalar_t>(), *mp = m.data_ptr<scalar_t>();
+        scalar_t* mq = m_next.data_ptr<scalar_t>();
+        for (int64_t b = 0; b < B; ++b) {
+          const scalar_t* Pb = Pp + b * 4 * H;
+          scalar_t* ab = ap + b * 4 * H;
+          for (int64_t j = 0; j < H; ++j) {
+            const int64_t i = b * H + j;
+            const scalar_t m_prev = np[i] > 0 ? mp[i] : -std::numeric_limits<scalar_t>::infinity();
+            const scalar_t pf = Pb[H + j] + m_prev, pi = Pb[j];
+            const scalar_t m_new = pf > pi ? pf : pi;
+            ab[j] = pi - m_new;      // exp'd below: the input gate
+            ab[H + j] = pf - m_new;  // and the forget gate
+            mq[i] = m_new;
+          }
+        }
+      });
+      Tensor a_if = a.slice(1, 0, 2), a_z = a.select(1, 2), a_o = a.select(1, 3);
+      a_if.exp_();
+      at::tanh_out(a_z, P.select(1, 2));
+      at::sigmoid_out(a_o, P.select(1, 3));
+      AT_DISPATCH_FLOATING_TYPES(P.scalar_type(), "modlstm_forward_exp_state", [&] {
+        const scalar_t* ap = a.data_ptr<scalar_t>();
+        const scalar_t *cp = c.data_ptr<scalar_t>(), *np = n.data_ptr<scalar_t>();
+        scalar_t *co = c_out.data_ptr<scalar_t>(), *no = n_out.data_ptr<scalar_t>(), *ho = h_out.data_ptr<scalar_t>();
+        for (int64_t b = 0; b < B; ++b) {
+          const scalar_t* ab = ap + b * 4 * H;
+          for (int64_t j = 0; j < H; ++j) {
+            const int64_t i = b * H + j;
+            const scalar_t a_i = ab[j], a_f = ab[H + j], a_z = ab[2 * H + j], a_o = ab[3 * H + j];
+            const scalar_t c_new = a_f * cp[i] + a_i * a_z;
+            const scalar_t n_new = a_i + a_f * np[i];
+            co[i] = c_new;
+            no[i] = n_new;
+            ho[i] = a_o * (c_new / n_new);
+          }
+        }
+      });
+      c = c_out, n = n_out, m = m_next, h = h_out;
+      continue;
+    }
     if (exp_gate) {
       Tensor P_i = P.select(1, 0), P_f = P.select(1, 1), P_z = P.select(1, 2), P_o = P.select(1, 3);
       Tensor a_i = a.select(1, 0), a_f = a.select(1, 1), a_z = a.select(1, 2), a_o = a.select(1, 3);
@@ -117,7 +165,7 @@ std::vector<Tensor> modlstm_forward(
 }
 
 // ModLSTMFunction.backward's loop over the precomputed factors K_*; fills dP (and dP_raw under gate norm).
-// `fuse`: on the CPU, run each step's pointwise part as one pass (native.py's unfused_steps() turns it off, so
+// `fuse`: on the CPU, run each step's pointwise part as one pass (native.unfused_steps() turns it off, so
 // that the tests check the ATen form a GPU runs).
 // Returns the gradients of the initial state: (dh, dc), or (dh, dc, dn) for the exponential gate.
 std::vector<Tensor> modlstm_backward(
