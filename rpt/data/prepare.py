@@ -116,6 +116,7 @@ def prepare(opts: PrepareOptions) -> dict:
                         "bytes": sum(s.size for s in sources)},
             "report": asdict(report),
             "fingerprint": fingerprint,
+            "fingerprint_scheme": FINGERPRINT_SCHEME,
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
         }
         (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -135,6 +136,10 @@ def _check_options(opts: PrepareOptions) -> None:
                        "use --dtype uint32 (or auto), or --vocab-size 65536 or less")
     if opts.tokenizer_train_bytes <= 0:
         raise RptError("--tokenizer-train-bytes must be positive", "e.g. 1000000000 trains on about 1 GB")
+
+
+# How _fingerprint reads the inputs; a folder written under another scheme cannot be compared with this one.
+FINGERPRINT_SCHEME = 2  # 2: sources by content (1, unrecorded: by path and modification time)
 
 
 def _fingerprint(opts: PrepareOptions, sources: list[Source]) -> str:
@@ -165,6 +170,9 @@ def _check_output_folder(out: Path, fingerprint: str, force: bool) -> dict | Non
                 return meta
             except RptError:
                 pass
+        if not force and meta.get("fingerprint_scheme", 1) != FINGERPRINT_SCHEME:
+            raise RptError(f"{out} was prepared by another version of rpt, whose fingerprint of the inputs cannot be "
+                           "compared with this one's", "pass --force to prepare it again (or choose another --out)")
         if not force:
             raise RptError(f"{out} already holds a different dataset",
                            "choose another --out folder, or pass --force to replace it")

@@ -170,6 +170,21 @@ def test_refuses_a_different_dataset_unless_forced(tmp_path, small_corpus):
     assert json.loads((out / "meta.json").read_text())["fingerprint"] == meta["fingerprint"] != json.loads(before)["fingerprint"]
 
 
+def test_a_folder_prepared_under_an_older_fingerprint_says_so(tmp_path, small_corpus):
+    out = tmp_path / "o"
+    opts = PrepareOptions(out=out, inputs=[str(small_corpus / "a")], vocab_size=300, progress=False)
+    assert not prepare(opts).get("reused")
+    assert prepare(opts)["reused"]  # the same inputs again: reused
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["fingerprint_scheme"]  # as rpt wrote it before the scheme was recorded
+    meta["fingerprint"] = "0" * 64
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(RptError, match="another version of rpt") as err:
+        prepare(opts)
+    assert "--force" in err.value.fix
+    assert prepare(PrepareOptions(**{**opts.__dict__, "force": True}))["fingerprint_scheme"] == 2
+
+
 def test_a_failure_midway_leaves_the_previous_dataset_intact(tmp_path, small_corpus, monkeypatch):
     out = tmp_path / "o"
     prepare(PrepareOptions(out=out, inputs=[str(small_corpus / "a")], vocab_size=300, progress=False))
