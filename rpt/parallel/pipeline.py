@@ -2,8 +2,9 @@
 
 The ranks form a 2-D mesh `pp x dp` (DeviceMesh; pipeline outermost as torchtitan lays it out, so the
 heavier data-parallel all-reduce runs among neighbouring ranks). Each rank holds one `Stage`: the
-blocks the plan (rpt/parallel/plan.py) cut for it from the whole `RecurrentLM`, the embedding on the
-first rank, the final norm and head on the last. Its blocks form one `Chunk` (a stage of the
+blocks the plan (rpt/parallel/plan.py) cut for it from the `RecurrentLM`, the embedding on the
+first rank, the final norm and head on the last; it allocates those parts alone (the rest of the
+model stays on the meta device), with the values the whole model would have given them. Its blocks form one `Chunk` (a stage of the
 schedule), or `v` chunks under the interleaved schedule, where rank r runs stages r, r + pp, ... Parameter names stay those of
 the whole model (`blocks.7.cell.weight`), so checkpoints move between pipeline degrees and `rpt eval`
 and `rpt generate` read a pipelined run's checkpoint like any other.
