@@ -34,6 +34,7 @@ from torch import nn
 
 from rpt.comm.sync import clip_global_norm
 from rpt.errors import RptError
+from rpt.models.lm import run_blocks
 from rpt.models.state import cat_rows, detach_state, rows
 from rpt.parallel.plan import Plan
 
@@ -152,10 +153,7 @@ class Chunk(nn.Module):
         if self.embed is not None:
             x = self.embed(x)
         state = state if state is not None else [b.init_state(x.shape[0], x.device) for b in self.blocks.values()]
-        new = []
-        for block, s in zip(self.blocks.values(), state):
-            x, s = block(x, s, reset)
-            new.append(s)
+        x, new = run_blocks(self.blocks.values(), x, state, reset, self.owner.cfg.activation_checkpointing)
         if self.head is not None:
             x = self.head(self.norm(x)).float()
         return x, new

@@ -182,19 +182,24 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
         params += sum(q.numel() for q in model.norm.parameters()) if s == n - 1 else 0
         params += embed_params if s == 0 else 0
         params += model.head.weight.numel() if s == n - 1 and (pp > 1 or not m.tie_embeddings) else 0
-        act = 0.0
+        act = recompute = 0.0  # bytes per token kept per micro-batch in flight; one block's, while it recomputes
         for b in range(start, start + count):
             key = (repr(m), t.seq_len, model.blocks[b].attn is not None)  # blocks differ only by attention
             if key not in _ACTIVATIONS:
                 _ACTIVATIONS[key] = activation_bytes_per_token(cfg, b)
-            act += _ACTIVATIONS[key]
+            if m.activation_checkpointing:  # a block keeps its input; backward rebuilds the rest, one at a time
+                act += 4 * m.d_model
+                recompute = max(recompute, _ACTIVATIONS[key])
+            else:
+                act += _ACTIVATIONS[key]
         if s == n - 1:
             act += 2 * 4 * m.vocab_size  # logits and their log-softmax, fp32
         in_flight = micro if p.schedule == "gpipe" else min(micro, n - s)  # interleaved: an estimate
         cost = (sum(block_costs[start:start + count]) + (embed_cost if s == 0 else 0)
                 + (head_cost if s == n - 1 else 0))
+        activations = (act * in_flight + recompute) * tokens_per_micro
         stages.append(StagePlan(s, (start, start + count), cost, params,
-                                _memory(params, act * tokens_per_micro * in_flight, cfg.comm.mode, dp)))
+                                _memory(params, activations, cfg.comm.mode, dp)))
         start += count
     grad = 4 * max(sum(c.params for c in stages[r::pp]) for r in range(pp))
     share = (dp - 1) * grad // dp if dp > 1 else 0

@@ -49,6 +49,7 @@ def two_stages(tiny_data, tmp_path_factory):
             ("gpipe", ["parallel.pp=2", "parallel.schedule=gpipe"], False),
             # 4 blocks as 4 virtual stages, two on each rank
             ("interleaved", ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.microbatches=2"], False),
+            ("recompute", ["parallel.pp=2", "model.activation_checkpointing=true"], False),
             # a warm-up longer than the runs: the learning rate depends on the step alone, not on max_steps
             ("whole", ["parallel.pp=2", "train.warmup_steps=100"], False),
             ("resume", ["parallel.pp=2", "train.warmup_steps=100", "train.max_steps=3", "checkpoint.interval=3"], False),
@@ -74,6 +75,10 @@ def test_two_stages_train_exactly_as_one_process(two_stages, tiny_data, tmp_path
         ref_val = json.loads((tmp_path / "ref" / "summary.json").read_text())["val_loss"]
         assert s["val_loss"] == pytest.approx(ref_val, abs=1e-5)  # evaluation hops through every stage
         assert 0.0 < s["pipeline_bubble"] < 1.0 and len(s["pipeline_bubble_by_stage"]) == 2
+    # activation checkpointing inside the stages changes memory, not results
+    first, last = ranks[0]["recompute"], ranks[1]["recompute"]
+    assert_same_training({"losses": first["losses"], "params": {**first["params"], **last["params"]}},
+                         ref_losses, ref_params)
     # gate saturation from both stages: every layer, and the first stage's layers as in one process (same tokens,
     # same state rows); a later stage probes with the activations it received, so only its range is checked
     ref = {(r["step"], r["layer"]): r["saturated"] for r in MetricsReader(tmp_path / "ref").rows("state")}

@@ -66,6 +66,18 @@ def test_plan_divides_parameters_and_memory_among_stages():
     assert gpipe.stages[0].memory["activations"] > two.stages[0].memory["activations"]
 
 
+def test_activation_checkpointing_keeps_block_inputs_and_one_recompute():
+    plain = make_plan(_cfg(), 4, 2, 64 * GiB)
+    ckpt = make_plan(_cfg("model.activation_checkpointing=true"), 4, 2, 64 * GiB)
+    cfg = _cfg()
+    tokens = cfg.train.batch_size // cfg.parallel.microbatches * cfg.train.seq_len
+    first, first_ckpt = plain.stages[0], ckpt.stages[0]  # 4 equal blocks, 2 micro-batches in flight (1F1B)
+    per_block = first.memory["activations"] / (2 * 4 * tokens)
+    assert first_ckpt.memory["activations"] == pytest.approx((2 * 4 * 4 * 64 + per_block) * tokens)
+    assert first_ckpt.memory["activations"] < first.memory["activations"] / 3
+    assert ckpt.params == plain.params and ckpt.peak_memory < plain.peak_memory
+
+
 def test_ps_sharded_plan_partitions_optimizer_state():
     allreduce = make_plan(_cfg(), 4, 1, 64 * GiB)
     sharded = make_plan(_cfg("comm.mode=ps-sharded"), 4, 1, 64 * GiB)
