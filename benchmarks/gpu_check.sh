@@ -127,12 +127,22 @@ for other in ("resumed", "fp32-again"):
         print(f"- {other} vs fp32: could not compare: {exc}")
 EOF
 
+# a job that mixes a GPU rank and a CPU rank (issue 4): both on gloo, started by hand as torchrun would start them
+mixed_rank() {  # mixed_rank RANK DEVICE
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=29617 WORLD_SIZE=2 RANK=$1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
+        $PY -m rpt train "${COMMON[@]/$DEV/$2}" --set train.max_steps=40 --run-dir "$RUNS/mixed"
+}
+mixed_pair() { mixed_rank 1 cpu & local other=$!; mixed_rank 0 "$DEV"; local rc=$?; wait $other || rc=$?; return $rc; }
+part mixed 120 bash -c "$(declare -p COMMON RUNS PY DEV); $(declare -f mixed_rank mixed_pair); mixed_pair"
+note "  $(grep -h -o 'mixes CPU and GPU ranks' "$WORK/mixed.log" | head -1); digests: \
+$(grep -h -o 'parameter digest [0-9a-f]\{12\}' "$RUNS"/mixed/logs/rank*.log | tr '\n' ' ')"
+
 BIGSET=(--set "$BIG" --set model.n_layers=4 --set train.batch_size=64 --set train.seq_len=256
         --set train.precision=bf16 --set monitor.log_interval=10)
 part big-lstm 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set train.max_steps=80 --run-dir "$RUNS/big-lstm"
 part big-mingru 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set model.cell=mingru --set train.max_steps=80 \
     --run-dir "$RUNS/big-mingru"
-$PY benchmarks/run_report.py "$RUNS"/{fp32,fp32-again,bf16,fp16,gru-bf16,modlstm-bf16,resumed,big-lstm,big-mingru} ${BF16_PEAK:+--peak-tflops $BF16_PEAK} \
+$PY benchmarks/run_report.py "$RUNS"/{fp32,fp32-again,bf16,fp16,gru-bf16,modlstm-bf16,resumed,mixed,big-lstm,big-mingru} ${BF16_PEAK:+--peak-tflops $BF16_PEAK} \
     | tee -a "$SUMMARY"
 
 part overhead 75 $PY benchmarks/train_overhead.py --data data/stdlib --device "$DEV" --steps $((STEPS / 2)) --rounds 2
