@@ -100,3 +100,22 @@ def test_a_failed_build_falls_back_to_the_python_loops(monkeypatch, tmp_path):
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
     finally:
         native._build.cache_clear()  # the next caller builds (or loads) the real thing again
+
+
+def test_loops_that_fail_their_self_test_are_not_used(monkeypatch):
+    """A torch whose operator schemas differ from the C++ file's fails at load, not in a training step."""
+    if native.loops() is None:
+        pytest.skip("the native loops are not built here")
+
+    def broken(ops):
+        raise RuntimeError("Tried to access or call an operator with a wrong signature")
+
+    monkeypatch.setattr(native, "_self_test", broken)
+    native._build.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="could not be built.*wrong signature"):
+            assert native.loops() is None
+    finally:
+        native._build.cache_clear()
+    monkeypatch.undo()
+    assert native.loops() is not None  # the real self-test passes

@@ -10,7 +10,8 @@ not what it computes (tests/models/test_native_loops.py holds the two equal).
 
 It is built on first use with torch's JIT extension builder (g++ and ninja; about 25 s on 2 cores) into
 ~/.cache/rpt/native/ (RPT_NATIVE_DIR overrides), one folder per torch version and source, and loaded from
-there afterwards. Where it cannot be built (no compiler), the Python loops run, after one warning.
+there afterwards; every process runs each loop once on load (`_self_test`). Where it cannot be built
+(no compiler) or fails that test, the Python loops run, after one warning.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ SOURCE = Path(__file__).with_name("recurrent_loops.cpp")
 NAME = "rpt_recurrent_loops"
 _use = True
 _fuse = True
+_candidate = None  # the loops while their self-test runs
 
 
 def build_directory() -> Path:
@@ -60,12 +62,36 @@ def _build():
                       flush=True)
             cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=["-O3"], build_directory=str(out),
                                is_python_module=False, verbose=False)
+        _self_test(torch.ops.rpt_loops)
         return torch.ops.rpt_loops
     except Exception as e:  # no compiler, no ninja, a failed build: the Python loops are the same computation
         warnings.warn(f"rpt: the native recurrent loops could not be built ({type(e).__name__}: {str(e)[:300]}); "
                       "modlstm and gru run their Python loops (slower at small batch). Install g++ and ninja to "
                       "build them.", stacklevel=3)
         return None
+
+
+def _self_test(ops) -> None:
+    """Run every loop once on the CPU, oneDNN-packed weights included, before any cell relies on them: the C++
+    calls operators by schema, so a torch whose schemas differ fails here, at load, and not in a training step."""
+    global _candidate
+    from rpt.models.cells.gru import GRU
+    from rpt.models.cells.modlstm import ModLSTM
+
+    _candidate = ops  # what loops() hands the cells during the test
+    try:
+        with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad(), \
+                torch.autocast("cpu", enabled=False):
+            torch.manual_seed(0)
+            for cell in (ModLSTM(8, gate_norm=True, peepholes=True), ModLSTM(8, gate="exp"), GRU(8)):
+                cell = cell.to("cpu")
+                x = torch.randn(2, 3, 8, device="cpu", requires_grad=True)
+                reset = torch.zeros(2, 3, dtype=torch.bool, device="cpu")
+                reset[0, 1] = True
+                y, _ = cell(x, None, reset)
+                y.sum().backward()
+    finally:
+        _candidate = None
 
 
 def _ninja_bin_dir() -> str:
@@ -81,7 +107,9 @@ def _ninja_bin_dir() -> str:
 
 def loops():
     """The compiled loops (`torch.ops.rpt_loops`), built on first use; None where they cannot be built."""
-    return _build() if _use else None
+    if not _use:
+        return None
+    return _candidate if _candidate is not None else _build()
 
 
 @contextlib.contextmanager
