@@ -98,7 +98,7 @@ def bench_cells(device, repeats, peak, peak_by):
             cell = build_cell(ModelConfig(d_model=D, **over)).to(device)
             tps = B * T / timed(fwd_bwd(cell, x), device, repeats)
             ref_speed = loop_speed = None
-            if name.startswith(("modlstm", "gru")) and native.loops() is not None:  # its time loops run in C++
+            if name.startswith(("modlstm", "gru", "min")) and native.loops() is not None:  # its time loops run in C++
                 with native.python_loops():
                     loop_speed = B * T / timed(fwd_bwd(cell, x), device, repeats)
             if name.startswith("modlstm"):  # its own sequential reference, on a quarter of the sequence

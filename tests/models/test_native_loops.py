@@ -26,6 +26,8 @@ VARIANTS = {
     "modlstm-exp": dict(cell="modlstm", gate="exp"),
     "modlstm-exp-norm": dict(cell="modlstm", gate="exp", gate_norm=True),
     "gru": dict(cell="gru", d_hidden=24),
+    "mingru": dict(cell="mingru", d_hidden=40),
+    "minlstm": dict(cell="minlstm", d_hidden=40),
 }
 
 
@@ -69,6 +71,31 @@ def test_native_loops_as_accurate_as_python_loops_in_float32(name, fused):
         e_native, e_python = ((a - ref).abs().max() / scale).item(), ((b - ref).abs().max() / scale).item()
         assert e_native <= 3 * e_python + 1e-6, f"output {k} of {name}: native {e_native:.2e}, python {e_python:.2e}"
         assert e_native < 1e-4, f"output {k} of {name}: {e_native:.2e} from float64"
+
+
+@pytest.mark.parametrize("name", ["mingru", "minlstm"])
+def test_min_scan_splits_channels_across_threads(name):
+    """min_scan.cpp gives each thread a block of channels when there are more threads than batch rows: with
+    one row and 4 threads, 100 channels run as blocks of 32, 32, 32 and 4. Each block carries its own state;
+    together they must equal the scan in float64 (the block edges are where an index error would show)."""
+    if native.loops() is None:
+        pytest.skip("the native loops are not built here")
+    torch.manual_seed(0)
+    cell = build_cell(ModelConfig(d_model=8, cell=name, d_hidden=100)).double()
+    x, h0 = torch.randn(1, 21, 8, dtype=torch.float64), torch.randn(1, 100, dtype=torch.float64)
+    reset = torch.zeros(1, 21, dtype=torch.bool)
+    reset[0, 9] = True
+    w = torch.randn(1, 21, 8, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        got = run(cell, x, [h0], reset, w)
+    finally:
+        torch.set_num_threads(threads)
+    with native.python_loops():
+        want = run(cell, x, [h0], reset, w)
+    for k, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"output {k}")
 
 
 def run(cell, x, state, reset, w):

@@ -7,6 +7,10 @@ and the whole sequence runs as one parallel scan (rpt.models.scan) after one inp
     minLSTM: f = sigmoid(W_f x),  i = sigmoid(W_i x), h~ = W_h x,  a = f / (f + i),  b = i / (f + i) * h~
 The hidden state is wider than the model (d_hidden, default 2 * d_model) and projected back
 down, as in the paper's expansion. A reset sets a_t = 0: the carry is dropped at that step.
+
+On the CPU, where rpt.models.cells.native is built, the two cells' recurrence runs as one C++ pass each way
+(native/min_scan.cpp: the scan with the coefficients folded in, from the sigmoid gates); elsewhere, and for
+a subclass with its own `coefficients`, the coefficients and the chunked scan below run as ATen ops.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from torch import nn
 
 from rpt.models.cells.base import Cell, as_fp32, full_precision
+from rpt.models.cells.native import fuse_pointwise, loops
 from rpt.models.registry import register_cell
 from rpt.models.scan import linear_scan
 
@@ -44,10 +49,17 @@ class _MinRNN(Cell):
         (h0,) = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
         u = self.in_proj(x)
         with full_precision(u):
-            a, b = self.coefficients(as_fp32(u))
-            if reset is not None:
-                a = a * (~reset).to(a.dtype)[..., None]
-            h = linear_scan(a, b, h0)
+            u = as_fp32(u)
+            kind = _NATIVE_KIND.get(type(self).coefficients)
+            ops = loops() if kind is not None and u.is_cpu and fuse_pointwise() else None
+            if ops is not None:
+                keep = None if reset is None else (~reset).to(u.dtype)
+                h = _NativeMinScan.apply(u.contiguous(), h0.to(u.dtype).contiguous(), keep, kind, ops)
+            else:
+                a, b = self.coefficients(u)
+                if reset is not None:
+                    a = a * (~reset).to(a.dtype)[..., None]
+                h = linear_scan(a, b, h0)
         return self.out_proj(h), (h[:, -1],)
 
     def flops_per_token(self):
@@ -73,3 +85,25 @@ class MinLSTM(_MinRNN):
         f, i = torch.sigmoid(f_pre), torch.sigmoid(i_pre)
         total = f + i
         return f / total, i / total * h_tilde
+
+
+_NATIVE_KIND = {MinGRU.coefficients: 0, MinLSTM.coefficients: 1}  # min_scan.cpp's `kind` for our own two
+
+
+class _NativeMinScan(torch.autograd.Function):
+    """The recurrence from the projected input u to h, through native/min_scan.cpp. The gates' sigmoid stays
+    in ATen (vectorised); the backward reads the saved gates and returns the gradient of u whole."""
+
+    @staticmethod
+    def forward(ctx, u, h0, keep, kind, ops):
+        gates = torch.sigmoid(u[..., : (kind + 1) * h0.shape[1]])
+        h = ops.min_scan_forward(gates, u, h0, keep, kind)
+        ctx.save_for_backward(gates, u, h, h0, keep)
+        ctx.kind, ctx.ops = kind, ops
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        gates, u, h, h0, keep = ctx.saved_tensors
+        du, dh0 = ctx.ops.min_scan_backward(grad_h, gates, u, h, h0, keep, ctx.kind)
+        return du, dh0, None, None, None

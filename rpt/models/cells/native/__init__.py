@@ -1,4 +1,5 @@
-"""The time loops of the fused recurrent kernels (modlstm, gru) in C++, compiled once per machine.
+"""The time loops of the fused recurrent kernels (modlstm, gru; minGRU and minLSTM on the CPU) in C++,
+compiled once per machine.
 
 Why our own C++: at small batch each step of these loops is one small matrix product (~55 us at B=2,
 H=512 on the build machine) and 6-10 small elementwise ops. Called from Python, each op costs 5-8 us of
@@ -6,7 +7,9 @@ dispatch, so the loop spends as long in the interpreter as in the product; the s
 C++ cost 1-2 us each. torch.compile would unroll the T steps of the loop (and TorchScript is deprecated),
 and no library offers these cells' loops. `recurrent_loops.cpp` is the Python loops of modlstm.py and
 gru.py step for step, calling the same ATen kernels on the same buffers: it changes where the loop runs,
-not what it computes (tests/models/test_native_loops.py holds the two equal).
+not what it computes (tests/models/test_native_loops.py holds the two equal). `min_scan.cpp` is the other
+kind: minGRU's and minLSTM's linear recurrence in one raw pass over memory each way, where the ATen form
+(the chunked scan of rpt/models/scan.py) makes many (why: its header).
 
 It is built on first use with torch's JIT extension builder (g++ and ninja; about 25 s on 2 cores) into
 ~/.cache/rpt/native/ (RPT_NATIVE_DIR overrides), one folder per torch version and source, and loaded from
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("recurrent_loops.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("recurrent_loops.cpp", "min_scan.cpp")]
 NAME = "rpt_recurrent_loops"
 _use = True
 _fuse = True
@@ -36,7 +39,7 @@ _candidate = None  # the loops while their self-test runs
 
 
 def build_directory() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
     root = Path(os.environ.get("RPT_NATIVE_DIR") or Path.home() / ".cache" / "rpt" / "native")
     return root / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
 
@@ -60,13 +63,13 @@ def _build():
             if not (out / f"{NAME}.so").exists():
                 print(f"rpt: compiling the native recurrent loops into {out} (once, ~25 s)", file=sys.stderr,
                       flush=True)
-            cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=["-O3"], build_directory=str(out),
+            cpp_extension.load(NAME, [str(source) for source in SOURCES], extra_cflags=["-O3"], build_directory=str(out),
                                is_python_module=False, verbose=False)
         _self_test(torch.ops.rpt_loops)
         return torch.ops.rpt_loops
     except Exception as e:  # no compiler, no ninja, a failed build: the Python loops are the same computation
         warnings.warn(f"rpt: the native recurrent loops could not be built ({type(e).__name__}: {str(e)[:300]}); "
-                      "modlstm and gru run their Python loops (slower at small batch). Install g++ and ninja to "
+                      "modlstm, gru, mingru and minlstm run their Python loops (slower). Install g++ and ninja to "
                       "build them.", stacklevel=3)
         return None
 
@@ -76,6 +79,7 @@ def _self_test(ops) -> None:
     calls operators by schema, so a torch whose schemas differ fails here, at load, and not in a training step."""
     global _candidate
     from rpt.models.cells.gru import GRU
+    from rpt.models.cells.minrnn import MinGRU, MinLSTM
     from rpt.models.cells.modlstm import ModLSTM
 
     _candidate = ops  # what loops() hands the cells during the test
@@ -83,7 +87,8 @@ def _self_test(ops) -> None:
         with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad(), \
                 torch.autocast("cpu", enabled=False):
             torch.manual_seed(0)
-            for cell in (ModLSTM(8, gate_norm=True, peepholes=True), ModLSTM(8, gate="exp"), GRU(8)):
+            for cell in (ModLSTM(8, gate_norm=True, peepholes=True), ModLSTM(8, gate="exp"), GRU(8), MinGRU(8),
+                         MinLSTM(8)):
                 cell = cell.to("cpu")
                 x = torch.randn(2, 3, 8, device="cpu", requires_grad=True)
                 reset = torch.zeros(2, 3, dtype=torch.bool, device="cpu")
