@@ -4,7 +4,7 @@
 // scan of rpt/models/scan.py (about five passes over [B, T, H] forward and eight backward, plus the
 // coefficients' own autograd), and was a quarter of minGRU's training step at B=16, T=256. Here the gates
 // (computed by the caller with ATen's vectorised sigmoid, the only transcendental) and the candidate are read
-// once, the state is carried in registers along time, and the backward writes the gradient of the projected
+// once, the state is carried along time in a block of L1, and the backward writes the gradient of the projected
 // input u directly: one read of each input and one write of each output per direction.
 //
 //   kind 0, minGRU:  z = gates[..., :H]                       h_t = keep_t (1 - z) h_{t-1} + z h~
@@ -49,8 +49,7 @@ Shapes check(const Tensor& gates, const Tensor& u, const Tensor& h0, const OptTe
 }
 
 // Calls fn(b, j0, j1) for every batch row and block of channels, spread over ATen's threads. Blocks are as
-// wide as the threads allow: each time step then reads whole rows, so every stream is sequential in memory
-// (blocks of 256 channels made each step a new page in every stream, and the backward ran at 5 GB/s).
+// wide as the threads allow, so each time step reads long contiguous runs of every stream.
 template <typename Fn>
 void over_rows_and_blocks(const Shapes& s, Fn fn) {
   const int64_t wanted = std::max((s.H + kMaxBlock - 1) / kMaxBlock, (at::get_num_threads() + s.B - 1) / s.B);
