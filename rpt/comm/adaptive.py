@@ -36,6 +36,8 @@ class AdaptiveSchedule:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.groups = sorted({group_of(n) for n, _ in named})
         self.group_index = {id(p): self.groups.index(group_of(n)) for n, p in named}
+        self.names = {id(p): n for n, p in named}
+        self.params = dict(named)
         self.pinned = {g for g in self.groups if any(g.startswith(prefix) for prefix in cfg.adaptive_pin)}
         self.period = {g: 1 for g in self.groups}   # the schedule in force: steps between synchronisations
         self.offset = {g: 0 for g in self.groups}
@@ -105,6 +107,18 @@ class AdaptiveSchedule:
             self.period[g], self.offset[g] = 1, 0
         for k, g in enumerate(minor):
             self.period[g], self.offset[g] = self.cfg.adaptive_period, k % self.cfg.adaptive_period
+
+    def state_dict(self) -> dict:
+        """This rank's schedule and accumulators (the scores and the held gradient sums are its own), with the
+        held sums keyed by parameter name."""
+        return {"step": self.step, "period": self.period, "offset": self.offset, "scores": self.scores.cpu(),
+                "pending": {self.names[i]: (acc.cpu(), steps) for i, (acc, steps) in self.pending.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.period, self.offset = state["step"], state["period"], state["offset"]
+        device = next(iter(self.params.values())).device
+        self.scores = state["scores"].to(device)
+        self.pending = {id(self.params[n]): (acc.to(device), steps) for n, (acc, steps) in state["pending"].items()}
 
     def in_force(self) -> dict:
         """The schedule for the metrics: which groups wait, and every how many steps."""

@@ -42,6 +42,19 @@ class HookState:
     powersgd: psgd.PowerSGDState | None = None
     errors: dict[int, torch.Tensor] = field(default_factory=dict)
 
+    def state_dict(self) -> dict:
+        """What carries from step to step on this rank: top-k's error buffers, PowerSGD's state (its error
+        feedback, warm-started factors, generator and step count; all of its slots but the process group)."""
+        ps = self.powersgd
+        return {"errors": self.errors,
+                "powersgd": None if ps is None else {k: getattr(ps, k) for k in ps.__slots__ if k != "process_group"}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.errors = state["errors"]
+        if self.powersgd is not None and state["powersgd"] is not None:  # a PowerSGD run's, or none at all
+            for k, v in state["powersgd"].items():
+                setattr(self.powersgd, k, v)
+
 
 def _finish(state: HookState, bucket, start: float, wire: int):
     def done(fut):
@@ -91,7 +104,7 @@ def powersgd_hook(state: HookState, bucket):
 def topk_hook(state: HookState, bucket):
     buf, index, p = bucket.buffer(), bucket.index(), state.world_size
     error = state.errors.get(index)
-    # DDP rebuilds its buckets once, after the first step: an error buffer of the old layout is dropped
+    # the layout is fixed for top-k (AllReduceSync); a buffer of another shape would be another model's
     acc = buf + error if error is not None and error.shape == buf.shape else buf.clone()
     k = max(1, int(state.topk_fraction * acc.numel()))
     chosen = acc.abs().topk(k, sorted=False).indices

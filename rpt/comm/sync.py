@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
@@ -68,26 +69,59 @@ class LocalSync:
         """Adaptive synchronisation's current schedule, for the metrics (empty without it)."""
         return {}
 
+    def state_dict(self) -> dict:
+        """What this rank's synchronisation carries from step to step (a checkpoint keeps it per rank)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
 
 class AllReduceSync(LocalSync):
     """DDP over the model, or over each of `parts` (disjoint pieces of it that run their forward and backward
     separately: the virtual stages of an interleaved pipeline, which torch's schedule hands DDP one by one).
-    Parts share the meter and the adaptive schedule; each has its own DDP buckets and codec state."""
+    Parts share the meter and the adaptive schedule; each has its own DDP buckets and codec state.
+
+    PowerSGD, top-k and the adaptive schedule keep per-rank state from step to step; a checkpoint saves it and
+    a resume restores it. The codecs' state is indexed by DDP bucket (torch's PowerSGD hook does so itself),
+    and DDP cuts its buckets anew after the first step of every process, so a resumed run's first step would
+    meet that state in another layout (seen: losses off from the step after the resume). With those codecs
+    DDP keeps its first layout for good: `find_unused_parameters=True` is the switch that stops the rebuild
+    (at the cost of one walk of the autograd graph per step). The adaptive schedule keys its state by
+    parameter and needs no such thing."""
 
     def __init__(self, model: torch.nn.Module, cfg: CommConfig, world_size: int, *, powersgd_start: int, seed: int,
                  group=None, parts: list[torch.nn.Module] | None = None):
         super().__init__(model)
-        wrapped = [DDP(m, bucket_cap_mb=cfg.bucket_mb, process_group=group) for m in (parts or [model])]
+        keep_layout = not cfg.adaptive and cfg.compression in ("powersgd", "topk")
+        if keep_layout:  # torch warns once that no parameter was unused: that is not why it is set
+            warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified")
+        wrapped = [DDP(m, bucket_cap_mb=cfg.bucket_mb, process_group=group, find_unused_parameters=keep_layout)
+                   for m in (parts or [model])]
         self.module = wrapped if parts else wrapped[0]
         self.schedule = AdaptiveSchedule(model, cfg, self.meter, world_size, group) if cfg.adaptive else None
+        self.hooks: list[compress.HookState] = []
         for ddp in wrapped:
             if self.schedule is not None:
                 ddp.register_comm_hook(None, self.schedule.hook)
             else:
-                compress.register(ddp, cfg.compression, self.meter, world_size=world_size,
-                                  powersgd_rank=cfg.powersgd_rank, powersgd_start=powersgd_start,
-                                  topk_fraction=cfg.topk_fraction, seed=seed, group=group)
+                self.hooks.append(compress.register(ddp, cfg.compression, self.meter, world_size=world_size,
+                                                    powersgd_rank=cfg.powersgd_rank, powersgd_start=powersgd_start,
+                                                    topk_fraction=cfg.topk_fraction, seed=seed, group=group))
         self._wrapped = wrapped
+
+    def state_dict(self) -> dict:
+        return {"hooks": [h.state_dict() for h in self.hooks],
+                "adaptive": self.schedule.state_dict() if self.schedule is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint written without this state (another mode or codec, or before rpt kept it) leaves the
+        codecs to start afresh, as a new run's do."""
+        if len(state.get("hooks", [])) == len(self.hooks):
+            for hook, saved in zip(self.hooks, state["hooks"]):
+                hook.load_state_dict(saved)
+        if self.schedule is not None and state.get("adaptive") is not None:
+            self.schedule.load_state_dict(state["adaptive"])
 
     @contextmanager
     def no_sync(self):

@@ -448,6 +448,7 @@ class Trainer:
             "step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
             "elapsed": self.elapsed_before + seconds_this_run, "loader": self.loader.state_dict(),
             "state": self.state, "scaler": self.scaler.state_dict(), "last_eval": self.last_eval,
+            "sync": self.sync.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None},
         }
@@ -470,6 +471,7 @@ class Trainer:
         self.loader.load_state_dict(extras["loader"])
         self.state = map_state(lambda t: t.to(self.device), extras["state"])
         self.scaler.load_state_dict(extras["scaler"])
+        self.sync.load_state_dict(extras.get("sync", {}))
         self.last_eval = extras["last_eval"]
         rng = extras["rng"]
         torch.set_rng_state(rng["torch"])

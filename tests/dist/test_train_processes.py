@@ -127,6 +127,29 @@ def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_the_uninte
     assert digests(tmp_path / "mid") == digests(tmp_path / "full")
 
 
+@pytest.mark.parametrize("comm", [
+    ("comm.compression=powersgd", "comm.powersgd_rank=1"),
+    ("comm.compression=topk", "comm.topk_fraction=0.05"),
+    ("comm.adaptive=true", "comm.adaptive_interval=2", "comm.adaptive_period=3", "comm.adaptive_pin=[]"),
+], ids=["powersgd", "topk", "adaptive"])
+def test_a_killed_run_with_stateful_gradient_sync_resumes_exactly(tmp_path, tiny_data, comm):
+    """PowerSGD's error feedback and warm-started factors, top-k's error buffers and the adaptive schedule's
+    accumulated gradients differ per rank and carry from step to step: each rank checkpoints its own, and the
+    run killed after the checkpoint of step 6 ends bit-identical to the uninterrupted one."""
+    common = ("--nproc", "2", "--set", "checkpoint.interval=3", "--set", "train.max_steps=10",
+              *[arg for kv in comm for arg in ("--set", kv)])
+    full = rpt_train(tmp_path / "full", tiny_data, *common)
+    assert full.returncode == 0, full.stderr[-3000:]
+    cut = rpt_train(tmp_path / "cut", tiny_data, *common, "--max-restarts", "1", env={"RPT_FAULT": "kill@8:rank=1"})
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    assert re.search(r"resumed from \S*step_00000006 at step 6", (tmp_path / "cut" / "logs" / "rank0.log").read_text())
+    assert losses_by_step(tmp_path / "cut") == losses_by_step(tmp_path / "full")
+
+    def digests(run: Path) -> set[str]:
+        return {re.findall(r"parameter digest (\w+)", (run / "logs" / f"rank{r}.log").read_text())[-1] for r in (0, 1)}
+    assert digests(tmp_path / "cut") == digests(tmp_path / "full") and len(digests(tmp_path / "full")) == 1
+
+
 def test_a_corrupted_newest_checkpoint_is_skipped_with_a_warning_and_the_previous_resumed(tmp_path, tiny_data):
     common = ("--nproc", "2", "--set", "checkpoint.interval=3", "--set", "checkpoint.keep_last=2")
     # once the checkpoint of step 6 is complete, rank 1 flips one byte of its shard: same size, wrong checksum
