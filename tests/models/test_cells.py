@@ -69,7 +69,7 @@ def test_fast_path_matches_reference_with_all_gradients(name, loop):
     B, T = 3, 9
     x = torch.randn(B, T, D, dtype=torch.float64, requires_grad=True)
     state = random_state(cell, B)
-    reset = torch.zeros(B, T, dtype=torch.bool)
+    reset = torch.zeros(T, B, dtype=torch.bool).t()  # a transposed view: the cells may not assume a layout
     reset[0, 4] = reset[2, 1] = True
     w = torch.randn(B, T, D, dtype=torch.float64)
     y_fast, s_fast = cell(x, state, reset)

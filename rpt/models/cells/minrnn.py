@@ -53,7 +53,7 @@ class _MinRNN(Cell):
             kind = _NATIVE_KIND.get(type(self).coefficients)
             ops = loops() if kind is not None and u.is_cpu and fuse_pointwise() else None
             if ops is not None:
-                keep = None if reset is None else (~reset).to(u.dtype)
+                keep = None if reset is None else (~reset).to(u.dtype).contiguous()
                 h = _NativeMinScan.apply(u.contiguous(), h0.to(u.dtype).contiguous(), keep, kind, ops)
             else:
                 a, b = self.coefficients(u)
