@@ -52,6 +52,9 @@ Shapes check(const Tensor& gates, const Tensor& u, const Tensor& h0, const OptTe
 // wide as the threads allow, so each time step reads long contiguous runs of every stream.
 template <typename Fn>
 void over_rows_and_blocks(const Shapes& s, Fn fn) {
+  if (s.B == 0 || s.H == 0 || s.T == 0) {
+    return;
+  }
   const int64_t wanted = std::max((s.H + kMaxBlock - 1) / kMaxBlock, (at::get_num_threads() + s.B - 1) / s.B);
   const int64_t width = std::min(kMaxBlock, ((s.H + wanted - 1) / wanted + 15) / 16 * 16);
   const int64_t blocks = (s.H + width - 1) / width;
