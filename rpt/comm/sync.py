@@ -28,8 +28,8 @@ The trainer drives every mode through the same five calls, in this order each st
 from __future__ import annotations
 
 import logging
+import sys
 import time
-import warnings
 from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
@@ -87,15 +87,20 @@ class AllReduceSync(LocalSync):
     and DDP cuts its buckets anew after the first step of every process, so a resumed run's first step would
     meet that state in another layout (seen: losses off from the step after the resume). With those codecs
     DDP keeps its first layout for good: `find_unused_parameters=True` is the switch that stops the rebuild
-    (at the cost of one walk of the autograd graph per step). The adaptive schedule keys its state by
+    (at the cost of one walk of the autograd graph per step, and a warning from torch's C++ that the flag
+    found nothing unused, printed once per rank). The adaptive schedule keys its state by
     parameter and needs no such thing."""
 
     def __init__(self, model: torch.nn.Module, cfg: CommConfig, world_size: int, *, powersgd_start: int, seed: int,
                  group=None, parts: list[torch.nn.Module] | None = None):
         super().__init__(model)
         keep_layout = not cfg.adaptive and cfg.compression in ("powersgd", "topk")
-        if keep_layout:  # torch warns once that no parameter was unused: that is not why it is set
-            warnings.filterwarnings("ignore", message="find_unused_parameters=True was specified")
+        if keep_layout:  # torch's C++ warning about the flag (once per rank, uncatchable from Python) gets its reason
+            why = (f"rpt: comm.compression={cfg.compression} keeps DDP's first bucket layout "
+                   "(find_unused_parameters=True) so that a resume is exact; torch's warning about that flag is expected")
+            log.info(why)
+            if dist.get_rank() == 0:
+                print(why, file=sys.stderr, flush=True)
         wrapped = [DDP(m, bucket_cap_mb=cfg.bucket_mb, process_group=group, find_unused_parameters=keep_layout)
                    for m in (parts or [model])]
         self.module = wrapped if parts else wrapped[0]
