@@ -20,6 +20,7 @@ from torch import nn
 
 from rpt.models.cells.base import Cell, as_fp32, full_precision
 from rpt.models.cells.native import fuse_pointwise, loops
+from rpt.models.cells.packed_linear import linear
 from rpt.models.registry import register_cell
 from rpt.models.scan import linear_scan
 
@@ -47,7 +48,7 @@ class _MinRNN(Cell):
 
     def forward(self, x, state=None, reset=None):
         (h0,) = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
-        u = self.in_proj(x)
+        u = linear(x, self.in_proj.weight, self.in_proj.bias)
         with full_precision(u):
             u = as_fp32(u)
             kind = _NATIVE_KIND.get(type(self).coefficients)
@@ -60,7 +61,7 @@ class _MinRNN(Cell):
                 if reset is not None:
                     a = a * (~reset).to(a.dtype)[..., None]
                 h = linear_scan(a, b, h0)
-        return self.out_proj(h), (h[:, -1],)
+        return linear(h, self.out_proj.weight), (h[:, -1],)
 
     def flops_per_token(self):
         return 2 * self.d_model * self.d_hidden * (self.n_proj + 1)

@@ -1,0 +1,63 @@
+"""The oneDNN products of rpt/models/cells/packed_linear.py against float64 F.linear.
+
+`linear` takes the oneDNN path only for large float32 CPU products, which the float64 parity tests of the
+cells never reach: here it is checked on its own, output and every gradient, and its fallbacks are checked to
+be F.linear itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rpt.models.cells import packed_linear
+from rpt.models.cells.packed_linear import MIN_ROWS, linear
+
+
+def grads_of(fn, x, w, b, gy):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    b = b.clone().requires_grad_() if b is not None else None
+    y = fn(x, w, b)
+    grads = torch.autograd.grad(y, [t for t in (x, w, b) if t is not None], gy)
+    return [y, *grads]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_onednn_linear_matches_float64_with_every_gradient(bias):
+    if not packed_linear._packed_available():
+        pytest.skip("torch has no oneDNN linear here")
+    torch.manual_seed(0)
+    x = torch.randn(4, MIN_ROWS // 4 + 3, 48)  # a 3-D input of more than MIN_ROWS rows
+    w, b = torch.randn(40, 48) * 0.2, (torch.randn(40) if bias else None)
+    gy = torch.randn(4, MIN_ROWS // 4 + 3, 40)
+    calls = []
+    real = packed_linear._OneDNNLinear.apply
+    packed_linear._OneDNNLinear.apply = lambda *a: calls.append(1) or real(*a)
+    try:
+        got = grads_of(linear, x, w, b, gy)
+    finally:
+        packed_linear._OneDNNLinear.apply = real
+    assert calls, "the oneDNN path did not run"
+    exact = grads_of(F.linear, x.double(), w.double(), b.double() if bias else None, gy.double())
+    plain = grads_of(F.linear, x, w, b, gy)
+    assert len(got) == len(exact) == len(plain) == (4 if bias else 3)
+    for k, (a, p, ref) in enumerate(zip(got, plain, exact)):
+        assert a.shape == ref.shape and a.dtype == torch.float32, k
+        scale = ref.abs().max().item()
+        e_onednn, e_plain = ((a - ref).abs().max() / scale).item(), ((p - ref).abs().max() / scale).item()
+        assert e_onednn <= 3 * e_plain + 1e-6, f"output {k}: oneDNN {e_onednn:.2e}, F.linear {e_plain:.2e}"
+
+
+def test_small_other_dtype_and_autocast_calls_are_f_linear(monkeypatch):
+    def refuse(*args):
+        raise AssertionError("the oneDNN path ran")
+    monkeypatch.setattr(packed_linear._OneDNNLinear, "apply", refuse)
+    w = torch.randn(8, 16)
+    few = torch.randn(2, 5, 16)  # generation-sized: F.linear
+    torch.testing.assert_close(linear(few, w), F.linear(few, w), rtol=0, atol=0)
+    many64 = torch.randn(MIN_ROWS, 16, dtype=torch.float64)
+    torch.testing.assert_close(linear(many64, w.double()), F.linear(many64, w.double()), rtol=0, atol=0)
+    many = torch.randn(MIN_ROWS, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear(many, w).dtype == torch.bfloat16  # autocast's own cast, as F.linear
