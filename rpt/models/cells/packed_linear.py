@@ -79,9 +79,9 @@ class _OneDNNLinear(torch.autograd.Function):
         x2, weight = ctx.saved_tensors
         g2 = grad_y.reshape(-1, grad_y.shape[-1])
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:  # grad_y @ W: W.T packed as the weight
-            grad_x = torch.ops.mkldnn._linear_pointwise(g2, _pack(weight.t().contiguous(), g2.shape[0]), None, "none",
-                                                        [], "").view(ctx.x_shape)
+        if ctx.needs_input_grad[0]:  # grad_y @ W: W.T packed as the weight (oneDNN reads the transposed view)
+            grad_x = torch.ops.mkldnn._linear_pointwise(g2, _pack(weight.t(), g2.shape[0]), None, "none", [],
+                                                        "").view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = g2.t() @ x2
         if ctx.has_bias and ctx.needs_input_grad[2]:
