@@ -106,6 +106,7 @@ class AllReduceSync(LocalSync):
         self.module = wrapped if parts else wrapped[0]
         self.schedule = AdaptiveSchedule(model, cfg, self.meter, world_size, group) if cfg.adaptive else None
         self.hooks: list[compress.HookState] = []
+        self.bucket_mb = cfg.bucket_mb
         for ddp in wrapped:
             if self.schedule is not None:
                 ddp.register_comm_hook(None, self.schedule.hook)
@@ -116,13 +117,17 @@ class AllReduceSync(LocalSync):
         self._wrapped = wrapped
 
     def state_dict(self) -> dict:
-        return {"hooks": [h.state_dict() for h in self.hooks],
+        return {"hooks": [h.state_dict() for h in self.hooks], "bucket_mb": self.bucket_mb,
                 "adaptive": self.schedule.state_dict() if self.schedule is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint written without this state (another mode or codec, or before rpt kept it) leaves the
-        codecs to start afresh, as a new run's do."""
-        if len(state.get("hooks", [])) == len(self.hooks):
+        codecs to start afresh, as a new run's do; so does one cut into buckets of another size (the codecs'
+        buffers follow the layout)."""
+        if state.get("hooks") and state.get("bucket_mb") != self.bucket_mb:
+            log.warning("the checkpoint's codec state is for comm.bucket_mb = %s, not %s: the codecs start afresh",
+                        state.get("bucket_mb"), self.bucket_mb)
+        elif len(state.get("hooks", [])) == len(self.hooks):
             for hook, saved in zip(self.hooks, state["hooks"]):
                 hook.load_state_dict(saved)
         if self.schedule is not None and state.get("adaptive") is not None:

@@ -35,13 +35,6 @@ class FakeBucket:
         return 0
 
 
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_a_minor_group_sends_the_mean_of_its_gradients_every_period_steps(world_of_one):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
