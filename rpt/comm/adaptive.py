@@ -36,8 +36,7 @@ class AdaptiveSchedule:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.groups = sorted({group_of(n) for n, _ in named})
         self.group_index = {id(p): self.groups.index(group_of(n)) for n, p in named}
-        self.names = {id(p): n for n, p in named}
-        self.params = dict(named)
+        self.params = dict(named)  # by name: the checkpoint keys the held sums by name
         self.pinned = {g for g in self.groups if any(g.startswith(prefix) for prefix in cfg.adaptive_pin)}
         self.period = {g: 1 for g in self.groups}   # the schedule in force: steps between synchronisations
         self.offset = {g: 0 for g in self.groups}
@@ -111,8 +110,9 @@ class AdaptiveSchedule:
     def state_dict(self) -> dict:
         """This rank's schedule and accumulators (the scores and the held gradient sums are its own), with the
         held sums keyed by parameter name."""
+        name = {id(p): n for n, p in self.params.items()}
         return {"step": self.step, "period": self.period, "offset": self.offset, "scores": self.scores.cpu(),
-                "pending": {self.names[i]: (acc.cpu(), steps) for i, (acc, steps) in self.pending.items()}}
+                "pending": {name[i]: (acc.cpu(), steps) for i, (acc, steps) in self.pending.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.period, self.offset = state["step"], state["period"], state["offset"]

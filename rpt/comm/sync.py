@@ -88,16 +88,17 @@ class AllReduceSync(LocalSync):
     meet that state in another layout (seen: losses off from the step after the resume). With those codecs
     DDP keeps its first layout for good: `find_unused_parameters=True` is the switch that stops the rebuild
     (at the cost of one walk of the autograd graph per step, and a warning from torch's C++ that the flag
-    found nothing unused, printed once per rank). The adaptive schedule keys its state by
-    parameter and needs no such thing."""
+    found nothing unused, printed once per rank). The adaptive schedule keys its state by parameter and needs
+    no such thing."""
 
     def __init__(self, model: torch.nn.Module, cfg: CommConfig, world_size: int, *, powersgd_start: int, seed: int,
                  group=None, parts: list[torch.nn.Module] | None = None):
         super().__init__(model)
         keep_layout = not cfg.adaptive and cfg.compression in ("powersgd", "topk")
-        if keep_layout:  # torch's C++ warning about the flag (once per rank, uncatchable from Python) gets its reason
+        if keep_layout:  # torch's C++ warning about the flag (once per rank, not catchable in Python) is explained
             why = (f"rpt: comm.compression={cfg.compression} keeps DDP's first bucket layout "
-                   "(find_unused_parameters=True) so that a resume is exact; torch's warning about that flag is expected")
+                   "(find_unused_parameters=True) so that a resume is exact; torch's warning about that flag is "
+                   "expected")
             log.info(why)
             if dist.get_rank() == 0:
                 print(why, file=sys.stderr, flush=True)

@@ -8,9 +8,10 @@ packed once per sequence (measured: 57 us vs 171 us at B=2, H=512; 186 us vs 296
 The packed path uses the oneDNN ops that torch's own inductor CPU backend calls; where they are
 missing, or off the CPU, or not float32, this falls back to addmm, so results never depend on it.
 
-`linear(x, weight, bias)`: F.linear for the sequence-sized projections of the scan cells. oneDNN with the
-weight packed at each call ran these 10-20% faster than MKL on the build machine (16 x 256 rows, 512 -> 2688:
-forward and input gradient 172.6 ms against 188.9 ms with F.linear; 1344 -> 512: 84.5 against 93.0). The
+`linear(x, weight, bias)`: F.linear for the sequence-sized projections of the scan cells. Its forward and
+input-gradient products, on oneDNN with the weight packed at each call, ran 10-20% faster than MKL one by one
+on the build machine; a whole projection's forward and backward 8-10% faster (16 x 256 rows, 512 -> 2688:
+172.6 ms against 188.9 ms with F.linear; 1344 -> 512: 84.5 against 93.0). The
 weight gradient stays a plain GEMM: oneDNN would need a packed, transposed copy of the activations each step,
 which costs what it gains. Small calls (generation's one row per step) keep F.linear, as do autocast,
 other dtypes and devices.

@@ -63,8 +63,8 @@ def _build():
             if not (out / f"{NAME}.so").exists():
                 print(f"rpt: compiling the native recurrent loops into {out} (once, ~25 s)", file=sys.stderr,
                       flush=True)
-            cpp_extension.load(NAME, [str(source) for source in SOURCES], extra_cflags=["-O3"], build_directory=str(out),
-                               is_python_module=False, verbose=False)
+            cpp_extension.load(NAME, [str(source) for source in SOURCES], extra_cflags=["-O3"],
+                               build_directory=str(out), is_python_module=False, verbose=False)
         _self_test(torch.ops.rpt_loops)
         return torch.ops.rpt_loops
     except Exception as e:  # no compiler, no ninja, a failed build: the Python loops are the same computation
