@@ -22,10 +22,12 @@ VARIANTS = {
     "modlstm": dict(cell="modlstm"),
     "modlstm-hard": dict(cell="modlstm", gate="hard_sigmoid"),
     "modlstm-coupled-peep": dict(cell="modlstm", coupled_gates=True, peepholes=True),
+    "modlstm-coupled-odd": dict(cell="modlstm", coupled_gates=True, d_hidden=21),  # a part-filled last vector
     "modlstm-peep-norm": dict(cell="modlstm", peepholes=True, gate_norm=True),
     "modlstm-exp": dict(cell="modlstm", gate="exp"),
     "modlstm-exp-norm": dict(cell="modlstm", gate="exp", gate_norm=True),
     "gru": dict(cell="gru", d_hidden=24),
+    "gru-odd": dict(cell="gru", d_hidden=13),
     "mingru": dict(cell="mingru", d_hidden=40),
     "minlstm": dict(cell="minlstm", d_hidden=40),
 }
@@ -42,7 +44,7 @@ def test_built_wherever_a_compiler_is():
 def test_native_loops_as_accurate_as_python_loops_in_float32(name, fused):
     """In float32 both forms round differently (ATen's vectorised kernels fuse some multiply-adds): each is
     measured against the same computation in float64, and the native loops may not be less accurate. Both
-    forms of the native backward step: fused into one pass (the CPU's) and as ATen ops (what a GPU runs)."""
+    forms of the native steps: fused into one pass (the CPU's) and as ATen ops (what a GPU runs)."""
     if native.loops() is None:
         pytest.skip("the native loops are not built here")
     if not fused:

@@ -61,3 +61,38 @@ def test_small_other_dtype_and_autocast_calls_are_f_linear(monkeypatch):
     many = torch.randn(MIN_ROWS, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert linear(many, w).dtype == torch.bfloat16  # autocast's own cast, as F.linear
+
+
+@pytest.mark.parametrize("name", ["gru", "modlstm"])
+def test_fused_cells_sequence_products_on_onednn_as_accurate_as_mkl(name, monkeypatch):
+    """gru's and modlstm's own kernels call `matmul` for their sequence-sized products (the input projection and
+    its input gradient): at more than MIN_ROWS rows of float32 these run on oneDNN, and the whole layer's output
+    and gradients stay as close to float64 as with torch's default GEMM."""
+    if not packed_linear._packed_available():
+        pytest.skip("torch has no oneDNN linear here")
+    from rpt.config import ModelConfig
+    from rpt.models.block import build_cell
+
+    torch.manual_seed(0)
+    cell = build_cell(ModelConfig(d_model=24, cell=name))
+    x = torch.randn(2, MIN_ROWS // 2 + 5, 24)
+    gy = torch.randn(2, MIN_ROWS // 2 + 5, 24)
+
+    def run(module, xs, g):
+        xs = xs.clone().requires_grad_()
+        y, _ = module(xs)
+        return [y, *torch.autograd.grad(y, [xs, *module.parameters()], g)]
+
+    packs = []
+    real = packed_linear._pack
+    monkeypatch.setattr(packed_linear, "_pack", lambda *a: packs.append(1) or real(*a))
+    got = run(cell, x, gy)
+    assert len(packs) == 2, "the input projection and its gradient did not both run on oneDNN"
+    monkeypatch.setattr(packed_linear, "MIN_ROWS", 10**9)
+    plain = run(cell, x, gy)
+    assert len(packs) == 2
+    exact = run(cell.double(), x.double(), gy.double())
+    for k, (a, p, ref) in enumerate(zip(got, plain, exact)):
+        scale = ref.abs().max().item()
+        e_onednn, e_plain = ((a - ref).abs().max() / scale).item(), ((p - ref).abs().max() / scale).item()
+        assert e_onednn <= 3 * e_plain + 1e-6, f"{name} output {k}: oneDNN {e_onednn:.2e}, default GEMM {e_plain:.2e}"

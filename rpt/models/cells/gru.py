@@ -14,7 +14,7 @@ import torch
 
 from rpt.models.cells.base import GatedRNNCell, as_fp32, full_precision, over_segments
 from rpt.models.cells.native import fuse_pointwise, loops
-from rpt.models.cells.packed_linear import PackedLinear
+from rpt.models.cells.packed_linear import PackedLinear, matmul
 from rpt.models.registry import register_cell
 
 
@@ -68,7 +68,7 @@ class GRUFunction(torch.autograd.Function):
         B, T, D = x.shape
         H = w_hh.shape[1]
         xt = x.transpose(0, 1).reshape(T * B, D)
-        XP = torch.addmm(b_ih, xt, w_ih.T).view(T, B, 3, H)
+        XP = matmul(xt, w_ih, b_ih).view(T, B, 3, H)
         W = PackedLinear(w_hh, B)
         bias = b_hh.expand(B, 3 * H).contiguous()
         HP = x.new_empty(T, B, 3, H)  # h_{t-1} W_hh^T + b_hh, whose n part the backward needs
@@ -76,7 +76,7 @@ class GRUFunction(torch.autograd.Function):
         hs = x.new_empty(T, B, H)
         native = loops()
         if native is not None:
-            h = native.gru_forward(XP, *W.operand, bias, keep, h0, HP, gates, hs)
+            h = native.gru_forward(XP, *W.operand, bias, keep, h0, HP, gates, hs, fuse_pointwise())
         else:
             h = forward_steps(XP, W, bias, keep, h0, HP, gates, hs)
         ctx.save_for_backward(keep, x, w_ih, w_hh, h0, HP, gates, hs)
@@ -108,7 +108,7 @@ class GRUFunction(torch.autograd.Function):
         else:
             dh = backward_steps(grad_y, KX, KH, z, dXP, dHP, keep3, WT, dh)
         dXPf, dHPf = dXP.view(T * B, 3 * H), dHP.view(T * B, 3 * H)
-        grad_x = (dXPf @ w_ih).view(T, B, D).transpose(0, 1)
+        grad_x = matmul(dXPf, w_ih.t()).view(T, B, D).transpose(0, 1)
         grad_w_ih = dXPf.T @ x.transpose(0, 1).reshape(T * B, D)
         grad_w_hh = dHPf.T @ h_prev.reshape(T * B, H)
         return None, grad_x, grad_w_ih, grad_w_hh, dXPf.sum(0), dHPf.sum(0), dh

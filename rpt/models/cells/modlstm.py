@@ -37,7 +37,7 @@ from torch import nn
 from rpt.errors import RptError
 from rpt.models.cells.base import Cell, as_fp32, full_precision
 from rpt.models.cells.native import fuse_pointwise, loops
-from rpt.models.cells.packed_linear import PackedLinear
+from rpt.models.cells.packed_linear import PackedLinear, matmul
 from rpt.models.registry import GateFunction, get_gate, register_cell
 
 LN_EPS = 1e-5
@@ -152,7 +152,7 @@ class ModLSTMFunction(torch.autograd.Function):
         B, T, D = x.shape
         H, G = cell.d_hidden, len(cell.groups)
         xt = x.transpose(0, 1).reshape(T * B, D)
-        XP = (torch.addmm(bias, xt, w_x.T) if bias is not None else xt @ w_x.T).view(T, B, G * H)
+        XP = matmul(xt, w_x, bias).view(T, B, G * H)
         W = PackedLinear(w_h, B)
         acts = x.new_empty(T, B, G, H)  # gate values
         # Gate inputs, kept only for a gate whose derivative needs its input (sigmoid's needs only its output).
@@ -240,7 +240,7 @@ class ModLSTMFunction(torch.autograd.Function):
             grad_state = backward_steps(grad_y, *factors, dP, dP_raw, keep3, WT, dh, dc, dn, ln_w, ln_in, ln_stats)
         dPf = dP_raw.view(T * B, G * H)
         xt = x.transpose(0, 1).reshape(T * B, D)
-        grad_x = (dPf @ w_x).view(T, B, D).transpose(0, 1)
+        grad_x = matmul(dPf, w_x.t()).view(T, B, D).transpose(0, 1)
         grad_wx = dPf.T @ xt
         grad_wh = dPf.T @ h_prev.reshape(T * B, H)
         grad_bias = dPf.sum(0) if cell.bias is not None else None

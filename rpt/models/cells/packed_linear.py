@@ -54,12 +54,22 @@ class PackedLinear:
         return torch.addmm(add, h, self.weight.T)
 
 
+def _on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel() >= MIN_ROWS * x.shape[-1]
+            and not torch.is_autocast_enabled("cpu") and _packed_available())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), on oneDNN for large float32 CPU products (see the module docstring)."""
-    if (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel() >= MIN_ROWS * x.shape[-1]
-            and not torch.is_autocast_enabled("cpu") and _packed_available()):
-        return _OneDNNLinear.apply(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return _OneDNNLinear.apply(x, weight, bias) if _on_onednn(x, weight) else F.linear(x, weight, bias)
+
+
+def matmul(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 @ weight.T (+ bias) for 2-D x2, outside autograd: the sequence products inside the fused cells' own
+    forward and backward (gru, modlstm). `weight` may be a transposed view (the input gradient's W)."""
+    if _on_onednn(x2, weight):
+        return torch.ops.mkldnn._linear_pointwise(x2.contiguous(), _pack(weight, x2.shape[0]), bias, "none", [], "")
+    return torch.addmm(bias, x2, weight.T) if bias is not None else x2 @ weight.T
 
 
 def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -70,7 +80,7 @@ class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         x2 = x.reshape(-1, x.shape[-1])
-        y = torch.ops.mkldnn._linear_pointwise(x2, _pack(weight, x2.shape[0]), bias, "none", [], "")
+        y = matmul(x2, weight, bias)
         ctx.save_for_backward(x2, weight)
         ctx.x_shape, ctx.has_bias = x.shape, bias is not None
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -81,8 +91,7 @@ class _OneDNNLinear(torch.autograd.Function):
         g2 = grad_y.reshape(-1, grad_y.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # grad_y @ W: W.T packed as the weight (oneDNN reads the transposed view)
-            grad_x = torch.ops.mkldnn._linear_pointwise(g2, _pack(weight.t(), g2.shape[0]), None, "none", [],
-                                                        "").view(ctx.x_shape)
+            grad_x = matmul(g2, weight.t()).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = g2.t() @ x2
         if ctx.has_bias and ctx.needs_input_grad[2]:

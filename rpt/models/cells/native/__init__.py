@@ -12,7 +12,8 @@ kind: minGRU's and minLSTM's linear recurrence in one raw pass over memory each 
 (the chunked scan of rpt/models/scan.py) makes many (why: its header).
 
 It is built on first use with torch's JIT extension builder (g++ and ninja; about 25 s on 2 cores) into
-~/.cache/rpt/native/ (RPT_NATIVE_DIR overrides), one folder per torch version and source, and loaded from
+~/.cache/rpt/native/ (RPT_NATIVE_DIR overrides), one folder per torch version, source and compile flags (AVX2
+where the CPU has it: the forward steps' fused pass uses ATen's vector type, sigmoid and tanh), and loaded from
 there afterwards; every process runs each loop once on load (`_self_test`). Where it cannot be built
 (no compiler) or fails that test, the Python loops run, after one warning.
 """
@@ -38,8 +39,18 @@ _fuse = True
 _candidate = None  # the loops while their self-test runs
 
 
+def compile_flags() -> list[str]:
+    """-O3, and AVX2 with FMA where this CPU has them (the vector type of ATen's headers then uses them). The flags
+    are part of the build folder's name: a cache shared by machines of different CPUs keeps one build for each."""
+    flags = ["-O3"]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return flags
+
+
 def build_directory() -> Path:
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    digest = hashlib.sha256(sources + " ".join(compile_flags()).encode()).hexdigest()[:12]
     root = Path(os.environ.get("RPT_NATIVE_DIR") or Path.home() / ".cache" / "rpt" / "native")
     return root / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
 
@@ -63,7 +74,7 @@ def _build():
             if not (out / f"{NAME}.so").exists():
                 print(f"rpt: compiling the native recurrent loops into {out} (once, ~25 s)", file=sys.stderr,
                       flush=True)
-            cpp_extension.load(NAME, [str(source) for source in SOURCES], extra_cflags=["-O3"],
+            cpp_extension.load(NAME, [str(source) for source in SOURCES], extra_cflags=compile_flags(),
                                build_directory=str(out), is_python_module=False, verbose=False)
         _self_test(torch.ops.rpt_loops)
         return torch.ops.rpt_loops

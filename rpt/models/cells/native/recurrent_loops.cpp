@@ -4,8 +4,19 @@
 // there is made here too, and tests/models/test_native_loops.py holds the two equal.
 //
 // Buffers are time-major ([T, B, ...]); every step writes its slice of the caller's buffers in place.
+//
+// On the CPU the forward steps of the sigmoid-gated modlstm and of the gru run their pointwise part (gates,
+// state update) as one pass of ATen's vector type, where ATen's ops would take 6-8 calls a step, each paying
+// its dispatch (~3 us) on a few thousand numbers. native/__init__.py builds with AVX2 (CPU_CAPABILITY=AVX2)
+// where the CPU has it; elsewhere the vector type is ATen's portable one.
+
+#ifndef CPU_CAPABILITY
+#define CPU_CAPABILITY DEFAULT
+#define CPU_CAPABILITY_DEFAULT
+#endif
 
 #include <ATen/ATen.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -19,6 +30,109 @@ using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
 constexpr double kLayerNormEps = 1e-5;  // modlstm.LN_EPS
+
+template <typename scalar_t>
+using Vec = at::vec::Vectorized<scalar_t>;
+
+template <typename scalar_t>
+inline Vec<scalar_t> sigmoid(Vec<scalar_t> x) {
+  return (Vec<scalar_t>(1) + x.neg().exp()).reciprocal();
+}
+
+// One step of the sigmoid-gated modlstm after its product P = x W_x + h W_h + b ([B, G, H]): writes the
+// gates to `a` (i, f, z, o; coupled: f, z, o with i = 1 - f), c_t and h_t = o tanh(c_t). Peepholes (`peep`,
+// [G - 1, H], or null): the gates before z read c_{t-1}, the output gate c_t.
+template <typename scalar_t>
+void modlstm_sigmoid_step(const scalar_t* P, scalar_t* a, const scalar_t* c, const scalar_t* peep, scalar_t* c_out,
+                          scalar_t* h_out, int64_t B, int64_t G, int64_t H, bool coupled) {
+  using V = Vec<scalar_t>;
+  const int64_t f_at = coupled ? 0 : H, z_at = (G - 2) * H, o_at = (G - 1) * H;
+  for (int64_t b = 0; b < B; ++b) {
+    const scalar_t* Pb = P + b * G * H;
+    scalar_t* ab = a + b * G * H;
+    for (int64_t j = 0; j < H; j += V::size()) {
+      const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
+      const V c_prev = V::loadu(c + b * H + j, n);
+      V p_f = V::loadu(Pb + f_at + j, n), p_i = coupled ? V(0) : V::loadu(Pb + j, n), p_o = V::loadu(Pb + o_at + j, n);
+      if (peep) {
+        p_f = p_f + V::loadu(peep + f_at + j, n) * c_prev;
+        p_i = coupled ? p_i : p_i + V::loadu(peep + j, n) * c_prev;
+      }
+      const V f = sigmoid(p_f);
+      const V i = coupled ? V(1) - f : sigmoid(p_i);
+      const V z = V::loadu(Pb + z_at + j, n).tanh();
+      const V c_new = f * c_prev + i * z;
+      if (peep) {
+        p_o = p_o + V::loadu(peep + z_at + j, n) * c_new;
+      }
+      const V o = sigmoid(p_o);
+      if (!coupled) {
+        i.store(ab + j, n);
+      }
+      f.store(ab + f_at + j, n);
+      z.store(ab + z_at + j, n);
+      o.store(ab + o_at + j, n);
+      c_new.store(c_out + b * H + j, n);
+      (o * c_new.tanh()).store(h_out + b * H + j, n);
+    }
+  }
+}
+
+// One step of the exponential-gated modlstm (xLSTM's sLSTM stabiliser) after its product P ([B, 4, H]):
+// m_t = max(P_f + m_{t-1}, P_i), with m_{t-1} read as -inf where n_{t-1} = 0 (a fresh or reset state);
+// i = exp(P_i - m_t), f = exp(P_f + m_{t-1} - m_t); c_t = f c + i z, n_t = f n + i, h_t = o c_t / n_t.
+template <typename scalar_t>
+void modlstm_exp_step(const scalar_t* P, scalar_t* a, const scalar_t* c, const scalar_t* n, const scalar_t* m,
+                      scalar_t* c_out, scalar_t* n_out, scalar_t* m_out, scalar_t* h_out, int64_t B, int64_t H) {
+  using V = Vec<scalar_t>;
+  const V none(-std::numeric_limits<scalar_t>::infinity());
+  for (int64_t b = 0; b < B; ++b) {
+    const scalar_t* Pb = P + b * 4 * H;
+    scalar_t* ab = a + b * 4 * H;
+    for (int64_t j = 0; j < H; j += V::size()) {
+      const int k = static_cast<int>(std::min<int64_t>(V::size(), H - j));
+      const int64_t at = b * H + j;
+      const V n_prev = V::loadu(n + at, k);
+      const V m_prev = V::blendv(none, V::loadu(m + at, k), n_prev > V(0));
+      const V p_i = V::loadu(Pb + j, k), p_f = V::loadu(Pb + H + j, k) + m_prev;
+      const V m_new = at::vec::maximum(p_f, p_i);
+      const V i = (p_i - m_new).exp(), f = (p_f - m_new).exp();
+      const V z = V::loadu(Pb + 2 * H + j, k).tanh(), o = sigmoid(V::loadu(Pb + 3 * H + j, k));
+      const V c_new = f * V::loadu(c + at, k) + i * z, n_new = i + f * n_prev;
+      i.store(ab + j, k);
+      f.store(ab + H + j, k);
+      z.store(ab + 2 * H + j, k);
+      o.store(ab + 3 * H + j, k);
+      m_new.store(m_out + at, k);
+      c_new.store(c_out + at, k);
+      n_new.store(n_out + at, k);
+      (o * (c_new / n_new)).store(h_out + at, k);
+    }
+  }
+}
+
+// One step of the gru after its product hp = h W_hh^T + b_hh ([B, 3, H], as xp): writes r, z, n to g and
+// h_t = n + z (h - n).
+template <typename scalar_t>
+void gru_step(const scalar_t* xp, const scalar_t* hp, const scalar_t* h, scalar_t* g, scalar_t* h_out, int64_t B,
+              int64_t H) {
+  using V = Vec<scalar_t>;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t row = b * 3 * H;
+    for (int64_t j = 0; j < H; j += V::size()) {
+      const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
+      const int64_t at_r = row + j, at_z = row + H + j, at_n = row + 2 * H + j;
+      const V r = sigmoid(V::loadu(xp + at_r, n) + V::loadu(hp + at_r, n));
+      const V z = sigmoid(V::loadu(xp + at_z, n) + V::loadu(hp + at_z, n));
+      const V nn = (V::loadu(xp + at_n, n) + r * V::loadu(hp + at_n, n)).tanh();
+      const V h_prev = V::loadu(h + b * H + j, n);
+      r.store(g + at_r, n);
+      z.store(g + at_z, n);
+      nn.store(g + at_n, n);
+      (nn + z * (h_prev - nn)).store(h_out + b * H + j, n);
+    }
+  }
+}
 
 // h @ W^T (+ add). `packed`: W was reordered for oneDNN by PackedLinear (rpt/models/cells/packed_linear.py),
 // whose ops these are; otherwise W is the plain [N, H] weight and this is addmm.
@@ -41,8 +155,8 @@ Tensor project(const Tensor& h, const OptTensor& add, const Tensor& w, bool pack
 
 // ModLSTMFunction.forward's loop. gate: -1 the stabilised exponential gate, 0 sigmoid, 1 hard sigmoid
 // (clamp(x / 6 + 0.5, 0, 1), as registered in rpt/models/registry.py). Returns the state after the last step:
-// (h, c), or (h, c, n, m) for the exponential gate. `fuse`: as for modlstm_backward (the exponential gate's
-// step only: its 17 small ops are where the loop's time went).
+// (h, c), or (h, c, n, m) for the exponential gate. `fuse`: as for modlstm_backward (the step's pointwise part in
+// one pass for the sigmoid and exponential gates).
 std::vector<Tensor> modlstm_forward(
     const Tensor& XP, const Tensor& w, bool packed, const OptTensor& keep, Tensor h, Tensor c, OptTensor n_in,
     OptTensor m_in, const Tensor& acts, const OptTensor& pre, const Tensor& cs, const Tensor& hs,
@@ -73,50 +187,27 @@ std::vector<Tensor> modlstm_forward(
       P = at::addcmul(*ln_b, y, *ln_w);
     }
     Tensor a = acts.select(0, t), c_out = cs.select(0, t), h_out = hs.select(0, t);
-    if (exp_gate && fused) {  // the "else" below with its pointwise arithmetic in two passes: 4 ATen calls
-      Tensor n_out = ns->select(0, t), m_next = at::empty_like(m);
+    if (exp_gate && fused) {  // the "else" below in one pass
+      Tensor n_out = ns->select(0, t), m_next = at::empty_like(m), Pc = P.contiguous();
       c = c.contiguous(), n = n.contiguous(), m = m.contiguous();
       AT_DISPATCH_FLOATING_TYPES(P.scalar_type(), "modlstm_forward_exp", [&] {
-        const scalar_t* Pp = P.data_ptr<scalar_t>();
-        scalar_t* ap = a.data_ptr<scalar_t>();
-        const scalar_t *np = n.data_ptr<scalar_t>(), *mp = m.data_ptr<scalar_t>();
-        scalar_t* mq = m_next.data_ptr<scalar_t>();
-        for (int64_t b = 0; b < B; ++b) {
-          const scalar_t* Pb = Pp + b * 4 * H;
-          scalar_t* ab = ap + b * 4 * H;
-          for (int64_t j = 0; j < H; ++j) {
-            const int64_t i = b * H + j;
-            const scalar_t m_prev = np[i] > 0 ? mp[i] : -std::numeric_limits<scalar_t>::infinity();
-            const scalar_t pf = Pb[H + j] + m_prev, pi = Pb[j];
-            const scalar_t m_new = pf > pi ? pf : pi;
-            ab[j] = pi - m_new;      // exp'd below: the input gate
-            ab[H + j] = pf - m_new;  // and the forget gate
-            mq[i] = m_new;
-          }
-        }
-      });
-      Tensor a_if = a.slice(1, 0, 2), a_z = a.select(1, 2), a_o = a.select(1, 3);
-      a_if.exp_();
-      at::tanh_out(a_z, P.select(1, 2));
-      at::sigmoid_out(a_o, P.select(1, 3));
-      AT_DISPATCH_FLOATING_TYPES(P.scalar_type(), "modlstm_forward_exp_state", [&] {
-        const scalar_t* ap = a.data_ptr<scalar_t>();
-        const scalar_t *cp = c.data_ptr<scalar_t>(), *np = n.data_ptr<scalar_t>();
-        scalar_t *co = c_out.data_ptr<scalar_t>(), *no = n_out.data_ptr<scalar_t>(), *ho = h_out.data_ptr<scalar_t>();
-        for (int64_t b = 0; b < B; ++b) {
-          const scalar_t* ab = ap + b * 4 * H;
-          for (int64_t j = 0; j < H; ++j) {
-            const int64_t i = b * H + j;
-            const scalar_t a_i = ab[j], a_f = ab[H + j], a_z = ab[2 * H + j], a_o = ab[3 * H + j];
-            const scalar_t c_new = a_f * cp[i] + a_i * a_z;
-            const scalar_t n_new = a_i + a_f * np[i];
-            co[i] = c_new;
-            no[i] = n_new;
-            ho[i] = a_o * (c_new / n_new);
-          }
-        }
+        modlstm_exp_step(Pc.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
+                         n.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(), c_out.data_ptr<scalar_t>(),
+                         n_out.data_ptr<scalar_t>(), m_next.data_ptr<scalar_t>(), h_out.data_ptr<scalar_t>(), B, H);
       });
       c = c_out, n = n_out, m = m_next, h = h_out;
+      continue;
+    }
+    if (fused && gate == 0 && !pre) {  // the "else" below for the sigmoid gate, in one pass
+      Tensor Pc = P.contiguous();
+      c = c.contiguous();
+      Tensor pc = peep ? peep->contiguous() : Tensor();
+      AT_DISPATCH_FLOATING_TYPES(P.scalar_type(), "modlstm_forward_sigmoid", [&] {
+        modlstm_sigmoid_step(Pc.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
+                             peep ? pc.data_ptr<scalar_t>() : nullptr, c_out.data_ptr<scalar_t>(),
+                             h_out.data_ptr<scalar_t>(), B, G, H, coupled);
+      });
+      c = c_out, h = h_out;
       continue;
     }
     if (exp_gate) {
@@ -262,15 +353,27 @@ std::vector<Tensor> modlstm_backward(
 }
 
 // GRUFunction.forward's loop; fills HP (h W_hh^T + b_hh), gates (r, z, n) and hs. Returns the last h.
+// `fuse`: as for modlstm_forward.
 Tensor gru_forward(const Tensor& XP, const Tensor& w, bool packed, const Tensor& bias, const OptTensor& keep,
-                   Tensor h, const Tensor& HP, const Tensor& gates, const Tensor& hs) {
+                   Tensor h, const Tensor& HP, const Tensor& gates, const Tensor& hs, bool fuse) {
   const int64_t T = gates.size(0), B = gates.size(1), H = gates.size(3);
+  const bool fused = fuse && gates.is_cpu() && XP.is_contiguous() && HP.is_contiguous() && gates.is_contiguous() &&
+                     hs.is_contiguous();
   for (int64_t t = 0; t < T; ++t) {
     if (keep) {
       h = h * keep->select(0, t).unsqueeze(1);
     }
     Tensor xp = XP.select(0, t), hp = HP.select(0, t), g = gates.select(0, t), out = hs.select(0, t);
     hp.copy_(project(h, bias, w, packed).view({B, 3, H}));
+    if (fused) {  // the three lines below in one pass
+      h = h.contiguous();
+      AT_DISPATCH_FLOATING_TYPES(XP.scalar_type(), "gru_forward", [&] {
+        gru_step(xp.data_ptr<scalar_t>(), hp.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(),
+                 out.data_ptr<scalar_t>(), B, H);
+      });
+      h = out;
+      continue;
+    }
     Tensor rz = g.slice(1, 0, 2), n = g.select(1, 2);
     at::sigmoid_out(rz, xp.slice(1, 0, 2) + hp.slice(1, 0, 2));
     at::tanh_out(n, at::addcmul(xp.select(1, 2), g.select(1, 0), hp.select(1, 2)));
