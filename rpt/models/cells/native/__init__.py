@@ -6,8 +6,9 @@ H=512 on the build machine) and 6-10 small elementwise ops. Called from Python, 
 dispatch, so the loop spends as long in the interpreter as in the product; the same ATen ops called from
 C++ cost 1-2 us each. torch.compile would unroll the T steps of the loop (and TorchScript is deprecated),
 and no library offers these cells' loops. `recurrent_loops.cpp` is the Python loops of modlstm.py and
-gru.py step for step, calling the same ATen kernels on the same buffers: it changes where the loop runs,
-not what it computes (tests/models/test_native_loops.py holds the two equal). `min_scan.cpp` is the other
+gru.py step for step on the same buffers: the products are the same oneDNN calls, and on the CPU each step's
+elementwise part is one pass of the same arithmetic (tests/models/test_native_loops.py holds the two forms
+equally close to float64). `min_scan.cpp` is the other
 kind: minGRU's and minLSTM's linear recurrence in one raw pass over memory each way, where the ATen form
 (the chunked scan of rpt/models/scan.py) makes many (why: its header).
 

@@ -1,5 +1,6 @@
 // The time loops of rpt's fused recurrent kernels (modlstm, gru), step for step the Python loops in
-// modlstm.py and gru.py: the same ATen ops on the same buffers, called from C++ instead of Python.
+// modlstm.py and gru.py on the same buffers, called from C++ instead of Python (on the CPU each step's
+// elementwise part as one pass, below; elsewhere the same ATen ops).
 // Why this file exists, and how it is built: native.py. The Python loop is the readable form; a change
 // there is made here too, and tests/models/test_native_loops.py holds the two equal.
 //
