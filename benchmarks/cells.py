@@ -77,10 +77,12 @@ def matmul_peak(device, repeats) -> tuple[float, str]:
     return best, by
 
 
-def fwd_bwd(module, x, reference=False):
+def fwd_bwd(module, x, grad_y, reference=False):
+    """Forward, then backward from a dense output gradient, as a layer inside a model receives one (y.sum()'s
+    gradient is a broadcast of ones, a stride-0 operand that slows the weight-gradient GEMMs of some cells)."""
     def run():
         y, _ = module.reference(x) if reference else module(x)
-        y.sum().backward()
+        y.backward(grad_y[:, : y.shape[1]])
     return run
 
 
@@ -91,19 +93,20 @@ def bench_cells(device, repeats, peak, peak_by):
         torch.manual_seed(0)
         ref = torch.nn.LSTM(D, D, batch_first=True).to(device)
         ref_flops = 3 * 2 * 4 * D * (D + D)
-        ref_tps = B * T / timed(lambda: ref(x)[0].sum().backward(), device, repeats)
+        grad_y = torch.randn(B, T, D, device=device)
+        ref_tps = B * T / timed(fwd_bwd(lambda xs: ref(xs), x, grad_y), device, repeats)
         rows.append(("nn.LSTM", B, T, sum(p.numel() for p in ref.parameters()), ref_tps, ref_tps * ref_flops, ref_tps, None,
                      None))
         for name, over in CELLS:
             cell = build_cell(ModelConfig(d_model=D, **over)).to(device)
-            tps = B * T / timed(fwd_bwd(cell, x), device, repeats)
+            tps = B * T / timed(fwd_bwd(cell, x, grad_y), device, repeats)
             ref_speed = loop_speed = None
             if name.startswith(("modlstm", "gru", "min")) and native.loops() is not None:  # its time loops run in C++
                 with native.python_loops():
-                    loop_speed = B * T / timed(fwd_bwd(cell, x), device, repeats)
+                    loop_speed = B * T / timed(fwd_bwd(cell, x, grad_y), device, repeats)
             if name.startswith("modlstm"):  # its own sequential reference, on a quarter of the sequence
                 xs = x[:, : T // 4].detach().requires_grad_()
-                ref_speed = B * (T // 4) / timed(fwd_bwd(cell, xs, reference=True), device, 1)
+                ref_speed = B * (T // 4) / timed(fwd_bwd(cell, xs, grad_y, reference=True), device, 1)
             params = sum(p.numel() for p in cell.parameters())
             rows.append((name, B, T, params, tps, tps * 3 * cell.flops_per_token(), ref_tps, ref_speed, loop_speed))
     print(f"\nmatmul peak {peak / 1e9:.0f} GFLOP/s (fp32, best of 5 GEMM shapes, this run: {peak_by})\n")
