@@ -118,7 +118,7 @@ def test_a_failed_build_falls_back_to_the_python_loops(monkeypatch, tmp_path):
 
     monkeypatch.setenv("RPT_NATIVE_DIR", str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    native._build.cache_clear()
+    native._built.clear()
     try:
         with pytest.warns(UserWarning, match="could not be built.*command not found.*Python loops"):
             assert native.loops() is None
@@ -128,7 +128,7 @@ def test_a_failed_build_falls_back_to_the_python_loops(monkeypatch, tmp_path):
         y_ref, _ = cell.reference(x)
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
     finally:
-        native._build.cache_clear()  # the next caller builds (or loads) the real thing again
+        native._built.clear()  # the next caller builds (or loads) the real thing again
 
 
 def test_loops_that_fail_their_self_test_are_not_used(monkeypatch):
@@ -140,11 +140,11 @@ def test_loops_that_fail_their_self_test_are_not_used(monkeypatch):
         raise RuntimeError("Tried to access or call an operator with a wrong signature")
 
     monkeypatch.setattr(native, "_self_test", broken)
-    native._build.cache_clear()
+    native._built.clear()
     try:
         with pytest.warns(UserWarning, match="could not be built.*wrong signature"):
             assert native.loops() is None
     finally:
-        native._build.cache_clear()
+        native._built.clear()
     monkeypatch.undo()
     assert native.loops() is not None  # the real self-test passes

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import hashlib
 import os
 import shutil
@@ -56,9 +55,17 @@ def build_directory() -> Path:
     return root / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
 
 
-@functools.cache
+_built = {}  # "ops": what this process's one build gave (a plain dict, which torch.compile's tracing reads as is)
+
+
 def _build():
-    """torch.ops.rpt_loops, or None (with a warning saying why) where it cannot be built."""
+    """torch.ops.rpt_loops, or None (with a warning saying why) where it cannot be built; once per process."""
+    if "ops" not in _built:
+        _built["ops"] = _compile_and_load()
+    return _built["ops"]
+
+
+def _compile_and_load():
     from torch.utils import cpp_extension
 
     out = build_directory()
@@ -77,6 +84,7 @@ def _build():
                       flush=True)
             cpp_extension.load(NAME, [str(source) for source in SOURCES], extra_cflags=compile_flags(),
                                build_directory=str(out), is_python_module=False, verbose=False)
+        _register_shapes()
         _self_test(torch.ops.rpt_loops)
         return torch.ops.rpt_loops
     except Exception as e:  # no compiler, no ninja, a failed build: the Python loops are the same computation
@@ -84,6 +92,19 @@ def _build():
                       "modlstm, gru, mingru and minlstm run their Python loops (slower). Install g++ and ninja to "
                       "build them.", stacklevel=3)
         return None
+
+
+def _register_shapes() -> None:
+    """Output shapes of the min scan ops, for torch.compile: tracing runs ops on tensors without data, and an op
+    without such a rule stops it (`torch.compile` of a mingru or minlstm model failed on the CPU)."""
+    def scan_forward(gates, u, h0, keep, kind):
+        return u.new_empty(u.shape[0], u.shape[1], h0.shape[1])
+
+    def scan_backward(grad_h, gates, u, h, h0, keep, kind):
+        return [torch.empty_like(u), torch.empty_like(h0)]
+
+    torch.library.register_fake("rpt_loops::min_scan_forward")(scan_forward)
+    torch.library.register_fake("rpt_loops::min_scan_backward")(scan_backward)
 
 
 def _self_test(ops) -> None:
