@@ -6,9 +6,9 @@
 //
 // Buffers are time-major ([T, B, ...]); every step writes its slice of the caller's buffers in place.
 //
-// On the CPU the forward steps of the sigmoid-gated modlstm and of the gru run their pointwise part (gates,
-// state update) as one pass of ATen's vector type, where ATen's ops would take 6-8 calls a step, each paying
-// its dispatch (~3 us) on a few thousand numbers. native/__init__.py builds with AVX2 (CPU_CAPABILITY=AVX2)
+// On the CPU each step's pointwise part (forward: gates and state update; backward: the gradient through them)
+// runs as one pass of ATen's vector type, where ATen's ops would take 6-8 calls a step, each paying its
+// dispatch (~3 us) on a few thousand numbers. native/__init__.py builds with AVX2 (CPU_CAPABILITY=AVX2)
 // where the CPU has it; elsewhere the vector type is ATen's portable one.
 
 #ifndef CPU_CAPABILITY
@@ -295,24 +295,29 @@ std::vector<Tensor> modlstm_backward(
         scalar_t* dn_p = exp_gate ? dn.data_ptr<scalar_t>() : nullptr;
         const scalar_t* kn = exp_gate ? Kn.data_ptr<scalar_t>() + off : nullptr;
         const scalar_t* kdn = exp_gate ? Kdn.data_ptr<scalar_t>() + t * BH * 2 : nullptr;
+        using V = Vec<scalar_t>;
         for (int64_t b = 0; b < B; ++b) {
           scalar_t* dp_b = dp_p + b * G * H;
-          for (int64_t j = 0; j < H; ++j) {
+          const scalar_t* kdc_b = kdc + b * (G - 1) * H;
+          for (int64_t j = 0; j < H; j += V::size()) {
+            const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
             const int64_t i = b * H + j;
-            const scalar_t dh_v = dh_p[i] + gy[i];
-            const scalar_t dc_v = dc_p[i] + dh_v * kc[i];
-            dh_p[i] = dh_v;
-            dp_b[(G - 1) * H + j] = dh_v * ko[i];
+            const V dh_v = V::loadu(dh_p + i, n) + V::loadu(gy + i, n);
+            const V dc_v = V::loadu(dc_p + i, n) + dh_v * V::loadu(kc + i, n);
+            dh_v.store(dh_p + i, n);
+            (dh_v * V::loadu(ko + i, n)).store(dp_b + (G - 1) * H + j, n);
             for (int64_t g = 0; g < G - 1; ++g) {
-              dp_b[g * H + j] = dc_v * kdc[(b * (G - 1) + g) * H + j];
+              (dc_v * V::loadu(kdc_b + g * H + j, n)).store(dp_b + g * H + j, n);
             }
+            const V kcc_v = V::loadu(kcc + i, n);
             if (exp_gate) {
-              const scalar_t dn_v = dn_p[i] + dh_v * kn[i];
-              dp_b[j] += dn_v * kdn[(b * 2) * H + j];
-              dp_b[H + j] += dn_v * kdn[(b * 2 + 1) * H + j];
-              dn_p[i] = dn_v * kcc[i];
+              const V dn_v = V::loadu(dn_p + i, n) + dh_v * V::loadu(kn + i, n);
+              const scalar_t* kdn_b = kdn + b * 2 * H;
+              (V::loadu(dp_b + j, n) + dn_v * V::loadu(kdn_b + j, n)).store(dp_b + j, n);
+              (V::loadu(dp_b + H + j, n) + dn_v * V::loadu(kdn_b + H + j, n)).store(dp_b + H + j, n);
+              (dn_v * kcc_v).store(dn_p + i, n);
             }
-            dc_p[i] = dc_v * kcc[i];
+            (dc_v * kcc_v).store(dc_p + i, n);
           }
         }
       });
@@ -409,16 +414,18 @@ Tensor gru_backward(const Tensor& grad_y, const Tensor& KX, const Tensor& KH, co
         const scalar_t* zt = z_all.data_ptr<scalar_t>() + off;
         const scalar_t* kx = kx_all.data_ptr<scalar_t>() + off3;
         const scalar_t* kh = kh_all.data_ptr<scalar_t>() + off3;
+        using V = Vec<scalar_t>;
         for (int64_t b = 0; b < B; ++b) {
-          for (int64_t j = 0; j < H; ++j) {
+          for (int64_t j = 0; j < H; j += V::size()) {
+            const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
             const int64_t i = b * H + j;
-            const scalar_t dh_v = dh_p[i] + gy[i];
+            const V dh_v = V::loadu(dh_p + i, n) + V::loadu(gy + i, n);
             for (int64_t g = 0; g < 3; ++g) {
               const int64_t k = (b * 3 + g) * H + j;
-              dxp_p[k] = dh_v * kx[k];
-              dhp_p[k] = dh_v * kh[k];
+              (dh_v * V::loadu(kx + k, n)).store(dxp_p + k, n);
+              (dh_v * V::loadu(kh + k, n)).store(dhp_p + k, n);
             }
-            dhz_p[i] = dh_v * zt[i];
+            (dh_v * V::loadu(zt + i, n)).store(dhz_p + i, n);
           }
         }
       });
