@@ -4,8 +4,9 @@ Fast paths: on GPU, torch's fused GRU (cuDNN). On CPU torch's GRU has no oneDNN 
 its LSTM has one) and runs a small-batch GEMM per step, about 0.2 of the matmul peak at B=2;
 there `GRUFunction` runs instead: a fused sequence kernel with a hand-written backward, like
 the modified LSTM's (input projections and weight gradients as single GEMMs, the per-step
-product packed for oneDNN, every factor that does not depend on the recurrence precomputed), whose
-two time loops run in C++ where rpt.models.cells.native could be built.
+product packed for oneDNN), whose two time loops run in C++ where rpt.models.cells.native could
+be built (each step's elementwise work in one vector pass; the Python loops precompute what does
+not depend on the recurrence for all steps at once instead).
 """
 
 from __future__ import annotations
@@ -90,22 +91,22 @@ class GRUFunction(torch.autograd.Function):
         h_prev = torch.cat([h0[None], hs[:-1]])
         if keep is not None:
             h_prev = h_prev * keep[:, :, None]
-        r, z, n = gates.unbind(2)
-        # dpre = dh * K for every gate, precomputed for all steps: nothing here depends on the recurrence.
-        K_n = (1 - z) * (1 - n * n)
-        K_z = (h_prev - n) * z * (1 - z)
-        K_r = K_n * HP[:, :, 2] * r * (1 - r)
-        KX = torch.stack([K_r, K_z, K_n], dim=2)  # d/d(x-projection)
-        KH = torch.stack([K_r, K_z, K_n * r], dim=2)  # d/d(h-projection)
         dXP, dHP = torch.empty_like(gates), torch.empty_like(gates)
         WT = PackedLinear(w_hh.T.contiguous(), B)
         grad_y = grad_y.transpose(0, 1)
         dh = grad_h if grad_h is not None else x.new_zeros(B, H)
         keep3 = keep[:, :, None] if keep is not None else None
-        native = loops()
-        if native is not None:
-            dh = native.gru_backward(grad_y, KX, KH, z, dXP, dHP, keep3, *WT.operand, dh, fuse_pointwise())
+        native = loops() if gates.is_cpu else None
+        if native is not None:  # derives each step's factors K (below) in its pass over the step
+            dh = native.gru_backward(grad_y, gates, HP, h_prev, dXP, dHP, keep3, *WT.operand, dh)
         else:
+            r, z, n = gates.unbind(2)
+            # dpre = dh * K for every gate, precomputed for all steps: nothing here depends on the recurrence.
+            K_n = (1 - z) * (1 - n * n)
+            K_z = (h_prev - n) * z * (1 - z)
+            K_r = K_n * HP[:, :, 2] * r * (1 - r)
+            KX = torch.stack([K_r, K_z, K_n], dim=2)  # d/d(x-projection)
+            KH = torch.stack([K_r, K_z, K_n * r], dim=2)  # d/d(h-projection)
             dh = backward_steps(grad_y, KX, KH, z, dXP, dHP, keep3, WT, dh)
         dXPf, dHPf = dXP.view(T * B, 3 * H), dHP.view(T * B, 3 * H)
         grad_x = matmul(dXPf, w_ih.t()).view(T, B, D).transpose(0, 1)
@@ -116,7 +117,7 @@ class GRUFunction(torch.autograd.Function):
 
 # ---------------------------------------------------------------------- the time loops
 # The Python form of the kernel's two loops; rpt/models/cells/native/recurrent_loops.cpp is the same loops in
-# C++ (used when it is built), step for step.
+# C++ (used when it is built), step for step (its backward derives the factors K inside each step).
 
 def forward_steps(XP, W: PackedLinear, bias, keep, h, HP, gates, hs):
     """Run the recurrence over XP (the input projections, [T, B, 3, H]), filling HP, gates and hs; returns the

@@ -388,58 +388,57 @@ Tensor gru_forward(const Tensor& XP, const Tensor& w, bool packed, const Tensor&
   return h;
 }
 
-// GRUFunction.backward's loop; fills dXP and dHP. Returns the gradient of the initial h.
-Tensor gru_backward(const Tensor& grad_y, const Tensor& KX, const Tensor& KH, const Tensor& z, const Tensor& dXP,
-                    const Tensor& dHP, const OptTensor& keep3, const Tensor& wT, bool packed, Tensor dh,
-                    bool fuse) {
+// GRUFunction.backward's loop; fills dXP and dHP. Returns the gradient of the initial h. CPU only (gru's GPU
+// path is cuDNN). The Python loop (backward_steps in gru.py) reads factors K precomputed for all steps at once,
+// which suits ATen; here each step derives them from the saved gates in its one pass, which reads less memory
+// than the precomputed factors would and skips the passes that make them:
+//   dpre_r = dh K_r, dpre_z = dh K_z, dpre_n = dh K_n (the h-projection's n part: dh K_n r), dh_prev = dh z + ...
+//   K_n = (1 - z)(1 - n^2), K_z = (h_{t-1} - n) z (1 - z), K_r = K_n hp_n r (1 - r).
+Tensor gru_backward(const Tensor& grad_y, const Tensor& gates, const Tensor& HP, const Tensor& h_prev,
+                    const Tensor& dXP, const Tensor& dHP, const OptTensor& keep3, const Tensor& wT, bool packed,
+                    Tensor dh) {
   const int64_t T = dXP.size(0), B = dXP.size(1), H = dXP.size(3);
-  const bool fused = fuse && dXP.is_cpu();  // elsewhere (CUDA) the same step as ATen ops
-  TORCH_CHECK(dXP.is_contiguous() && dHP.is_contiguous(), "gru_backward: dXP and dHP must be contiguous");
-  Tensor gy_all, kx_all, kh_all, z_all, dh_z;
-  if (fused) {  // the pointwise part of a step in one pass over contiguous rows (the "else" below, fused)
-    gy_all = grad_y.contiguous(), kx_all = KX.contiguous(), kh_all = KH.contiguous(), z_all = z.contiguous();
-    dh = dh.contiguous().clone();
-    dh_z = at::empty_like(dh);
-  }
+  TORCH_CHECK(dXP.is_cpu(), "gru_backward: CPU tensors only");
+  TORCH_CHECK(dXP.is_contiguous() && dHP.is_contiguous() && gates.is_contiguous() && HP.is_contiguous(),
+              "gru_backward: gates, HP, dXP and dHP must be contiguous");
+  const Tensor gy_all = grad_y.contiguous(), hp_all = h_prev.contiguous();
+  dh = dh.contiguous().clone();
+  Tensor dh_z = at::empty_like(dh);
   for (int64_t t = T - 1; t >= 0; --t) {
     Tensor dxp = dXP.select(0, t), dhp = dHP.select(0, t);
-    if (fused) {
-      AT_DISPATCH_FLOATING_TYPES(dXP.scalar_type(), "gru_backward", [&] {
-        const int64_t off = t * B * H, off3 = t * B * 3 * H;
-        scalar_t* dh_p = dh.data_ptr<scalar_t>();
-        scalar_t* dhz_p = dh_z.data_ptr<scalar_t>();
-        scalar_t* dxp_p = dxp.data_ptr<scalar_t>();
-        scalar_t* dhp_p = dhp.data_ptr<scalar_t>();
-        const scalar_t* gy = gy_all.data_ptr<scalar_t>() + off;
-        const scalar_t* zt = z_all.data_ptr<scalar_t>() + off;
-        const scalar_t* kx = kx_all.data_ptr<scalar_t>() + off3;
-        const scalar_t* kh = kh_all.data_ptr<scalar_t>() + off3;
-        using V = Vec<scalar_t>;
-        for (int64_t b = 0; b < B; ++b) {
-          for (int64_t j = 0; j < H; j += V::size()) {
-            const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
-            const int64_t i = b * H + j;
-            const V dh_v = V::loadu(dh_p + i, n) + V::loadu(gy + i, n);
-            for (int64_t g = 0; g < 3; ++g) {
-              const int64_t k = (b * 3 + g) * H + j;
-              (dh_v * V::loadu(kx + k, n)).store(dxp_p + k, n);
-              (dh_v * V::loadu(kh + k, n)).store(dhp_p + k, n);
-            }
-            (dh_v * V::loadu(zt + i, n)).store(dhz_p + i, n);
-          }
+    AT_DISPATCH_FLOATING_TYPES(dXP.scalar_type(), "gru_backward", [&] {
+      using V = Vec<scalar_t>;
+      const int64_t off = t * B * H, off3 = t * B * 3 * H;
+      scalar_t* dh_p = dh.data_ptr<scalar_t>();
+      scalar_t* dhz_p = dh_z.data_ptr<scalar_t>();
+      scalar_t* dxp_p = dxp.data_ptr<scalar_t>();
+      scalar_t* dhp_p = dhp.data_ptr<scalar_t>();
+      const scalar_t* gy = gy_all.data_ptr<scalar_t>() + off;
+      const scalar_t* prev = hp_all.data_ptr<scalar_t>() + off;
+      const scalar_t* g = gates.data_ptr<scalar_t>() + off3;
+      const scalar_t* hp = HP.data_ptr<scalar_t>() + off3;
+      const V one(1);
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t j = 0; j < H; j += V::size()) {
+          const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
+          const int64_t i = b * H + j, at_r = b * 3 * H + j, at_z = at_r + H, at_n = at_r + 2 * H;
+          const V r = V::loadu(g + at_r, n), z = V::loadu(g + at_z, n), nn = V::loadu(g + at_n, n);
+          const V dh_v = V::loadu(dh_p + i, n) + V::loadu(gy + i, n);
+          const V d_n = dh_v * (one - z) * (one - nn * nn);
+          const V d_z = dh_v * (V::loadu(prev + i, n) - nn) * z * (one - z);
+          const V d_r = d_n * V::loadu(hp + at_n, n) * r * (one - r);
+          d_r.store(dxp_p + at_r, n);
+          d_z.store(dxp_p + at_z, n);
+          d_n.store(dxp_p + at_n, n);
+          d_r.store(dhp_p + at_r, n);
+          d_z.store(dhp_p + at_z, n);
+          (d_n * r).store(dhp_p + at_n, n);
+          (dh_v * z).store(dhz_p + i, n);
         }
-      });
-      Tensor dh_prev = project(dhp.view({B, 3 * H}), dh_z, wT, packed);
-      dh.copy_(keep3 ? dh_prev * keep3->select(0, t) : dh_prev);
-      continue;
-    }
-    dh = dh + grad_y.select(0, t);
-    at::mul_out(dxp, dh.unsqueeze(1), KX.select(0, t));
-    at::mul_out(dhp, dh.unsqueeze(1), KH.select(0, t));
-    dh = project(dhp.view({B, 3 * H}), dh * z.select(0, t), wT, packed);
-    if (keep3) {
-      dh = dh * keep3->select(0, t);
-    }
+      }
+    });
+    Tensor dh_prev = project(dhp.view({B, 3 * H}), dh_z, wT, packed);
+    dh.copy_(keep3 ? dh_prev * keep3->select(0, t) : dh_prev);
   }
   return dh;
 }
