@@ -1,7 +1,7 @@
 // The time loops of rpt's fused recurrent kernels (modlstm, gru), step for step the Python loops in
 // modlstm.py and gru.py on the same buffers, called from C++ instead of Python (on the CPU each step's
 // elementwise part as one pass, below; elsewhere the same ATen ops).
-// Why this file exists, and how it is built: native.py. The Python loop is the readable form; a change
+// Why this file exists, and how it is built: native/__init__.py. The Python loop is the readable form; a change
 // there is made here too, and tests/models/test_native_loops.py holds the two equal.
 //
 // Buffers are time-major ([T, B, ...]); every step writes its slice of the caller's buffers in place.
@@ -20,6 +20,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
