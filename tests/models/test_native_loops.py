@@ -9,7 +9,11 @@ the build fails, the cells still run, on the Python loops, after a warning that 
 from __future__ import annotations
 
 import copy
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +152,49 @@ def test_loops_that_fail_their_self_test_are_not_used(monkeypatch):
         native._built.clear()
     monkeypatch.undo()
     assert native.loops() is not None  # the real self-test passes
+
+
+PORTABLE_CHECK = """
+import sys, torch
+from rpt.models.cells import native
+from tests.models.test_native_loops import portable_case_outputs
+assert native.compile_flags() == ["-O3"], native.compile_flags()
+assert native.loops() is not None, "the portable build failed"
+torch.save(portable_case_outputs(), sys.argv[1])
+"""
+
+
+def portable_case_outputs():
+    """Outputs and gradients of the cells whose steps run on ATen's vector type, odd widths included."""
+    results = []
+    for name in ("gru-odd", "modlstm-coupled-odd", "modlstm-exp", "modlstm-peep-norm"):
+        torch.manual_seed(0)
+        cell = build_cell(ModelConfig(d_model=16, **VARIANTS[name]))
+        B, T = 2, 9
+        x, w = torch.randn(B, T, 16), torch.randn(B, T, 16)
+        state = [torch.randn(B, n) * 0.5 for n in cell.state_sizes()]
+        if getattr(cell, "exp", False):
+            state[2], state[3] = torch.rand(B, cell.d_hidden) + 0.5, torch.randn(B, cell.d_hidden) * 0.1
+        reset = torch.zeros(B, T, dtype=torch.bool)
+        reset[1, 4] = True
+        results.append(run(cell, x, state, reset, w))
+    return results
+
+
+def test_the_portable_build_computes_what_this_one_does(tmp_path):
+    """Where the CPU lacks AVX2 the loops are built without it (ATen's portable vector type): forced here with
+    ATEN_CPU_CAPABILITY=default, in a fresh process and build folder, its results must match this build's."""
+    if native.loops() is None:
+        pytest.skip("the native loops are not built here")
+    out = tmp_path / "portable.pt"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "RPT_NATIVE_DIR": str(tmp_path / "build"),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-c", PORTABLE_CHECK, str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    portable, here = torch.load(out), portable_case_outputs()
+    for case, (a_list, b_list) in enumerate(zip(portable, here)):
+        assert len(a_list) == len(b_list)
+        for k, (a, b) in enumerate(zip(a_list, b_list)):  # float32 rounding apart (FMA or not): ~1e-6 of the scale
+            error = ((a - b).abs().max() / b.abs().max()).item()
+            assert error < 2e-5, f"case {case}, tensor {k}: {error:.1e} of its scale"
