@@ -14,7 +14,7 @@ kind: minGRU's and minLSTM's linear recurrence in one raw pass over memory each 
 
 It is built on first use with torch's JIT extension builder (g++ and ninja; about 25 s on 2 cores) into
 ~/.cache/rpt/native/ (RPT_NATIVE_DIR overrides), one folder per torch version, source and compile flags (AVX2
-where the CPU has it: the forward steps' fused pass uses ATen's vector type, sigmoid and tanh), and loaded from
+where the CPU has it: the steps' fused passes use ATen's vector type, its exp and tanh), and loaded from
 there afterwards; every process runs each loop once on load (`_self_test`). Where it cannot be built
 (no compiler) or fails that test, the Python loops run, after one warning.
 """
