@@ -30,6 +30,7 @@ VARIANTS = {
     "modlstm-peep-norm": dict(cell="modlstm", peepholes=True, gate_norm=True),
     "modlstm-exp": dict(cell="modlstm", gate="exp"),
     "modlstm-exp-norm": dict(cell="modlstm", gate="exp", gate_norm=True),
+    "modlstm-norm-odd": dict(cell="modlstm", gate_norm=True, d_hidden=21),
     "gru": dict(cell="gru", d_hidden=24),
     "gru-odd": dict(cell="gru", d_hidden=13),
     "mingru": dict(cell="mingru", d_hidden=40),

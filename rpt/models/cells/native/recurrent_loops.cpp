@@ -41,6 +41,81 @@ inline Vec<scalar_t> sigmoid(Vec<scalar_t> x) {
   return (Vec<scalar_t>(1) + x.neg().exp()).reciprocal();
 }
 
+// Sum of x[0:len] and of f(x[j]) over it: the vector type for whole vectors, then the scalar rest.
+template <typename scalar_t, typename VecFn, typename ScalarFn>
+inline scalar_t row_sum(const scalar_t* x, int64_t len, VecFn vf, ScalarFn sf) {
+  using V = Vec<scalar_t>;
+  V acc(0);
+  int64_t j = 0;
+  for (; j + V::size() <= len; j += V::size()) {
+    acc = acc + vf(V::loadu(x + j));
+  }
+  scalar_t lanes[V::size()];
+  acc.store(lanes);
+  scalar_t total = 0;
+  for (int64_t k = 0; k < V::size(); ++k) {
+    total += lanes[k];
+  }
+  for (; j < len; ++j) {
+    total += sf(x[j]);
+  }
+  return total;
+}
+
+// Gate layer norm of one step, each of the B x G rows of P ([B, G, H]) over its H values: keeps the input
+// (ln_in) and the statistics (mean, rstd: [B, G]) for the backward, writes w_g (x - mean) rstd + b_g to out.
+template <typename scalar_t>
+void gate_norm_step(const scalar_t* P, scalar_t* ln_in, scalar_t* mean, scalar_t* rstd, const scalar_t* w,
+                    const scalar_t* bias, scalar_t* out, int64_t B, int64_t G, int64_t H) {
+  using V = Vec<scalar_t>;
+  for (int64_t r = 0; r < B * G; ++r) {
+    const scalar_t* x = P + r * H;
+    const scalar_t* wg = w + (r % G) * H;
+    const scalar_t* bg = bias + (r % G) * H;
+    const scalar_t mu = row_sum(x, H, [](V v) { return v; }, [](scalar_t v) { return v; }) / H;
+    const V mu_v(mu);
+    const scalar_t var = row_sum(x, H, [&](V v) { return (v - mu_v) * (v - mu_v); },
+                                 [&](scalar_t v) { return (v - mu) * (v - mu); }) / H;
+    const scalar_t rs = scalar_t(1) / std::sqrt(var + scalar_t(kLayerNormEps));
+    mean[r] = mu, rstd[r] = rs;
+    const V rs_v(rs);
+    for (int64_t j = 0; j < H; j += V::size()) {
+      const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
+      const V xv = V::loadu(x + j, n);
+      xv.store(ln_in + r * H + j, n);
+      ((xv - mu_v) * rs_v * V::loadu(wg + j, n) + V::loadu(bg + j, n)).store(out + r * H + j, n);
+    }
+  }
+}
+
+// The gate layer norm's backward for one step: from the gradient at its output (dp) to its input (dp_raw),
+// dx = rstd (dy - mean(dy) - x_hat mean(dy x_hat)) with dy = w_g dp and x_hat = (x - mean) rstd.
+template <typename scalar_t>
+void gate_norm_step_back(const scalar_t* dp, const scalar_t* ln_in, const scalar_t* mean, const scalar_t* rstd,
+                         const scalar_t* w, scalar_t* dp_raw, scalar_t* scratch, int64_t B, int64_t G, int64_t H) {
+  using V = Vec<scalar_t>;
+  for (int64_t r = 0; r < B * G; ++r) {
+    const scalar_t* wg = w + (r % G) * H;
+    const V mu(mean[r]), rs(rstd[r]);
+    scalar_t* dy = scratch;            // w_g dp
+    scalar_t* dy_xhat = scratch + H;  // w_g dp x_hat
+    for (int64_t j = 0; j < H; j += V::size()) {
+      const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
+      const V d = V::loadu(dp + r * H + j, n) * V::loadu(wg + j, n);
+      d.store(dy + j, n);
+      (d * (V::loadu(ln_in + r * H + j, n) - mu) * rs).store(dy_xhat + j, n);
+    }
+    const auto same = [](V v) { return v; };
+    const auto same_s = [](scalar_t v) { return v; };
+    const V m_dy(row_sum(dy, H, same, same_s) / H), m_dyx(row_sum(dy_xhat, H, same, same_s) / H);
+    for (int64_t j = 0; j < H; j += V::size()) {
+      const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
+      const V x_hat = (V::loadu(ln_in + r * H + j, n) - mu) * rs;
+      (rs * (V::loadu(dy + j, n) - m_dy - x_hat * m_dyx)).store(dp_raw + r * H + j, n);
+    }
+  }
+}
+
 // One step of the sigmoid-gated modlstm after its product P = x W_x + h W_h + b ([B, G, H]): writes the
 // gates to `a` (i, f, z, o; coupled: f, z, o with i = 1 - f), c_t and h_t = o tanh(c_t). Peepholes (`peep`,
 // [G - 1, H], or null): the gates before z read c_{t-1}, the output gate c_t.
@@ -169,6 +244,8 @@ std::vector<Tensor> modlstm_forward(
   const bool fused = fuse && acts.is_cpu();  // elsewhere (CUDA) the step as ATen ops
   const int64_t n_dc = G - 1;            // gates driven by dc: (i, f, z) or (f, z); the output gate is last
   const int64_t f_index = coupled ? 0 : 1;
+  TORCH_CHECK(!(fused && ln_w) || (ln_in->is_contiguous() && ln_stats->is_contiguous()),
+              "modlstm_forward: ln_in and ln_stats must be contiguous");
   Tensor n = exp_gate ? *n_in : Tensor(), m = exp_gate ? *m_in : Tensor();
   for (int64_t t = 0; t < T; ++t) {
     if (keep) {
@@ -181,7 +258,15 @@ std::vector<Tensor> modlstm_forward(
       }
     }
     Tensor P = project(h, XP.select(0, t), w, packed).view({B, G, H});
-    if (ln_w) {
+    if (ln_w && fused) {  // the "else" below in one pass
+      Tensor normed = at::empty_like(P), Pc = P.contiguous(), w_c = ln_w->contiguous(), b_c = ln_b->contiguous();
+      AT_DISPATCH_FLOATING_TYPES(P.scalar_type(), "modlstm_gate_norm", [&] {
+        scalar_t* stats = ln_stats->data_ptr<scalar_t>() + t * 2 * B * G;
+        gate_norm_step(Pc.data_ptr<scalar_t>(), ln_in->data_ptr<scalar_t>() + t * B * G * H, stats, stats + B * G,
+                       w_c.data_ptr<scalar_t>(), b_c.data_ptr<scalar_t>(), normed.data_ptr<scalar_t>(), B, G, H);
+      });
+      P = normed;
+    } else if (ln_w) {
       ln_in->select(0, t).copy_(P);
       auto [y, mean, rstd] = at::native_layer_norm(P, {H}, std::nullopt, std::nullopt, kLayerNormEps);
       ln_stats->select(0, t).select(0, 0).copy_(mean);
@@ -271,7 +356,11 @@ std::vector<Tensor> modlstm_backward(
   const bool fused = fuse && dP.is_cpu();  // elsewhere (CUDA) the same step as ATen ops
   TORCH_CHECK(dP.is_contiguous() && dP_raw.is_contiguous(), "modlstm_backward: dP and dP_raw must be contiguous");
   Tensor dn = exp_gate ? *dn_in : Tensor();
-  Tensor gy_all, Kc, Ko, Kdc, Kcc, Kn, Kdn;
+  Tensor gy_all, Kc, Ko, Kdc, Kcc, Kn, Kdn, ln_in_c, ln_stats_c, ln_w_c, ln_scratch;
+  if (fused && ln_w) {
+    ln_in_c = ln_in->contiguous(), ln_stats_c = ln_stats->contiguous(), ln_w_c = ln_w->contiguous();
+    ln_scratch = at::empty({2 * H}, dP.options());
+  }
   if (fused) {  // the pointwise part of a step in one pass over contiguous rows (the "else" below, fused)
     gy_all = grad_y.contiguous(), Kc = K_c.contiguous(), Ko = K_o.contiguous(), Kdc = K_dc.contiguous();
     Kcc = K_cc.contiguous();
@@ -334,7 +423,14 @@ std::vector<Tensor> modlstm_backward(
         dn = dn * K_cc.select(0, t);
       }
     }
-    if (ln_w) {
+    if (ln_w && fused) {  // the "else" below in one pass
+      AT_DISPATCH_FLOATING_TYPES(dP.scalar_type(), "modlstm_gate_norm_backward", [&] {
+        const scalar_t* stats = ln_stats_c.data_ptr<scalar_t>() + t * 2 * B * G;
+        gate_norm_step_back(dp.data_ptr<scalar_t>(), ln_in_c.data_ptr<scalar_t>() + t * B * G * H, stats,
+                            stats + B * G, ln_w_c.data_ptr<scalar_t>(), dp_raw.data_ptr<scalar_t>(),
+                            ln_scratch.data_ptr<scalar_t>(), B, G, H);
+      });
+    } else if (ln_w) {
       Tensor in_t = ln_in->select(0, t), stats = ln_stats->select(0, t);
       dp_raw.copy_(std::get<0>(at::native_layer_norm_backward(
           dp * *ln_w, in_t, {H}, stats.select(0, 0), stats.select(0, 1), std::nullopt, std::nullopt,
