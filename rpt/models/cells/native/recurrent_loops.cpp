@@ -62,6 +62,11 @@ inline scalar_t row_sum(const scalar_t* x, int64_t len, VecFn vf, ScalarFn sf) {
   return total;
 }
 
+template <typename scalar_t>
+inline scalar_t row_sum(const scalar_t* x, int64_t len) {
+  return row_sum(x, len, [](Vec<scalar_t> v) { return v; }, [](scalar_t v) { return v; });
+}
+
 // Gate layer norm of one step, each of the B x G rows of P ([B, G, H]) over its H values: keeps the input
 // (ln_in) and the statistics (mean, rstd: [B, G]) for the backward, writes w_g (x - mean) rstd + b_g to out.
 template <typename scalar_t>
@@ -72,7 +77,7 @@ void gate_norm_step(const scalar_t* P, scalar_t* ln_in, scalar_t* mean, scalar_t
     const scalar_t* x = P + r * H;
     const scalar_t* wg = w + (r % G) * H;
     const scalar_t* bg = bias + (r % G) * H;
-    const scalar_t mu = row_sum(x, H, [](V v) { return v; }, [](scalar_t v) { return v; }) / H;
+    const scalar_t mu = row_sum(x, H) / H;
     const V mu_v(mu);
     const scalar_t var = row_sum(x, H, [&](V v) { return (v - mu_v) * (v - mu_v); },
                                  [&](scalar_t v) { return (v - mu) * (v - mu); }) / H;
@@ -105,9 +110,7 @@ void gate_norm_step_back(const scalar_t* dp, const scalar_t* ln_in, const scalar
       d.store(dy + j, n);
       (d * (V::loadu(ln_in + r * H + j, n) - mu) * rs).store(dy_xhat + j, n);
     }
-    const auto same = [](V v) { return v; };
-    const auto same_s = [](scalar_t v) { return v; };
-    const V m_dy(row_sum(dy, H, same, same_s) / H), m_dyx(row_sum(dy_xhat, H, same, same_s) / H);
+    const V m_dy(row_sum(dy, H) / H), m_dyx(row_sum(dy_xhat, H) / H);
     for (int64_t j = 0; j < H; j += V::size()) {
       const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
       const V x_hat = (V::loadu(ln_in + r * H + j, n) - mu) * rs;
