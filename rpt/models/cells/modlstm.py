@@ -19,12 +19,14 @@ One step (the spec; `step` below is this, line by line):
 
 The fast path (`ModLSTMFunction`) is a fused sequence kernel with a hand-written backward:
 the input projection for all steps is one GEMM, the loop does only what depends on h_{t-1}
-(one packed small-batch product and a few elementwise ops, no autograd graph), everything
-that does not depend on the recurrence is precomputed for all steps at once before the
-backward loop, and the weight gradients are one GEMM each after it. torch.compile would
+(one packed small-batch product and a few elementwise ops, no autograd graph), the backward
+loop's factors that do not depend on the recurrence are precomputed for all steps at once
+(`backward_factors`), and the weight gradients are one GEMM each after it. torch.compile would
 unroll the time loop, and a Python loop through autograd records every op of every step.
 The two time loops (`forward_steps`, `backward_steps`, at the end of this file) run in C++
-where rpt.models.cells.native could be built, which halves their dispatch cost at small batch.
+where rpt.models.cells.native could be built, which halves their dispatch cost at small batch;
+on the CPU there each step's elementwise part is one vector pass, the backward's deriving its
+factors in that pass.
 """
 
 from __future__ import annotations
@@ -179,51 +181,9 @@ class ModLSTMFunction(torch.autograd.Function):
         keep, x, w_x, w_h, ln_w, peep, acts, pre, cs, hs, ns, ln_in, ln_stats, *state = ctx.saved_tensors
         T, B, G, H = acts.shape
         D = x.shape[2]
-        gi = {g: k for k, g in enumerate(cell.groups)}
         grad_y = grad_y.transpose(0, 1)  # [T, B, H]
         keep3 = keep[:, :, None] if keep is not None else None
-        c_prev = torch.cat([state[1][None], cs[:-1]])
-        h_prev = torch.cat([state[0][None], hs[:-1]])
-        if keep3 is not None:  # the state the step actually read, after its reset
-            c_prev, h_prev = c_prev * keep3, h_prev * keep3
-        o, z = acts[:, :, gi["o"]], acts[:, :, gi["z"]]
-        f = acts[:, :, gi["f"]]
-        # Everything that does not depend on the backward recurrence, for all steps at once:
-        #   dP_o = dh * K_o;  dc += dh * K_c;  dP[dc-driven gates] = dc * K_dc (+ dn * K_dn);  dc_prev = dc * K_cc
-        if cell.exp:
-            n = ns
-            n_prev = torch.cat([state[2][None], ns[:-1]])
-            if keep3 is not None:
-                n_prev = n_prev * keep3
-            i = acts[:, :, gi["i"]]
-            hhat = cs / n
-            K_o = hhat * o * (1 - o)
-            K_c = o / n
-            K_n = -o * hhat / n
-            K_dc = torch.stack([z * i, c_prev * f, i * (1 - z * z)], dim=2)  # (i, f, z)
-            K_dn = torch.stack([i, n_prev * f], dim=2)  # (i, f)
-            K_cc = f
-        else:
-            tc = torch.tanh(cs)
-            K_o = tc * o * (1 - o)
-            K_c = o * (1 - tc * tc)
-            if cell.peepholes:
-                K_c = K_c + K_o * peep[-1]
-            gate_input = (lambda g: pre[:, :, gi[g]]) if pre is not None else (lambda g: None)
-            gf = cell.gate_fn.grad(gate_input("f"), f)
-            if cell.coupled:
-                i = 1 - f
-                K_f = (c_prev - z) * gf
-                K_dc = torch.stack([K_f, i * (1 - z * z)], dim=2)  # (f, z)
-                K_cc = f + K_f * peep[0] if cell.peepholes else f
-            else:
-                i = acts[:, :, gi["i"]]
-                K_i = z * cell.gate_fn.grad(gate_input("i"), i)
-                K_f = c_prev * gf
-                K_dc = torch.stack([K_i, K_f, i * (1 - z * z)], dim=2)  # (i, f, z)
-                K_cc = f + K_i * peep[0] + K_f * peep[1] if cell.peepholes else f
-        if keep3 is not None:
-            K_cc = K_cc * keep3
+        h_prev = previous(hs, state[0], keep3)
         WT = PackedLinear(w_h.T.contiguous(), B)  # dh_prev = dP_raw @ W_h
         dP = torch.empty_like(acts)  # gradient at the gate inputs (after layer norm)
         dP_raw = torch.empty_like(acts) if cell.gate_norm else dP
@@ -231,13 +191,19 @@ class ModLSTMFunction(torch.autograd.Function):
         dh = grad_final[0] if grad_final[0] is not None else zeros
         dc = grad_final[1] if grad_final[1] is not None else zeros
         dn = (grad_final[2] if grad_final[2] is not None else zeros) if cell.exp else None
-        factors = (K_c, K_o, K_dc, K_cc, K_n if cell.exp else None, K_dn if cell.exp else None)
         native = loops() if cell.native_gate is not None else None
-        if native is not None:
-            grad_state = native.modlstm_backward(grad_y, *factors, dP, dP_raw, keep3, *WT.operand, dh, dc, dn,
-                                                 ln_w, ln_in, ln_stats, fuse_pointwise())
+        if native is not None and fuse_pointwise() and x.is_cpu:  # the factors derived inside each step's pass
+            grad_state = native.modlstm_backward_cpu(
+                grad_y, acts, pre, cs, ns, state[1], state[2] if cell.exp else None, keep, peep, dP, dP_raw,
+                *WT.operand, dh, dc, dn, ln_w, ln_in, ln_stats, cell.native_gate, cell.coupled)
         else:
-            grad_state = backward_steps(grad_y, *factors, dP, dP_raw, keep3, WT, dh, dc, dn, ln_w, ln_in, ln_stats)
+            factors = backward_factors(cell, acts, pre, cs, ns, keep3, state, peep)
+            if native is not None:
+                grad_state = native.modlstm_backward(grad_y, *factors, dP, dP_raw, keep3, *WT.operand, dh, dc, dn,
+                                                     ln_w, ln_in, ln_stats)
+            else:
+                grad_state = backward_steps(grad_y, *factors, dP, dP_raw, keep3, WT, dh, dc, dn, ln_w, ln_in,
+                                            ln_stats)
         dPf = dP_raw.view(T * B, G * H)
         xt = x.transpose(0, 1).reshape(T * B, D)
         grad_x = matmul(dPf, w_x.t()).view(T, B, D).transpose(0, 1)
@@ -251,6 +217,7 @@ class ModLSTMFunction(torch.autograd.Function):
             grad_ln_b = dP.sum((0, 1))
         grad_peep = None
         if cell.peepholes:
+            c_prev = previous(cs, state[1], keep3)
             rows = [(dP[:, :, k] * c_prev).sum((0, 1)) for k in range(G - 2)]  # i (and f) read c_{t-1}
             rows.append((dP[:, :, G - 1] * cs).sum((0, 1)))  # o reads c_t
             grad_peep = torch.stack(rows)
@@ -317,6 +284,56 @@ def forward_steps(cell: ModLSTM, XP, W: PackedLinear, keep, state, acts, pre, cs
         if pre is not None:
             pre[t] = P
     return (h.clone(), c.clone(), n.clone(), m) if cell.exp else (h.clone(), c.clone())  # not views of saved buffers
+
+
+def previous(xs, x0, keep3):
+    """The state each step read ([T, B, H]): x0, then xs shifted by one step, after each step's reset."""
+    prev = torch.cat([x0[None], xs[:-1]])
+    return prev * keep3 if keep3 is not None else prev
+
+
+def backward_factors(cell: ModLSTM, acts, pre, cs, ns, keep3, state, peep):
+    """Everything of the backward that does not depend on its recurrence, for all steps at once:
+        dP_o = dh * K_o;  dc += dh * K_c;  dP[dc-driven gates] = dc * K_dc (+ dn * K_dn);  dc_prev = dc * K_cc
+    Returns (K_c, K_o, K_dc, K_cc, K_n, K_dn), the last two None but for the exponential gate. (The native loops'
+    CPU form derives these inside each step's pass instead: modlstm_backward_cpu in recurrent_loops.cpp.)"""
+    gi = {g: k for k, g in enumerate(cell.groups)}
+    o, z, f = acts[:, :, gi["o"]], acts[:, :, gi["z"]], acts[:, :, gi["f"]]
+    c_prev = previous(cs, state[1], keep3)
+    K_n = K_dn = None
+    if cell.exp:
+        n = ns
+        n_prev = previous(ns, state[2], keep3)
+        i = acts[:, :, gi["i"]]
+        hhat = cs / n
+        K_o = hhat * o * (1 - o)
+        K_c = o / n
+        K_n = -o * hhat / n
+        K_dc = torch.stack([z * i, c_prev * f, i * (1 - z * z)], dim=2)  # (i, f, z)
+        K_dn = torch.stack([i, n_prev * f], dim=2)  # (i, f)
+        K_cc = f
+    else:
+        tc = torch.tanh(cs)
+        K_o = tc * o * (1 - o)
+        K_c = o * (1 - tc * tc)
+        if cell.peepholes:
+            K_c = K_c + K_o * peep[-1]
+        gate_input = (lambda g: pre[:, :, gi[g]]) if pre is not None else (lambda g: None)
+        gf = cell.gate_fn.grad(gate_input("f"), f)
+        if cell.coupled:
+            i = 1 - f
+            K_f = (c_prev - z) * gf
+            K_dc = torch.stack([K_f, i * (1 - z * z)], dim=2)  # (f, z)
+            K_cc = f + K_f * peep[0] if cell.peepholes else f
+        else:
+            i = acts[:, :, gi["i"]]
+            K_i = z * cell.gate_fn.grad(gate_input("i"), i)
+            K_f = c_prev * gf
+            K_dc = torch.stack([K_i, K_f, i * (1 - z * z)], dim=2)  # (i, f, z)
+            K_cc = f + K_i * peep[0] + K_f * peep[1] if cell.peepholes else f
+    if keep3 is not None:
+        K_cc = K_cc * keep3
+    return K_c, K_o, K_dc, K_cc, K_n, K_dn
 
 
 def backward_steps(grad_y, K_c, K_o, K_dc, K_cc, K_n, K_dn, dP, dP_raw, keep3, WT: PackedLinear, dh, dc, dn,

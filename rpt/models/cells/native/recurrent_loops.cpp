@@ -235,8 +235,9 @@ Tensor project(const Tensor& h, const OptTensor& add, const Tensor& w, bool pack
 
 // ModLSTMFunction.forward's loop. gate: -1 the stabilised exponential gate, 0 sigmoid, 1 hard sigmoid
 // (clamp(x / 6 + 0.5, 0, 1), as registered in rpt/models/registry.py). Returns the state after the last step:
-// (h, c), or (h, c, n, m) for the exponential gate. `fuse`: as for modlstm_backward (the step's pointwise part in
-// one pass for the sigmoid and exponential gates).
+// (h, c), or (h, c, n, m) for the exponential gate. `fuse`: on the CPU, run each step's pointwise part as one pass
+// for the sigmoid and exponential gates (native.unfused_steps() turns it off, so that the tests check the ATen
+// form a GPU runs).
 std::vector<Tensor> modlstm_forward(
     const Tensor& XP, const Tensor& w, bool packed, const OptTensor& keep, Tensor h, Tensor c, OptTensor n_in,
     OptTensor m_in, const Tensor& acts, const OptTensor& pre, const Tensor& cs, const Tensor& hs,
@@ -345,112 +346,164 @@ std::vector<Tensor> modlstm_forward(
   return {h.clone(), c.clone()};
 }
 
-// ModLSTMFunction.backward's loop over the precomputed factors K_*; fills dP (and dP_raw under gate norm).
-// `fuse`: on the CPU, run each step's pointwise part as one pass (native.unfused_steps() turns it off, so
-// that the tests check the ATen form a GPU runs).
+// ModLSTMFunction.backward's loop over factors K_* precomputed for all steps (backward_factors in modlstm.py), as
+// ATen ops: what a GPU runs (modlstm_backward_cpu below is the CPU's). Fills dP (and dP_raw under gate norm).
 // Returns the gradients of the initial state: (dh, dc), or (dh, dc, dn) for the exponential gate.
 std::vector<Tensor> modlstm_backward(
     const Tensor& grad_y, const Tensor& K_c, const Tensor& K_o, const Tensor& K_dc, const Tensor& K_cc,
     const OptTensor& K_n, const OptTensor& K_dn, const Tensor& dP, const Tensor& dP_raw, const OptTensor& keep3,
     const Tensor& wT, bool packed, Tensor dh, Tensor dc, OptTensor dn_in, const OptTensor& ln_w,
-    const OptTensor& ln_in, const OptTensor& ln_stats, bool fuse) {
+    const OptTensor& ln_in, const OptTensor& ln_stats) {
   const int64_t T = dP.size(0), B = dP.size(1), G = dP.size(2), H = dP.size(3);
   const bool exp_gate = K_n.has_value();
-  const bool fused = fuse && dP.is_cpu();  // elsewhere (CUDA) the same step as ATen ops
-  TORCH_CHECK(dP.is_contiguous() && dP_raw.is_contiguous(), "modlstm_backward: dP and dP_raw must be contiguous");
   Tensor dn = exp_gate ? *dn_in : Tensor();
-  Tensor gy_all, Kc, Ko, Kdc, Kcc, Kn, Kdn, ln_in_c, ln_stats_c, ln_w_c, ln_scratch;
-  if (fused && ln_w) {
-    ln_in_c = ln_in->contiguous(), ln_stats_c = ln_stats->contiguous(), ln_w_c = ln_w->contiguous();
-    ln_scratch = at::empty({2 * H}, dP.options());
-  }
-  if (fused) {  // the pointwise part of a step in one pass over contiguous rows (the "else" below, fused)
-    gy_all = grad_y.contiguous(), Kc = K_c.contiguous(), Ko = K_o.contiguous(), Kdc = K_dc.contiguous();
-    Kcc = K_cc.contiguous();
-    dh = dh.contiguous().clone(), dc = dc.contiguous().clone();
-    if (exp_gate) {
-      Kn = K_n->contiguous(), Kdn = K_dn->contiguous(), dn = dn.contiguous().clone();
-    }
-  }
   for (int64_t t = T - 1; t >= 0; --t) {
     Tensor dp = dP.select(0, t), dp_raw = dP_raw.select(0, t);
-    if (fused) {
-      AT_DISPATCH_FLOATING_TYPES(dP.scalar_type(), "modlstm_backward", [&] {
-        const int64_t BH = B * H, off = t * BH;
-        scalar_t* dh_p = dh.data_ptr<scalar_t>();
-        scalar_t* dc_p = dc.data_ptr<scalar_t>();
-        scalar_t* dp_p = dp.data_ptr<scalar_t>();
-        const scalar_t* gy = gy_all.data_ptr<scalar_t>() + off;
-        const scalar_t* kc = Kc.data_ptr<scalar_t>() + off;
-        const scalar_t* ko = Ko.data_ptr<scalar_t>() + off;
-        const scalar_t* kcc = Kcc.data_ptr<scalar_t>() + off;
-        const scalar_t* kdc = Kdc.data_ptr<scalar_t>() + t * BH * (G - 1);
-        scalar_t* dn_p = exp_gate ? dn.data_ptr<scalar_t>() : nullptr;
-        const scalar_t* kn = exp_gate ? Kn.data_ptr<scalar_t>() + off : nullptr;
-        const scalar_t* kdn = exp_gate ? Kdn.data_ptr<scalar_t>() + t * BH * 2 : nullptr;
-        using V = Vec<scalar_t>;
-        for (int64_t b = 0; b < B; ++b) {
-          scalar_t* dp_b = dp_p + b * G * H;
-          const scalar_t* kdc_b = kdc + b * (G - 1) * H;
-          for (int64_t j = 0; j < H; j += V::size()) {
-            const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
-            const int64_t i = b * H + j;
-            const V dh_v = V::loadu(dh_p + i, n) + V::loadu(gy + i, n);
-            const V dc_v = V::loadu(dc_p + i, n) + dh_v * V::loadu(kc + i, n);
-            dh_v.store(dh_p + i, n);
-            (dh_v * V::loadu(ko + i, n)).store(dp_b + (G - 1) * H + j, n);
-            for (int64_t g = 0; g < G - 1; ++g) {
-              (dc_v * V::loadu(kdc_b + g * H + j, n)).store(dp_b + g * H + j, n);
-            }
-            const V kcc_v = V::loadu(kcc + i, n);
-            if (exp_gate) {
-              const V dn_v = V::loadu(dn_p + i, n) + dh_v * V::loadu(kn + i, n);
-              const scalar_t* kdn_b = kdn + b * 2 * H;
-              (V::loadu(dp_b + j, n) + dn_v * V::loadu(kdn_b + j, n)).store(dp_b + j, n);
-              (V::loadu(dp_b + H + j, n) + dn_v * V::loadu(kdn_b + H + j, n)).store(dp_b + H + j, n);
-              (dn_v * kcc_v).store(dn_p + i, n);
-            }
-            (dc_v * kcc_v).store(dc_p + i, n);
-          }
-        }
-      });
-    } else {
-      dh = dh + grad_y.select(0, t);
-      dc = at::addcmul(dc, dh, K_c.select(0, t));
-      Tensor dp_o = dp.select(1, G - 1), dp_dc = dp.slice(1, 0, G - 1);
-      at::mul_out(dp_o, dh, K_o.select(0, t));
-      at::mul_out(dp_dc, dc.unsqueeze(1), K_dc.select(0, t));
-      if (exp_gate) {
-        dn = at::addcmul(dn, dh, K_n->select(0, t));
-        dp.slice(1, 0, 2).addcmul_(dn.unsqueeze(1), K_dn->select(0, t));
-        dn = dn * K_cc.select(0, t);
-      }
+    dh = dh + grad_y.select(0, t);
+    dc = at::addcmul(dc, dh, K_c.select(0, t));
+    Tensor dp_o = dp.select(1, G - 1), dp_dc = dp.slice(1, 0, G - 1);
+    at::mul_out(dp_o, dh, K_o.select(0, t));
+    at::mul_out(dp_dc, dc.unsqueeze(1), K_dc.select(0, t));
+    if (exp_gate) {
+      dn = at::addcmul(dn, dh, K_n->select(0, t));
+      dp.slice(1, 0, 2).addcmul_(dn.unsqueeze(1), K_dn->select(0, t));
+      dn = dn * K_cc.select(0, t);
     }
-    if (ln_w && fused) {  // the "else" below in one pass
-      AT_DISPATCH_FLOATING_TYPES(dP.scalar_type(), "modlstm_gate_norm_backward", [&] {
-        const scalar_t* stats = ln_stats_c.data_ptr<scalar_t>() + t * 2 * B * G;
-        gate_norm_step_back(dp.data_ptr<scalar_t>(), ln_in_c.data_ptr<scalar_t>() + t * B * G * H, stats,
-                            stats + B * G, ln_w_c.data_ptr<scalar_t>(), dp_raw.data_ptr<scalar_t>(),
-                            ln_scratch.data_ptr<scalar_t>(), B, G, H);
-      });
-    } else if (ln_w) {
+    if (ln_w) {
       Tensor in_t = ln_in->select(0, t), stats = ln_stats->select(0, t);
       dp_raw.copy_(std::get<0>(at::native_layer_norm_backward(
           dp * *ln_w, in_t, {H}, stats.select(0, 0), stats.select(0, 1), std::nullopt, std::nullopt,
           {true, false, false})));
     }
-    if (!fused) {
-      dc = dc * K_cc.select(0, t);
-    }
-    Tensor dh_prev = project(dp_raw.view({B, G * H}), std::nullopt, wT, packed);
+    dc = dc * K_cc.select(0, t);
+    dh = project(dp_raw.view({B, G * H}), std::nullopt, wT, packed);
     if (keep3) {
-      dh_prev = dh_prev * keep3->select(0, t);
+      dh = dh * keep3->select(0, t);
     }
-    if (fused) {
-      dh.copy_(dh_prev);
-    } else {
-      dh = dh_prev;
-    }
+  }
+  if (exp_gate) {
+    return {dh, dc, dn};
+  }
+  return {dh, dc};
+}
+
+// ModLSTMFunction.backward's loop on the CPU, each step's pointwise part in one pass. Where modlstm_backward reads
+// factors precomputed for all steps, this pass derives each step's from what the forward saved: the gates (acts),
+// the gate inputs (pre: the hard sigmoid's derivative needs them), the cell states (cs, c0 before the first step)
+// and the normalisers (ns, n0); it reads less memory than the factors would fill and skips the passes that make
+// them. With u' the gate's derivative at its output and c_prev, n_prev the state the step read (after its reset):
+//   sigmoid family: K_o = tanh(c) o (1 - o), K_c = o (1 - tanh(c)^2) + K_o p_o, K_z = i (1 - z^2),
+//     K_i = z i', K_f = c_prev f' (coupled: (c_prev - z) f'), K_cc = f + K_i p_i + K_f p_f (peepholes: p_*)
+//   exponential: h^ = c / n, K_o = h^ o (1 - o), K_c = o / n, K_n = -o h^ / n, K_i = z i, K_f = c_prev f,
+//     K_z = i (1 - z^2), dn reaching (i, f): (i, n_prev f), K_cc = f
+// gate: as for modlstm_forward. Returns the gradients of the initial state: (dh, dc), or (dh, dc, dn).
+std::vector<Tensor> modlstm_backward_cpu(
+    const Tensor& grad_y, const Tensor& acts, const OptTensor& pre, const Tensor& cs, const OptTensor& ns,
+    const Tensor& c0, const OptTensor& n0, const OptTensor& keep, const OptTensor& peep, const Tensor& dP,
+    const Tensor& dP_raw, const Tensor& wT, bool packed, Tensor dh, Tensor dc, OptTensor dn_in,
+    const OptTensor& ln_w, const OptTensor& ln_in, const OptTensor& ln_stats, int64_t gate, bool coupled) {
+  const int64_t T = dP.size(0), B = dP.size(1), G = dP.size(2), H = dP.size(3);
+  const bool exp_gate = gate < 0;
+  TORCH_CHECK(dP.is_cpu(), "modlstm_backward_cpu: CPU tensors only");
+  TORCH_CHECK(dP.is_contiguous() && dP_raw.is_contiguous() && acts.is_contiguous() && cs.is_contiguous() &&
+                  (!pre || pre->is_contiguous()) && (!ns || ns->is_contiguous()),
+              "modlstm_backward_cpu: acts, pre, cs, ns, dP and dP_raw must be contiguous");
+  const Tensor gy_all = grad_y.contiguous(), c0_c = c0.contiguous();
+  const Tensor n0_c = exp_gate ? n0->contiguous() : Tensor(), keep_c = keep ? keep->contiguous() : Tensor();
+  const Tensor peep_c = peep ? peep->contiguous() : Tensor();
+  Tensor ln_in_c, ln_stats_c, ln_w_c, ln_scratch;
+  if (ln_w) {
+    ln_in_c = ln_in->contiguous(), ln_stats_c = ln_stats->contiguous(), ln_w_c = ln_w->contiguous();
+    ln_scratch = at::empty({2 * H}, dP.options());
+  }
+  dh = dh.contiguous().clone(), dc = dc.contiguous().clone();
+  Tensor dn = exp_gate ? dn_in->contiguous().clone() : Tensor();
+  const int64_t f_at = coupled ? 0 : H, z_at = (G - 2) * H, o_at = (G - 1) * H;
+  for (int64_t t = T - 1; t >= 0; --t) {
+    Tensor dp = dP.select(0, t), dp_raw = dP_raw.select(0, t);
+    AT_DISPATCH_FLOATING_TYPES(dP.scalar_type(), "modlstm_backward_cpu", [&] {
+      using V = Vec<scalar_t>;
+      const int64_t BH = B * H;
+      const scalar_t* a_t = acts.data_ptr<scalar_t>() + t * B * G * H;
+      const scalar_t* pre_t = pre ? pre->data_ptr<scalar_t>() + t * B * G * H : nullptr;
+      const scalar_t* c_t = cs.data_ptr<scalar_t>() + t * BH;
+      const scalar_t* c_prev = t > 0 ? c_t - BH : c0_c.data_ptr<scalar_t>();
+      const scalar_t* n_t = exp_gate ? ns->data_ptr<scalar_t>() + t * BH : nullptr;
+      const scalar_t* n_prev = exp_gate ? (t > 0 ? n_t - BH : n0_c.data_ptr<scalar_t>()) : nullptr;
+      const scalar_t* gy = gy_all.data_ptr<scalar_t>() + t * BH;
+      const scalar_t* pp = peep ? peep_c.data_ptr<scalar_t>() : nullptr;
+      scalar_t* dh_p = dh.data_ptr<scalar_t>();
+      scalar_t* dc_p = dc.data_ptr<scalar_t>();
+      scalar_t* dn_p = exp_gate ? dn.data_ptr<scalar_t>() : nullptr;
+      scalar_t* dp_p = dp.data_ptr<scalar_t>();
+      const V one(1);
+      // u' from the gate's output u (sigmoid) or its input x (hard sigmoid: 1/6 on (-3, 3), else 0).
+      auto grad_gate = [&](const V& u, const scalar_t* x, int64_t at, int n) {
+        if (gate == 0) {
+          return u * (one - u);
+        }
+        const V xv = V::loadu(x + at, n);
+        return V::blendv(V(0), V(scalar_t(1) / 6), (xv > V(-3)) & (xv < V(3)));
+      };
+      for (int64_t b = 0; b < B; ++b) {
+        const V kb(keep ? keep_c.data_ptr<scalar_t>()[t * B + b] : scalar_t(1));
+        const scalar_t* a = a_t + b * G * H;
+        const scalar_t* x = pre_t ? pre_t + b * G * H : nullptr;
+        scalar_t* d = dp_p + b * G * H;
+        for (int64_t j = 0; j < H; j += V::size()) {
+          const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
+          const int64_t at = b * H + j;
+          const V dh_v = V::loadu(dh_p + at, n) + V::loadu(gy + at, n);
+          const V f = V::loadu(a + f_at + j, n), z = V::loadu(a + z_at + j, n), o = V::loadu(a + o_at + j, n);
+          const V i = coupled ? one - f : V::loadu(a + j, n);
+          const V c = V::loadu(c_t + at, n), cp = V::loadu(c_prev + at, n) * kb;
+          const V k_z = i * (one - z * z);
+          if (exp_gate) {
+            const V nv = V::loadu(n_t + at, n), np = V::loadu(n_prev + at, n) * kb;
+            const V hhat = c / nv;
+            const V dc_v = V::loadu(dc_p + at, n) + dh_v * (o / nv);
+            const V dn_v = V::loadu(dn_p + at, n) - dh_v * (o * hhat / nv);
+            (dh_v * hhat * o * (one - o)).store(d + 3 * H + j, n);
+            (dc_v * z * i + dn_v * i).store(d + j, n);
+            (dc_v * cp * f + dn_v * np * f).store(d + H + j, n);
+            (dc_v * k_z).store(d + 2 * H + j, n);
+            (dn_v * f * kb).store(dn_p + at, n);
+            (dc_v * f * kb).store(dc_p + at, n);
+            continue;
+          }
+          const V tc = c.tanh();
+          const V k_o = tc * o * (one - o);
+          V k_c = o * (one - tc * tc);
+          if (pp) {
+            k_c = k_c + k_o * V::loadu(pp + z_at + j, n);
+          }
+          const V dc_v = V::loadu(dc_p + at, n) + dh_v * k_c;
+          const V gf = grad_gate(f, x, f_at + j, n);
+          V k_cc = f;
+          if (coupled) {
+            const V k_f = (cp - z) * gf;
+            (dc_v * k_f).store(d + j, n);
+            k_cc = pp ? k_cc + k_f * V::loadu(pp + j, n) : k_cc;
+          } else {
+            const V k_i = z * grad_gate(i, x, j, n), k_f = cp * gf;
+            (dc_v * k_i).store(d + j, n);
+            (dc_v * k_f).store(d + H + j, n);
+            k_cc = pp ? k_cc + k_i * V::loadu(pp + j, n) + k_f * V::loadu(pp + H + j, n) : k_cc;
+          }
+          (dc_v * k_z).store(d + z_at + j, n);
+          (dh_v * k_o).store(d + o_at + j, n);
+          (dc_v * k_cc * kb).store(dc_p + at, n);
+        }
+      }
+      if (ln_w) {
+        const scalar_t* stats = ln_stats_c.data_ptr<scalar_t>() + t * 2 * B * G;
+        gate_norm_step_back(dp_p, ln_in_c.data_ptr<scalar_t>() + t * B * G * H, stats, stats + B * G,
+                            ln_w_c.data_ptr<scalar_t>(), dp_raw.data_ptr<scalar_t>(), ln_scratch.data_ptr<scalar_t>(),
+                            B, G, H);
+      }
+    });
+    Tensor dh_prev = project(dp_raw.view({B, G * H}), std::nullopt, wT, packed);
+    dh.copy_(keep ? dh_prev * keep_c.select(0, t).unsqueeze(1) : dh_prev);
   }
   if (exp_gate) {
     return {dh, dc, dn};
@@ -548,6 +601,7 @@ Tensor gru_backward(const Tensor& grad_y, const Tensor& gates, const Tensor& HP,
 TORCH_LIBRARY(rpt_loops, m) {
   m.def("modlstm_forward", &modlstm_forward);
   m.def("modlstm_backward", &modlstm_backward);
+  m.def("modlstm_backward_cpu", &modlstm_backward_cpu);
   m.def("gru_forward", &gru_forward);
   m.def("gru_backward", &gru_backward);
 }
