@@ -1,8 +1,9 @@
 """torch.compile of a model, for every cell: the traced model computes what the eager one does.
 
 Tracing runs each op on tensors without data, so the native ops (rpt.models.cells.native) need shape rules:
-compiling a mingru or minlstm model failed on the CPU before the min scan had them, and with them the scan
-cells trace as one graph. aot_eager traces forward and backward as torch.compile does, without generating
+compiling a mingru or minlstm model failed on the CPU before the min scan had them. gru's and modlstm's fused
+kernels are torch custom operators with shape rules (before, as autograd.Functions around oneDNN's packed
+weights, they broke the graph). Every cell traces as one graph. aot_eager traces forward and backward as torch.compile does, without generating
 code (inductor was checked by hand: the same results, about a minute per model).
 """
 
@@ -15,27 +16,85 @@ import torch
 
 from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
+from rpt.models.block import build_cell
 from rpt.models.cells import native
 
 
-@pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm"])
-def test_compiled_model_matches_eager_with_gradients(cell):
+CELLS = {
+    "lstm": dict(cell="lstm"),
+    "gru": dict(cell="gru"),
+    "modlstm": dict(cell="modlstm"),
+    "modlstm-exp-norm": dict(cell="modlstm", gate="exp", gate_norm=True),
+    "modlstm-coupled-peep-hard": dict(cell="modlstm", coupled_gates=True, peepholes=True, gate="hard_sigmoid"),
+    "mingru": dict(cell="mingru"),
+    "minlstm": dict(cell="minlstm"),
+}
+
+
+@pytest.mark.parametrize("name", CELLS)
+def test_compiled_model_matches_eager_with_gradients(name):
+    """One graph (fullgraph) for every cell, with a reset inside the sequence and a carried state whose gradient
+    is checked too."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = RecurrentLM(ModelConfig(cell=cell, vocab_size=64, d_model=32, n_layers=2))
+    model = RecurrentLM(ModelConfig(vocab_size=64, d_model=32, n_layers=2, **CELLS[name]))
     tokens = torch.randint(0, 64, (2, 16))
+    reset = torch.zeros(2, 16, dtype=torch.bool)
+    reset[1, 5] = True
+    with torch.no_grad():
+        carried = model(tokens)[1]  # a state from an earlier chunk, as in truncated BPTT
 
     def outputs_and_grads(m):
         model.zero_grad()
-        logits, state = m(tokens)
-        (logits.square().sum()).backward()
-        return [logits.detach(), *(p.grad.clone() for p in model.parameters())]
+        state = torch.utils._pytree.tree_map(lambda t: t.clone().requires_grad_(t.is_floating_point()), carried)
+        logits, new_state = m(tokens, state, reset)
+        leaves = [t for t in torch.utils._pytree.tree_leaves(new_state) if t.requires_grad]
+        (logits.square().sum() + sum(t.square().sum() for t in leaves)).backward()
+        state_grads = [t.grad for t in torch.utils._pytree.tree_leaves(state) if t.grad is not None]
+        return [logits.detach(), *(p.grad.clone() for p in model.parameters()), *state_grads]
 
     eager = outputs_and_grads(model)
-    if cell in ("gru", "modlstm", "mingru", "minlstm") and shutil.which("g++"):
+    if CELLS[name]["cell"] in ("gru", "modlstm", "mingru", "minlstm") and shutil.which("g++"):
         assert native.loops() is not None, "the native loops did not build: this would test the Python loops"
-    # One graph for the scan cells (their native ops have shape rules); gru's and modlstm's kernels break it.
-    whole = cell in ("lstm", "mingru", "minlstm")
-    compiled = outputs_and_grads(torch.compile(model, backend="aot_eager", fullgraph=whole))
+    compiled = outputs_and_grads(torch.compile(model, backend="aot_eager", fullgraph=True))
+    assert len(compiled) == len(eager) > len(list(model.parameters())) + 1  # the state's gradients are compared
     for k, (a, b) in enumerate(zip(compiled, eager)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=f"tensor {k}")
+
+
+@pytest.mark.parametrize("name", ["gru", "modlstm", "modlstm-exp-norm", "modlstm-coupled-peep-hard"])
+def test_fused_kernels_are_well_formed_custom_operators(name):
+    """torch.library.opcheck of gru's and modlstm's operators, forward and backward: their schema (no input
+    mutated, no output aliasing an input or another output), the gradient registration, and the shape rules
+    against the kernels, strides included (inductor asserts those when it runs; aot_eager does not)."""
+    from rpt.models.cells.gru import gru_sequence, gru_sequence_backward
+    from rpt.models.cells.modlstm import _some, modlstm_sequence, modlstm_sequence_backward
+
+    torch.manual_seed(0)
+    cell = build_cell(ModelConfig(d_model=8, **CELLS[name]))
+    B, T = 2, 5
+    x = torch.randn(B, T, 8, requires_grad=True)
+    keep = torch.ones(T, B)
+    keep[3, 1] = 0
+    state = [torch.randn(B, n) for n in cell.state_sizes()]
+    if name == "gru":
+        args = (x, cell.w_ih, cell.w_hh, cell.b_ih, cell.b_hh, state[0], keep)
+        with torch.no_grad():  # the backward's inputs: what the forward saved, no graph behind them
+            y, h, *buffers = gru_sequence(*args)
+        grad_args = (torch.randn_like(y), torch.randn_like(h), x.detach(), cell.w_ih.detach(), cell.w_hh.detach(),
+                     state[0], keep, *buffers)
+        forward, backward = gru_sequence, gru_sequence_backward
+    else:
+        n0, m0 = (state[2].abs() + 0.5, state[3] * 0.1) if cell.exp else (None, None)
+        detached = [p.detach() if p is not None else None for p in (cell.w_x, cell.w_h, cell.ln_weight, cell.peep)]
+        args = (x, cell.w_x, cell.w_h, cell.bias, cell.ln_weight, cell.ln_bias, cell.peep, state[0], state[1], n0, m0,
+                keep, cell.gate, cell.coupled)
+        with torch.no_grad():
+            y, h, c, n, m, acts, pre, cs, hs, ns, ln_in, ln_stats = modlstm_sequence(*args)
+        grad_args = (torch.randn_like(y), torch.randn_like(h), torch.randn_like(c),
+                     torch.randn_like(n) if cell.exp else None, x.detach(), *detached[:3], detached[3], state[0],
+                     state[1], n0, keep, acts, _some(pre), cs, hs, _some(ns), _some(ln_in), _some(ln_stats),
+                     cell.gate, cell.coupled, cell.bias is not None)
+        forward, backward = modlstm_sequence, modlstm_sequence_backward
+    for op, op_args in ((forward, args), (backward, grad_args)):
+        torch.library.opcheck(op, op_args)  # raises on a failed check

@@ -17,7 +17,7 @@ One step (the spec; `step` below is this, line by line):
       m is a constant to differentiation (the state, initial m included, is read at fixed m): h
       does not depend on the choice of m, since c and n carry the same factor exp(-m).
 
-The fast path (`ModLSTMFunction`) is a fused sequence kernel with a hand-written backward:
+The fast path (`modlstm_sequence`) is a fused sequence kernel with a hand-written backward:
 the input projection for all steps is one GEMM, the loop does only what depends on h_{t-1}
 (one packed small-batch product and a few elementwise ops, no autograd graph), the backward
 loop's factors that do not depend on the recurrence are precomputed for all steps at once
@@ -29,12 +29,11 @@ on the CPU there each step's elementwise part is one vector pass, the backward's
 factors in that pass.
 """
 
-from __future__ import annotations
-
 import math
+from typing import NamedTuple, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from rpt.errors import RptError
 from rpt.models.cells.base import Cell, as_fp32, full_precision
@@ -45,6 +44,33 @@ from rpt.models.registry import GateFunction, get_gate, register_cell
 LN_EPS = 1e-5
 # The gates the native loops know (their codes there); a user-registered gate runs the Python loops.
 NATIVE_GATES = ((get_gate("sigmoid"), 0), (get_gate("hard_sigmoid"), 1))
+
+
+class Variant(NamedTuple):
+    """What the kernel needs to know of a cell's configuration: the custom operators below take the gate's name
+    and `coupled`, and see the rest (layer norm, peepholes) from the tensors they are given."""
+    gate: str
+    coupled: bool
+    gate_norm: bool
+    peepholes: bool
+
+    @property
+    def gate_fn(self) -> GateFunction | None:
+        return get_gate(self.gate)
+
+    @property
+    def exp(self) -> bool:
+        return self.gate == "exp"
+
+    @property
+    def native_gate(self) -> int | None:
+        """The native loops' code for the gate (-1: exponential), None for a gate they do not know."""
+        return -1 if self.exp else next((code for g, code in NATIVE_GATES if g is self.gate_fn), None)
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """Gate groups in memory order: the ones driven by dc first, the output gate last."""
+        return ("f", "z", "o") if self.coupled else ("i", "f", "z", "o")
 
 
 @register_cell("modlstm")
@@ -62,9 +88,7 @@ class ModLSTM(Cell):
             raise RptError("model.peepholes are not defined for the exponential gate (its cell state is unnormalised)",
                            "use model.gate = 'sigmoid' or 'hard_sigmoid' with peepholes")
         self.gate, self.coupled, self.gate_norm, self.peepholes = gate, coupled_gates, gate_norm, peepholes
-        self.native_gate = -1 if self.exp else next((code for g, code in NATIVE_GATES if g is self.gate_fn), None)
-        # Gate groups in memory order: the ones driven by dc first, the output gate last.
-        self.groups = ("f", "z", "o") if coupled_gates else ("i", "f", "z", "o")
+        self.groups = Variant(gate, coupled_gates, gate_norm, peepholes).groups
         G = len(self.groups)
         self.w_x = nn.Parameter(torch.empty(G * H, D))
         self.w_h = nn.Parameter(torch.empty(G * H, H))
@@ -133,10 +157,10 @@ class ModLSTM(Cell):
         with full_precision(x):
             x = as_fp32(x)
             keep = None if reset is None else (~reset).to(x.dtype).transpose(0, 1).contiguous()  # [T, B]
-            outs = ModLSTMFunction.apply(self, keep, x, self.w_x, self.w_h, self.bias, self.ln_weight, self.ln_bias,
-                                         self.peep, *state)
-        y, state = outs[0], tuple(outs[1:])
-        return self._out(y), state
+            n_m = state[2:] if self.exp else (None, None)
+            y, *final = modlstm_sequence(x, self.w_x, self.w_h, self.bias, self.ln_weight, self.ln_bias, self.peep,
+                                         state[0], state[1], *n_m, keep, self.gate, self.coupled)[:5]
+        return self._out(y), tuple(final if self.exp else final[:2])
 
     def _out(self, h):
         return self.proj(h) if self.proj is not None else h
@@ -146,90 +170,146 @@ class ModLSTM(Cell):
         return 2 * G * H * (D + H) + (2 * H * D if self.proj is not None else 0)
 
 
-class ModLSTMFunction(torch.autograd.Function):
-    """The fused sequence kernel. Buffers are time-major ([T, B, ...]) so each step's slice is contiguous."""
+# The fused sequence kernel as a pair of torch custom operators (forward; backward, registered as its gradient):
+# opaque to torch.compile, which traces a model through them in one graph, where it could not trace the packed
+# oneDNN weight and the native loops inside an autograd.Function. Buffers are time-major ([T, B, ...]) so each
+# step's slice is contiguous. An operator returns a fixed number of tensors: one it does not have (the
+# exponential gate's state for the sigmoid family, a buffer this variant does not keep) is an empty tensor.
+@torch.library.custom_op("rpt::modlstm_sequence", mutates_args=())
+def modlstm_sequence(x: Tensor, w_x: Tensor, w_h: Tensor, bias: Optional[Tensor], ln_w: Optional[Tensor],
+                     ln_b: Optional[Tensor], peep: Optional[Tensor], h0: Tensor, c0: Tensor, n0: Optional[Tensor],
+                     m0: Optional[Tensor], keep: Optional[Tensor], gate: str, coupled: bool) -> tuple[
+        Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> y, the final state (h, c, n, m), and the buffers the backward reads (acts, pre, cs, hs, ns, ln_in,
+    ln_stats)."""
+    v = Variant(gate, coupled, ln_w is not None, peep is not None)
+    B, T, D = x.shape
+    H, G = w_h.shape[1], len(v.groups)
+    xt = x.transpose(0, 1).reshape(T * B, D)
+    XP = matmul(xt, w_x, bias).view(T, B, G * H)
+    W = PackedLinear(w_h, B)
+    acts = x.new_empty(T, B, G, H)  # gate values
+    # Gate inputs, kept only for a gate whose derivative needs its input (sigmoid's needs only its output).
+    pre = x.new_empty(T, B, G, H) if not v.exp and v.gate_fn.fn is not torch.sigmoid else None
+    cs, hs = x.new_empty(T, B, H), x.new_empty(T, B, H)
+    ns = x.new_empty(T, B, H) if v.exp else None
+    ln_in = x.new_empty(T, B, G, H) if v.gate_norm else None
+    ln_stats = x.new_empty(T, 2, B, G, 1) if v.gate_norm else None
+    buffers = (acts, pre, cs, hs, ns, ln_in, ln_stats)
+    state = (h0, c0, n0, m0) if v.exp else (h0, c0)
+    native = loops() if v.native_gate is not None else None
+    if native is not None:
+        final = native.modlstm_forward(XP, *W.operand, keep, h0, c0, n0, m0, *buffers, ln_w, ln_b, peep,
+                                       v.native_gate, coupled, fuse_pointwise())
+    else:
+        final = forward_steps(v, XP, W, keep, state, *buffers, ln_w, ln_b, peep)
+    final = [t.clone() for t in final] + [x.new_empty(0) for _ in range(4 - len(final))]  # no views of the buffers
+    y = hs.transpose(0, 1).clone(memory_format=torch.contiguous_format)
+    return y, *final, *(t if t is not None else x.new_empty(0) for t in buffers)
 
-    @staticmethod
-    def forward(ctx, cell: ModLSTM, keep, x, w_x, w_h, bias, ln_w, ln_b, peep, *state):
-        B, T, D = x.shape
-        H, G = cell.d_hidden, len(cell.groups)
-        xt = x.transpose(0, 1).reshape(T * B, D)
-        XP = matmul(xt, w_x, bias).view(T, B, G * H)
-        W = PackedLinear(w_h, B)
-        acts = x.new_empty(T, B, G, H)  # gate values
-        # Gate inputs, kept only for a gate whose derivative needs its input (sigmoid's needs only its output).
-        pre = x.new_empty(T, B, G, H) if not cell.exp and cell.gate_fn.fn is not torch.sigmoid else None
-        cs, hs = x.new_empty(T, B, H), x.new_empty(T, B, H)
-        ns = x.new_empty(T, B, H) if cell.exp else None
-        ln_in = x.new_empty(T, B, G, H) if cell.gate_norm else None
-        ln_stats = x.new_empty(T, 2, B, G, 1) if cell.gate_norm else None
-        buffers = (acts, pre, cs, hs, ns, ln_in, ln_stats)
-        native = loops() if cell.native_gate is not None else None
+
+@modlstm_sequence.register_fake
+def _(x, w_x, w_h, bias, ln_w, ln_b, peep, h0, c0, n0, m0, keep, gate, coupled):
+    v = Variant(gate, coupled, ln_w is not None, peep is not None)
+    B, T, _ = x.shape
+    H, G = w_h.shape[1], len(v.groups)
+    kept = lambda keep_it, *shape: x.new_empty(*shape) if keep_it else x.new_empty(0)  # noqa: E731
+    return (x.new_empty(B, T, H), *(kept(k < 2 or v.exp, B, H) for k in range(4)), x.new_empty(T, B, G, H),
+            kept(not v.exp and v.gate_fn.fn is not torch.sigmoid, T, B, G, H), x.new_empty(T, B, H),
+            x.new_empty(T, B, H), kept(v.exp, T, B, H), kept(v.gate_norm, T, B, G, H), kept(v.gate_norm, T, 2, B, G, 1))
+
+
+@torch.library.custom_op("rpt::modlstm_sequence_backward", mutates_args=())
+def modlstm_sequence_backward(
+        grad_y: Tensor, dh: Tensor, dc: Tensor, dn: Optional[Tensor], x: Tensor, w_x: Tensor, w_h: Tensor,
+        ln_w: Optional[Tensor], peep: Optional[Tensor], h0: Tensor, c0: Tensor, n0: Optional[Tensor],
+        keep: Optional[Tensor], acts: Tensor, pre: Optional[Tensor], cs: Tensor, hs: Tensor, ns: Optional[Tensor],
+        ln_in: Optional[Tensor], ln_stats: Optional[Tensor], gate: str, coupled: bool,
+        has_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of x, w_x, w_h, bias, ln_w, ln_b, peep, h0, c0 and n0 (empty for those the cell has not)."""
+    v = Variant(gate, coupled, ln_w is not None, peep is not None)
+    T, B, G, H = acts.shape
+    D = x.shape[2]
+    grad_y = grad_y.transpose(0, 1)  # [T, B, H]
+    keep3 = keep[:, :, None] if keep is not None else None
+    state = (h0, c0, n0) if v.exp else (h0, c0)
+    h_prev = previous(hs, h0, keep3)
+    WT = PackedLinear(w_h.T.contiguous(), B)  # dh_prev = dP_raw @ W_h
+    dP = torch.empty_like(acts)  # gradient at the gate inputs (after layer norm)
+    dP_raw = torch.empty_like(acts) if v.gate_norm else dP
+    native = loops() if v.native_gate is not None else None
+    if native is not None and fuse_pointwise() and x.is_cpu:  # the factors derived inside each step's pass
+        grad_state = native.modlstm_backward_cpu(grad_y, acts, pre, cs, ns, c0, n0, keep, peep, dP, dP_raw,
+                                                 *WT.operand, dh, dc, dn, ln_w, ln_in, ln_stats, v.native_gate,
+                                                 coupled)
+    else:
+        factors = backward_factors(v, acts, pre, cs, ns, keep3, state, peep)
         if native is not None:
-            n_m = state[2:] if cell.exp else (None, None)
-            final = native.modlstm_forward(XP, *W.operand, keep, state[0], state[1], *n_m, *buffers, ln_w, ln_b, peep,
-                                           cell.native_gate, cell.coupled, fuse_pointwise())
+            grad_state = native.modlstm_backward(grad_y, *factors, dP, dP_raw, keep3, *WT.operand, dh, dc, dn,
+                                                 ln_w, ln_in, ln_stats)
         else:
-            final = forward_steps(cell, XP, W, keep, state, *buffers, ln_w, ln_b, peep)
-        ctx.cell = cell
-        ctx.save_for_backward(keep, x, w_x, w_h, ln_w, peep, acts, pre, cs, hs, ns, ln_in, ln_stats, *state)
-        return (hs.transpose(0, 1).contiguous(), *final)
+            grad_state = backward_steps(grad_y, *factors, dP, dP_raw, keep3, WT, dh, dc, dn, ln_w, ln_in, ln_stats)
+    dPf = dP_raw.view(T * B, G * H)
+    xt = x.transpose(0, 1).reshape(T * B, D)
+    grad_x = matmul(dPf, w_x.t()).view(T, B, D).transpose(0, 1)
+    grad_wx = dPf.T @ xt
+    grad_wh = dPf.T @ h_prev.reshape(T * B, H)
+    grad_bias = dPf.sum(0) if has_bias else x.new_empty(0)
+    grad_ln_w, grad_ln_b, grad_peep = x.new_empty(0), x.new_empty(0), x.new_empty(0)
+    if v.gate_norm:
+        hat = (ln_in - ln_stats[:, 0]) * ln_stats[:, 1]
+        grad_ln_w = (dP * hat).sum((0, 1))
+        grad_ln_b = dP.sum((0, 1))
+    if v.peepholes:
+        c_prev = previous(cs, c0, keep3)
+        rows = [(dP[:, :, k] * c_prev).sum((0, 1)) for k in range(G - 2)]  # i (and f) read c_{t-1}
+        rows.append((dP[:, :, G - 1] * cs).sum((0, 1)))  # o reads c_t
+        grad_peep = torch.stack(rows)
+    grad_state = [t.clone() for t in grad_state] + [x.new_empty(0) for _ in range(3 - len(grad_state))]
+    return grad_x, grad_wx, grad_wh, grad_bias, grad_ln_w, grad_ln_b, grad_peep, *grad_state
 
-    @staticmethod
-    def backward(ctx, grad_y, *grad_final):
-        cell: ModLSTM = ctx.cell
-        keep, x, w_x, w_h, ln_w, peep, acts, pre, cs, hs, ns, ln_in, ln_stats, *state = ctx.saved_tensors
-        T, B, G, H = acts.shape
-        D = x.shape[2]
-        grad_y = grad_y.transpose(0, 1)  # [T, B, H]
-        keep3 = keep[:, :, None] if keep is not None else None
-        h_prev = previous(hs, state[0], keep3)
-        WT = PackedLinear(w_h.T.contiguous(), B)  # dh_prev = dP_raw @ W_h
-        dP = torch.empty_like(acts)  # gradient at the gate inputs (after layer norm)
-        dP_raw = torch.empty_like(acts) if cell.gate_norm else dP
-        zeros = x.new_zeros(B, H)
-        dh = grad_final[0] if grad_final[0] is not None else zeros
-        dc = grad_final[1] if grad_final[1] is not None else zeros
-        dn = (grad_final[2] if grad_final[2] is not None else zeros) if cell.exp else None
-        native = loops() if cell.native_gate is not None else None
-        if native is not None and fuse_pointwise() and x.is_cpu:  # the factors derived inside each step's pass
-            grad_state = native.modlstm_backward_cpu(
-                grad_y, acts, pre, cs, ns, state[1], state[2] if cell.exp else None, keep, peep, dP, dP_raw,
-                *WT.operand, dh, dc, dn, ln_w, ln_in, ln_stats, cell.native_gate, cell.coupled)
-        else:
-            factors = backward_factors(cell, acts, pre, cs, ns, keep3, state, peep)
-            if native is not None:
-                grad_state = native.modlstm_backward(grad_y, *factors, dP, dP_raw, keep3, *WT.operand, dh, dc, dn,
-                                                     ln_w, ln_in, ln_stats)
-            else:
-                grad_state = backward_steps(grad_y, *factors, dP, dP_raw, keep3, WT, dh, dc, dn, ln_w, ln_in,
-                                            ln_stats)
-        dPf = dP_raw.view(T * B, G * H)
-        xt = x.transpose(0, 1).reshape(T * B, D)
-        grad_x = matmul(dPf, w_x.t()).view(T, B, D).transpose(0, 1)
-        grad_wx = dPf.T @ xt
-        grad_wh = dPf.T @ h_prev.reshape(T * B, H)
-        grad_bias = dPf.sum(0) if cell.bias is not None else None
-        grad_ln_w = grad_ln_b = None
-        if cell.gate_norm:
-            hat = (ln_in - ln_stats[:, 0]) * ln_stats[:, 1]
-            grad_ln_w = (dP * hat).sum((0, 1))
-            grad_ln_b = dP.sum((0, 1))
-        grad_peep = None
-        if cell.peepholes:
-            c_prev = previous(cs, state[1], keep3)
-            rows = [(dP[:, :, k] * c_prev).sum((0, 1)) for k in range(G - 2)]  # i (and f) read c_{t-1}
-            rows.append((dP[:, :, G - 1] * cs).sum((0, 1)))  # o reads c_t
-            grad_peep = torch.stack(rows)
-        grad_state = [*grad_state, None] if cell.exp else list(grad_state)  # m is a constant
-        return (None, None, grad_x, grad_wx, grad_wh, grad_bias, grad_ln_w, grad_ln_b, grad_peep, *grad_state)
+
+@modlstm_sequence_backward.register_fake
+def _(grad_y, dh, dc, dn, x, w_x, w_h, ln_w, peep, h0, c0, n0, keep, acts, pre, cs, hs, ns, ln_in, ln_stats, gate,
+      coupled, has_bias):
+    like = lambda t: torch.empty_like(t) if t is not None else x.new_empty(0)  # noqa: E731
+    G4 = w_x.shape[0]
+    T, B = acts.shape[:2]  # grad_x: a [B, T, D] view of a time-major tensor, as the kernel's
+    return (x.new_empty(T, B, x.shape[2]).transpose(0, 1), torch.empty_like(w_x), torch.empty_like(w_h),
+            x.new_empty(G4 if has_bias else 0),
+            like(ln_w), like(ln_w), like(peep), torch.empty_like(h0), torch.empty_like(c0), like(n0))
+
+
+def _some(t: Tensor) -> Optional[Tensor]:
+    return t if t.numel() else None
+
+
+def _save(ctx, inputs, output):
+    x, w_x, w_h, bias, ln_w, ln_b, peep, h0, c0, n0, m0, keep, gate, coupled = inputs
+    ctx.save_for_backward(x, w_x, w_h, ln_w, peep, h0, c0, n0, keep, *output[5:])
+    ctx.gate, ctx.coupled, ctx.has_bias = gate, coupled, bias is not None
+
+
+def _gradients(ctx, grad_y, grad_h, grad_c, grad_n, *_):
+    x, w_x, w_h, ln_w, peep, h0, c0, n0, keep, acts, pre, cs, hs, ns, ln_in, ln_stats = ctx.saved_tensors
+    zeros = lambda t: t if t is not None else torch.zeros_like(h0)  # noqa: E731
+    grad_y = grad_y if grad_y is not None else hs.new_zeros(x.shape[0], x.shape[1], hs.shape[2])
+    dn = zeros(grad_n) if n0 is not None else None
+    grads = modlstm_sequence_backward(grad_y, zeros(grad_h), zeros(grad_c), dn, x, w_x, w_h, ln_w, peep, h0, c0, n0,
+                                      keep, acts, _some(pre), cs, hs, _some(ns), _some(ln_in), _some(ln_stats),
+                                      ctx.gate, ctx.coupled, ctx.has_bias)
+    # m is a constant to differentiation; keep, gate and coupled have none
+    return (*(_some(g) for g in grads), None, None, None, None)
+
+
+modlstm_sequence.register_autograd(_gradients, setup_context=_save)
 
 
 # ---------------------------------------------------------------------- the time loops
 # The Python form of the kernel's two loops; rpt/models/cells/native/recurrent_loops.cpp is the same loops in
 # C++ (used when it is built and the gate is a built-in one), step for step.
 
-def forward_steps(cell: ModLSTM, XP, W: PackedLinear, keep, state, acts, pre, cs, hs, ns, ln_in, ln_stats,
+def forward_steps(cell: Variant, XP, W: PackedLinear, keep, state, acts, pre, cs, hs, ns, ln_in, ln_stats,
                   ln_w, ln_b, peep):
     """Run the recurrence over XP (the input projections, [T, B, G*H]), filling the buffers step by step;
     returns the state after the last step."""
@@ -292,7 +372,7 @@ def previous(xs, x0, keep3):
     return prev * keep3 if keep3 is not None else prev
 
 
-def backward_factors(cell: ModLSTM, acts, pre, cs, ns, keep3, state, peep):
+def backward_factors(cell: Variant, acts, pre, cs, ns, keep3, state, peep):
     """Everything of the backward that does not depend on its recurrence, for all steps at once:
         dP_o = dh * K_o;  dc += dh * K_c;  dP[dc-driven gates] = dc * K_dc (+ dn * K_dn);  dc_prev = dc * K_cc
     Returns (K_c, K_o, K_dc, K_cc, K_n, K_dn), the last two None but for the exponential gate. (The native loops'
