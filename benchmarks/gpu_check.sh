@@ -17,7 +17,7 @@
 # Parts, in order of what matters most if time runs out:
 #   1. probe: the GPU, torch, and the measured matmul peaks (fp32, tf32, bf16)
 #   2. tests/models on the GPU (RPT_TEST_DEVICE=cuda): every cell's fast path against its reference
-#   3. benchmarks/cells.py on the GPU (issue 3's table, generation memory)
+#   3. benchmarks/cells.py on the GPU (issue 3's table, generation memory); benchmarks/compiled_cells.py
 #   4. rpt train on the GPU: fp32, bf16 (with a profiled range), fp16 with loss scaling; exact resume
 #   5. throughput at a GPU-sized shape (lstm and mingru, bf16), and trainer overhead against a minimal loop
 set -u
@@ -84,6 +84,10 @@ fi
 if [ "$QUICK" = 1 ]; then CELLS_ARGS="--repeats 1 --gen-tokens 10,50 --device cpu"; else CELLS_ARGS="--repeats 3"; fi
 part cells 130 $PY benchmarks/cells.py $CELLS_ARGS
 grep -E "^\||matmul peak" "$WORK/cells.log" >>"$SUMMARY"
+
+# modlstm's fused kernel compiled whole with CUDA graphs (mode="reduce-overhead") against eager: its per-step launches
+part compiled-cells 90 $PY benchmarks/compiled_cells.py --device "$DEV" --repeats $([ "$QUICK" = 1 ] && echo 2 || echo 10)
+grep -E "^\|" "$WORK/compiled-cells.log" >>"$SUMMARY"
 
 part prepare 60 $PY -m rpt prepare --out data/stdlib
 RUNS=$WORK/runs
