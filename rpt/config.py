@@ -95,6 +95,7 @@ class TrainConfig:
     eval_tokens: int = 0  # tokens of a periodic validation; 0: the whole split (the final one always is)
     max_bad_steps: int = 25  # stop after this many optimiser steps in a row with non-finite gradients
     stall_timeout: float = 300.0  # seconds a rank may wait in one phase while others are elsewhere; 0: off
+    compile: str = ""  # torch.compile backend for each block ("inductor", ...); "": eager
 
 
 @dataclass
@@ -241,6 +242,13 @@ class Config:
             raise RptError(f"train.min_lr_ratio = {t.min_lr_ratio} is outside [0, 1]", "use e.g. 0.1")
         if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
             raise RptError(f"train.betas = {t.betas} must be two numbers in [0, 1)", "e.g. --set train.betas=[0.9,0.95]")
+        if t.compile:
+            import torch._dynamo
+
+            if t.compile not in torch._dynamo.list_backends(exclude_tags=()):  # debug backends included
+                raise RptError(f"train.compile = '{t.compile}' is not a torch.compile backend",
+                               f"use 'inductor' (or one of {', '.join(torch._dynamo.list_backends())}), 'aot_eager' "
+                               "to trace without generating code, or '' to run eagerly")
         if t.max_steps == 0 and t.max_tokens == 0 and t.max_time == 0:
             raise RptError("train.max_steps, train.max_tokens and train.max_time are all 0: the run would never end",
                            "set at least one budget, e.g. --set train.max_steps=1000")

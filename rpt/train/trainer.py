@@ -39,6 +39,7 @@ from rpt.data.stream import TokenStream
 from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
+from rpt.models.lm import compile_blocks
 from rpt.monitor.metrics import (PhaseClock, gate_saturation, gather_rows, memory_bytes, pack, state_rms,
                                  stragglers, unpack)
 from rpt.monitor.profile import StepProfiler
@@ -87,6 +88,8 @@ class Trainer:
         else:
             torch.manual_seed(t.seed)
             self.model = RecurrentLM(cfg.model).to(self.device)
+        if t.compile:
+            compile_blocks(self.model, t.compile)
         mesh = self.pipe.mesh if self.pipe else None
         self.dp_rank, self.dp_size = (mesh.dp_rank, mesh.dp) if mesh else (dist_info.rank, dist_info.world_size)
         # the interleaved schedule runs each virtual stage's forward and backward on its own: one DDP each

@@ -28,13 +28,15 @@ CELLS = {
     "modlstm-coupled-peep-hard": dict(cell="modlstm", coupled_gates=True, peepholes=True, gate="hard_sigmoid"),
     "mingru": dict(cell="mingru"),
     "minlstm": dict(cell="minlstm"),
+    "hybrid": dict(cell="modlstm", attention_every=2, attention_window=8, mlp_ratio=2),  # attention's state carried
 }
 
 
 @pytest.mark.parametrize("name", CELLS)
 def test_compiled_model_matches_eager_with_gradients(name):
-    """One graph (fullgraph) for every cell, with a reset inside the sequence and a carried state whose gradient
-    is checked too."""
+    """One graph (fullgraph) for every cell whose kernel takes the reset mask, with a reset inside the sequence and
+    a carried state whose gradient is checked too. lstm runs torch's LSTM between the reset columns, a cut that
+    depends on the mask's values: its graph breaks there (test below)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = RecurrentLM(ModelConfig(vocab_size=64, d_model=32, n_layers=2, **CELLS[name]))
@@ -56,10 +58,28 @@ def test_compiled_model_matches_eager_with_gradients(name):
     eager = outputs_and_grads(model)
     if CELLS[name]["cell"] in ("gru", "modlstm", "mingru", "minlstm") and shutil.which("g++"):
         assert native.loops() is not None, "the native loops did not build: this would test the Python loops"
-    compiled = outputs_and_grads(torch.compile(model, backend="aot_eager", fullgraph=True))
+    whole = CELLS[name]["cell"] != "lstm"
+    compiled = outputs_and_grads(torch.compile(model, backend="aot_eager", fullgraph=whole))
     assert len(compiled) == len(eager) > len(list(model.parameters())) + 1  # the state's gradients are compared
     for k, (a, b) in enumerate(zip(compiled, eager)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=f"tensor {k}")
+
+
+def test_a_compiled_lstm_reads_each_reset_mask():
+    """lstm cuts its sequence at the columns where a row resets, and remembers the last mask's columns (a GPU
+    reads them with a host sync). A compiled model must not take remembered columns as constants of its graph: it
+    did, and ran a new mask with the old cut (0.33 off in the logits)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = RecurrentLM(ModelConfig(cell="lstm", vocab_size=64, d_model=32, n_layers=2))
+    tokens = torch.randint(0, 64, (2, 16))
+    masks = [torch.zeros(2, 16, dtype=torch.bool) for _ in range(3)]
+    masks[0][1, 5] = masks[1][0, 9] = masks[2][1, 12] = True
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        model(tokens, None, masks[0])  # remembered by the eager call
+        for mask in masks:
+            torch.testing.assert_close(compiled(tokens, None, mask)[0], model(tokens, None, mask)[0])
 
 
 @pytest.mark.parametrize("name", ["gru", "modlstm", "modlstm-exp-norm", "modlstm-coupled-peep-hard"])

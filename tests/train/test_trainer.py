@@ -208,3 +208,29 @@ def test_a_pipeline_the_ranks_cannot_hold_is_refused(make_cfg, tmp_path, solo):
         make_cfg("parallel.pp=2", "train.grad_accum=2")
     with pytest.raises(RptError, match="parameter servers"):
         make_cfg("parallel.pp=2", "comm.mode=ps")
+
+
+@pytest.mark.parametrize("cell", ["lstm", "modlstm"])
+def test_compiled_blocks_train_as_eager_ones(make_cfg, tmp_path, solo, cell):
+    """train.compile compiles each block (fullgraph) in place: the same losses and parameters as eager (aot_eager
+    traces forward and backward as inductor does, without generating code), with the state carried across steps,
+    and the same parameter names, so checkpoints do not depend on it."""
+    trainers = []
+    for backend in ("", "aot_eager"):
+        torch._dynamo.reset()
+        trainer = Trainer(make_cfg(f"model.cell={cell}", "model.dropout=0", f"train.compile={backend}"),
+                          tmp_path / f"run-{backend or 'eager'}", solo, progress=False)
+        batch = trainer.loader.batch(0)
+        trainer.losses = [trainer.train_step(batch)[0].item() for _ in range(3)]
+        trainers.append(trainer)
+    eager, compiled = trainers
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled.model.blocks)
+    assert list(eager.model.state_dict()) == list(compiled.model.state_dict())
+    torch.testing.assert_close(torch.tensor(compiled.losses), torch.tensor(eager.losses), rtol=1e-5, atol=0)
+    for (name, a), b in zip(eager.model.named_parameters(), compiled.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-4, msg=name)  # Adam turns rounding into steps of up to lr
+
+
+def test_an_unknown_compile_backend_is_refused(make_cfg):
+    with pytest.raises(RptError, match="not a torch.compile backend"):
+        make_cfg("train.compile=fast")

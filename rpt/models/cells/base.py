@@ -108,6 +108,8 @@ def reset_columns(reset: torch.Tensor | None) -> list[int]:
     global _last_mask
     if reset is None:
         return []
+    if torch.compiler.is_compiling():  # the tracer would read the remembered columns as constants of its graph
+        return torch.nonzero(reset.any(dim=0)).flatten().tolist()
     if _last_mask[0]() is not reset:
         _last_mask = (weakref.ref(reset), torch.nonzero(reset.any(dim=0)).flatten().tolist())
     return _last_mask[1]
