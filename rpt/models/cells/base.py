@@ -108,18 +108,22 @@ def reset_columns(reset: torch.Tensor | None) -> list[int]:
     global _last_mask
     if reset is None:
         return []
-    if torch.compiler.is_compiling():  # the tracer would read the remembered columns as constants of its graph
-        return torch.nonzero(reset.any(dim=0)).flatten().tolist()
     if _last_mask[0]() is not reset:
         _last_mask = (weakref.ref(reset), torch.nonzero(reset.any(dim=0)).flatten().tolist())
     return _last_mask[1]
 
 
+@torch.compiler.disable
 def over_segments(run, x: torch.Tensor, state: State, reset: torch.Tensor | None):
     """Run a whole-sequence kernel that cannot reset mid-sequence (nn.LSTM, nn.GRU) between reset columns.
 
     The sequence is cut at every column where some row resets; documents are long next to a
     training window, so most batches are one or two segments.
+
+    Inside a compiled model this runs eagerly (a graph break): traced, torch's LSTM for training becomes
+    per-step products in place of oneDNN's kernel (the shakespeare model's step took twice as long), and the
+    cut would be read from the mask's values, which a graph cannot hold (the remembered columns of the last
+    mask became constants of the graph: a new mask ran with the old cut).
     """
     cols = reset_columns(reset)
     if not cols:
