@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,31 @@ def test_loops_that_fail_their_self_test_are_not_used(monkeypatch):
         native._built.clear()
     monkeypatch.undo()
     assert native.loops() is not None  # the real self-test passes
+
+
+def test_first_use_inside_a_checkpointed_forward():
+    """The loops are built and self-tested on first use, which in a fresh `rpt train` process with
+    model.activation_checkpointing is a block's forward under torch.utils.checkpoint: the self-test's tensors went
+    to the checkpoint's hooks, the test failed (the Python loops ran after a warning) and the step's recompute
+    then saved other tensors than its forward had (CheckpointError). The self-test now runs on its own thread."""
+    if native.loops() is None:
+        pytest.skip("the native loops are not built here")
+    torch.manual_seed(0)
+    cell = build_cell(ModelConfig(d_model=8, cell="mingru"))
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    y, _ = cell(x)
+    plain = torch.autograd.grad(y.square().sum(), [x, *cell.parameters()])
+    native._built.clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "could not be built" fails the test
+            y, _ = torch.utils.checkpoint.checkpoint(cell, x, use_reentrant=False)
+            checkpointed = torch.autograd.grad(y.square().sum(), [x, *cell.parameters()])
+        assert native._built.get("ops") is not None
+    finally:
+        native._built.clear()
+    for a, b in zip(checkpointed, plain):
+        torch.testing.assert_close(a, b)
 
 
 PORTABLE_CHECK = """

@@ -231,6 +231,8 @@ def test_compiled_blocks_train_as_eager_ones(make_cfg, tmp_path, solo, cell):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-4, msg=name)  # Adam turns rounding into steps of up to lr
 
 
-def test_an_unknown_compile_backend_is_refused(make_cfg):
+def test_an_unknown_compile_backend_and_compile_with_activation_checkpointing_are_refused(make_cfg):
     with pytest.raises(RptError, match="not a torch.compile backend"):
         make_cfg("train.compile=fast")
+    with pytest.raises(RptError, match="activation_checkpointing"):
+        make_cfg("train.compile=aot_eager", "model.activation_checkpointing=true")

@@ -27,6 +27,7 @@ import hashlib
 import os
 import shutil
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -109,16 +110,21 @@ def _register_shapes() -> None:
 
 def _self_test(ops) -> None:
     """Run every loop once on the CPU, oneDNN-packed weights included, before any cell relies on them: the C++
-    calls operators by schema, so a torch whose schemas differ fails here, at load, and not in a training step."""
+    calls operators by schema, so a torch whose schemas differ fails here, at load, and not in a training step.
+
+    On a thread of its own: the first use of the loops may come inside a caller's autograd context, such as a
+    block's forward under activation checkpointing, whose saved-tensor hooks (like grad mode and autocast) belong
+    to the caller's thread. Run there, this test's tensors went to the checkpoint, which then failed the test
+    and the run."""
     global _candidate
     from rpt.models.cells.gru import GRU
     from rpt.models.cells.minrnn import MinGRU, MinLSTM
     from rpt.models.cells.modlstm import ModLSTM
 
-    _candidate = ops  # what loops() hands the cells during the test
-    try:
-        with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad(), \
-                torch.autocast("cpu", enabled=False):
+    failures = []
+
+    def run_cells():
+        try:
             torch.manual_seed(0)
             for cell in (ModLSTM(8, gate_norm=True, peepholes=True), ModLSTM(8, gate="exp"), GRU(8), MinGRU(8),
                          MinLSTM(8)):
@@ -128,8 +134,19 @@ def _self_test(ops) -> None:
                 reset[0, 1] = True
                 y, _ = cell(x, None, reset)
                 y.sum().backward()
+        except BaseException as e:  # noqa: BLE001 (raised again on the caller's thread)
+            failures.append(e)
+
+    _candidate = ops  # what loops() hands the cells during the test
+    try:
+        with torch.random.fork_rng(devices=[]):  # the CPU generator is the process's
+            thread = threading.Thread(target=run_cells, name="rpt-native-self-test")
+            thread.start()
+            thread.join()
     finally:
         _candidate = None
+    if failures:
+        raise failures[0]
 
 
 def _ninja_bin_dir() -> str:
