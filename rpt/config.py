@@ -245,10 +245,6 @@ class Config:
         if t.compile:
             import torch._dynamo
 
-            if self.model.activation_checkpointing:  # torch.utils.checkpoint's recompute of a compiled block
-                raise RptError("train.compile with model.activation_checkpointing: the recompute of a compiled block "
-                               "does not save what its forward saved (torch's checkpoint around a compiled module)",
-                               "turn one of them off")
             if t.compile not in torch._dynamo.list_backends(exclude_tags=()):  # debug backends included
                 raise RptError(f"train.compile = '{t.compile}' is not a torch.compile backend",
                                f"use 'inductor' (or one of {', '.join(torch._dynamo.list_backends())}), 'aot_eager' "

@@ -13,7 +13,6 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from rpt.config import ModelConfig
 from rpt.errors import RptError
@@ -58,7 +57,7 @@ class RecurrentLM(nn.Module):
         """tokens: [B, T] int64; reset_mask: [B, T] bool (reset the state before reading that token)."""
         x = self.embed(tokens)
         state = state if state is not None else self.init_state(tokens.shape[0], tokens.device)
-        x, new_state = run_blocks(self.blocks, x, state, reset_mask, self.cfg.activation_checkpointing)
+        x, new_state = run_blocks(self.blocks, x, state, reset_mask)
         return self.head(self.norm(x)), new_state
 
     def step(self, token: torch.Tensor, state: list | None = None):
@@ -98,16 +97,11 @@ class RecurrentLM(nn.Module):
         return 3 * forward if training else forward
 
 
-def run_blocks(blocks, x: torch.Tensor, state: list, reset: torch.Tensor | None, recompute: bool = False):
-    """x through `blocks` in order, each with its entry of `state`; returns x and the new state. `recompute`
-    (model.activation_checkpointing): each block keeps only its inputs for backward and runs its forward again
-    there (torch.utils.checkpoint, non-reentrant: custom autograd functions and the RNG of dropout replay)."""
+def run_blocks(blocks, x: torch.Tensor, state: list, reset: torch.Tensor | None):
+    """x through `blocks` in order, each with its entry of `state`; returns x and the new state."""
     new = []
     for block, s in zip(blocks, state):
-        if recompute and torch.is_grad_enabled():
-            x, s = checkpoint(block, x, s, reset, use_reentrant=False)
-        else:
-            x, s = block(x, s, reset)
+        x, s = block(x, s, reset)
         new.append(s)
     return x, new
 

@@ -153,7 +153,7 @@ class Chunk(nn.Module):
         if self.embed is not None:
             x = self.embed(x)
         state = state if state is not None else [b.init_state(x.shape[0], x.device) for b in self.blocks.values()]
-        x, new = run_blocks(self.blocks.values(), x, state, reset, self.owner.cfg.activation_checkpointing)
+        x, new = run_blocks(self.blocks.values(), x, state, reset)
         if self.head is not None:
             x = self.head(self.norm(x)).float()
         return x, new

@@ -128,6 +128,7 @@ def activation_bytes_per_token(cfg: Config, block_index: int) -> float:
         small = copy.copy(m)
         small.d_model = width
         small.d_hidden = m.d_hidden * width // m.d_model if m.d_hidden else 0
+        small.activation_checkpointing = False  # what the block saves when it runs in full
         block = Block(small, block_index)
         saved = []
         x = torch.randn(1, T, width, requires_grad=True)

@@ -210,15 +210,17 @@ def test_a_pipeline_the_ranks_cannot_hold_is_refused(make_cfg, tmp_path, solo):
         make_cfg("parallel.pp=2", "comm.mode=ps")
 
 
-@pytest.mark.parametrize("cell", ["lstm", "modlstm"])
-def test_compiled_blocks_train_as_eager_ones(make_cfg, tmp_path, solo, cell):
-    """train.compile compiles each block (fullgraph) in place: the same losses and parameters as eager (aot_eager
-    traces forward and backward as inductor does, without generating code), with the state carried across steps,
-    and the same parameter names, so checkpoints do not depend on it."""
+@pytest.mark.parametrize("cell,recompute", [("lstm", False), ("modlstm", False), ("mingru", True), ("lstm", True)])
+def test_compiled_blocks_train_as_eager_ones(make_cfg, tmp_path, solo, cell, recompute):
+    """train.compile compiles each block in place: the same losses and parameters as eager (aot_eager traces
+    forward and backward as inductor does, without generating code), with the state carried across steps, with
+    activation checkpointing inside the compiled block too, and the same parameter names, so checkpoints do not
+    depend on it."""
     trainers = []
     for backend in ("", "aot_eager"):
         torch._dynamo.reset()
-        trainer = Trainer(make_cfg(f"model.cell={cell}", "model.dropout=0", f"train.compile={backend}"),
+        trainer = Trainer(make_cfg(f"model.cell={cell}", "model.dropout=0", f"train.compile={backend}",
+                                   f"model.activation_checkpointing={str(recompute).lower()}"),
                           tmp_path / f"run-{backend or 'eager'}", solo, progress=False)
         batch = trainer.loader.batch(0)
         trainer.losses = [trainer.train_step(batch)[0].item() for _ in range(3)]
@@ -231,8 +233,6 @@ def test_compiled_blocks_train_as_eager_ones(make_cfg, tmp_path, solo, cell):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-4, msg=name)  # Adam turns rounding into steps of up to lr
 
 
-def test_an_unknown_compile_backend_and_compile_with_activation_checkpointing_are_refused(make_cfg):
+def test_an_unknown_compile_backend_is_refused(make_cfg):
     with pytest.raises(RptError, match="not a torch.compile backend"):
         make_cfg("train.compile=fast")
-    with pytest.raises(RptError, match="activation_checkpointing"):
-        make_cfg("train.compile=aot_eager", "model.activation_checkpointing=true")
