@@ -130,8 +130,7 @@ def gru_sequence_backward(grad_y: Tensor, grad_h: Tensor, x: Tensor, w_ih: Tenso
 def _(grad_y, grad_h, x, w_ih, w_hh, h0, keep, HP, gates, hs):
     T, B, _, _ = gates.shape  # grad_x: a [B, T, D] view of a time-major tensor, as the kernel's
     return (x.new_empty(T, B, x.shape[2]).transpose(0, 1), torch.empty_like(w_ih), torch.empty_like(w_hh),
-            w_ih.new_empty(w_ih.shape[0]),
-            w_hh.new_empty(w_hh.shape[0]), torch.empty_like(h0))
+            w_ih.new_empty(w_ih.shape[0]), w_hh.new_empty(w_hh.shape[0]), torch.empty_like(h0))
 
 
 def _save(ctx, inputs, output):

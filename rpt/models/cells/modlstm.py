@@ -276,8 +276,8 @@ def _(grad_y, dh, dc, dn, x, w_x, w_h, ln_w, peep, h0, c0, n0, keep, acts, pre, 
     G4 = w_x.shape[0]
     T, B = acts.shape[:2]  # grad_x: a [B, T, D] view of a time-major tensor, as the kernel's
     return (x.new_empty(T, B, x.shape[2]).transpose(0, 1), torch.empty_like(w_x), torch.empty_like(w_h),
-            x.new_empty(G4 if has_bias else 0),
-            like(ln_w), like(ln_w), like(peep), torch.empty_like(h0), torch.empty_like(c0), like(n0))
+            x.new_empty(G4 if has_bias else 0), like(ln_w), like(ln_w), like(peep), torch.empty_like(h0),
+            torch.empty_like(c0), like(n0))
 
 
 def _some(t: Tensor) -> Optional[Tensor]:
