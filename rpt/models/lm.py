@@ -109,8 +109,8 @@ def run_blocks(blocks, x: torch.Tensor, state: list, reset: torch.Tensor | None)
 def compile_blocks(model: nn.Module, backend: str) -> None:
     """torch.compile each block of `model` (a whole model or a pipeline stage) in place. Per block, as torchtitan
     does: blocks of one shape share their compiled code, and the embedding, head and loss stay eager. In place, so
-    parameter names and checkpoints are the eager model's. Graph breaks are allowed: every cell traces whole,
-    but lstm (and gru on a GPU) runs torch's kernel between reset columns, which depend on the mask's values."""
+    parameter names and checkpoints are the eager model's. Graph breaks are allowed: rpt's kernels trace whole,
+    but lstm (and gru on a GPU) runs torch's own kernel eagerly inside the block (cells/base.py, over_segments)."""
     for module in model.modules():
         if isinstance(module, Block):
             module.compile(backend=backend)

@@ -203,7 +203,7 @@ def modlstm_sequence(x: Tensor, w_x: Tensor, w_h: Tensor, bias: Optional[Tensor]
                                        v.native_gate, coupled, fuse_pointwise())
     else:
         final = forward_steps(v, XP, W, keep, state, *buffers, ln_w, ln_b, peep)
-    final = [t.clone() for t in final] + [x.new_empty(0) for _ in range(4 - len(final))]  # no views of the buffers
+    final = [t.clone() for t in final] + [x.new_empty(0) for _ in range(4 - len(final))]  # not views of buffers
     y = hs.transpose(0, 1).clone(memory_format=torch.contiguous_format)
     return y, *final, *(t if t is not None else x.new_empty(0) for t in buffers)
 
@@ -363,7 +363,7 @@ def forward_steps(cell: Variant, XP, W: PackedLinear, keep, state, acts, pre, cs
         h = torch.mul(a[:, G - 1], torch.tanh(c), out=h_out)
         if pre is not None:
             pre[t] = P
-    return (h.clone(), c.clone(), n.clone(), m) if cell.exp else (h.clone(), c.clone())  # not views of saved buffers
+    return (h, c, n, m) if cell.exp else (h, c)  # (views of the buffers: the operator copies them)
 
 
 def previous(xs, x0, keep3):

@@ -340,10 +340,10 @@ std::vector<Tensor> modlstm_forward(
       pre->select(0, t).copy_(P);
     }
   }
-  if (exp_gate) {
-    return {h.clone(), c.clone(), n.clone(), m};
+  if (exp_gate) {  // views of the buffers: modlstm_sequence copies them
+    return {h, c, n, m};
   }
-  return {h.clone(), c.clone()};
+  return {h, c};
 }
 
 // ModLSTMFunction.backward's loop over factors K_* precomputed for all steps (backward_factors in modlstm.py), as
