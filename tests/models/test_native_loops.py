@@ -1,13 +1,14 @@
 """The C++ time loops (rpt.models.cells.native) against the Python loops they replace.
 
 test_cells.py checks both forms against the cells' sequential references in float64. Here: they are
-built wherever a compiler is; in float32 (where the per-step product runs on the oneDNN-packed weight)
+built wherever a compiler is; in float32 (with either per-step product: rpt's small-batch one, oneDNN's)
 their outputs, final state and every gradient are as close to float64 as the Python loops'; and where
 the build fails, the cells still run, on the Python loops, after a warning that says why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
@@ -21,7 +22,7 @@ import torch
 
 from rpt.config import ModelConfig
 from rpt.models.block import build_cell
-from rpt.models.cells import native
+from rpt.models.cells import native, packed_linear
 
 VARIANTS = {
     "modlstm": dict(cell="modlstm"),
@@ -45,23 +46,40 @@ def test_built_wherever_a_compiler_is():
     assert native.loops() is not None, "g++ is here but the native loops did not build (see the warning)"
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "aten-steps"])
-@pytest.mark.parametrize("name", VARIANTS)
-def test_native_loops_as_accurate_as_python_loops_in_float32(name, fused):
-    """In float32 both forms round differently (ATen's vectorised kernels fuse some multiply-adds): each is
-    measured against the same computation in float64, and the native loops may not be less accurate. Both
-    forms of the native steps: fused into one pass (the CPU's) and as ATen ops (what a GPU runs)."""
+def test_the_loops_split_work_on_torchs_threads():
+    """ATen's at::parallel_for is a header template: compiled without -fopenmp it runs its whole range on the
+    calling thread, and min_scan's and small_batch_product's splits across threads ran on one until compile_flags
+    added the flag. Where torch runs its threads on OpenMP (Linux builds), the loops must call into it."""
     if native.loops() is None:
         pytest.skip("the native loops are not built here")
-    if not fused:
-        with native.unfused_steps():
-            return test_native_loops_as_accurate_as_python_loops_in_float32(name, True)
+    if not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch's threads are not OpenMP's here")
+    library = native.build_directory() / f"{native.NAME}.so"
+    assert b"GOMP_parallel" in library.read_bytes(), "the loops were built without OpenMP: one thread"
+
+
+@pytest.mark.parametrize("product", ["small-batch", "onednn"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "aten-steps"])
+@pytest.mark.parametrize("name", VARIANTS)
+def test_native_loops_as_accurate_as_python_loops_in_float32(name, fused, product, monkeypatch):
+    """In float32 both forms round differently (ATen's vectorised kernels fuse some multiply-adds): each is
+    measured against the same computation in float64, and the native loops may not be less accurate. Both
+    forms of the native steps: fused into one pass (the CPU's) and as ATen ops (what a GPU runs); and either
+    per-step product of gru and modlstm: rpt's small-batch one (3 rows: a pair and a single row) and oneDNN's."""
+    if native.loops() is None:
+        pytest.skip("the native loops are not built here")
+    if product == "onednn" and not packed_linear._packed_available():
+        pytest.skip("torch has no oneDNN linear here")
+    layouts = []  # of every per-step product the native run makes
+    made = packed_linear.PackedLinear.__init__
+    monkeypatch.setattr(packed_linear.PackedLinear, "__init__",
+                        lambda self, *a: made(self, *a) or layouts.append(self.operand[1]))
     torch.manual_seed(0)
     cell = build_cell(ModelConfig(d_model=16, **VARIANTS[name]))
     with torch.no_grad():
         for p in cell.parameters():
             p.add_(0.2 * torch.randn_like(p))
-    B, T = 2, 33
+    B, T = 3, 33
     x = torch.randn(B, T, 16)
     state = [torch.randn(B, n) * 0.5 for n in cell.state_sizes()]
     if getattr(cell, "exp", False):  # a positive normaliser, a small stabiliser
@@ -69,7 +87,14 @@ def test_native_loops_as_accurate_as_python_loops_in_float32(name, fused):
     reset = torch.zeros(B, T, dtype=torch.bool)
     reset[1, 7] = reset[0, 20] = True
     w = torch.randn(B, T, 16)
-    got = run(cell, x, state, reset, w)
+    with contextlib.ExitStack() as forms:
+        if not fused:
+            forms.enter_context(native.unfused_steps())
+        if product == "onednn":
+            forms.enter_context(packed_linear.onednn_products())
+        got = run(cell, x, state, reset, w)
+    expected = [] if VARIANTS[name]["cell"].startswith("min") else [2 if product == "small-batch" else 1] * 2
+    assert layouts == expected, "the per-step products ran in another layout than the one under test"
     with native.python_loops():
         python = run(cell, x, state, reset, w)
         exact = run(copy.deepcopy(cell).double(), x.double(), [s.double() for s in state], reset, w.double())
@@ -185,7 +210,7 @@ PORTABLE_CHECK = """
 import sys, torch
 from rpt.models.cells import native
 from tests.models.test_native_loops import portable_case_outputs
-assert native.compile_flags() == ["-O3"], native.compile_flags()
+assert not any("avx" in flag.lower() for flag in native.compile_flags()), native.compile_flags()
 assert native.loops() is not None, "the portable build failed"
 torch.save(portable_case_outputs(), sys.argv[1])
 """

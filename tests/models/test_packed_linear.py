@@ -1,4 +1,4 @@
-"""The oneDNN products of rpt/models/cells/packed_linear.py against float64 F.linear.
+"""The products of rpt/models/cells/packed_linear.py (oneDNN's; rpt's small-batch one) against float64.
 
 `linear` takes the oneDNN path only for large float32 CPU products, which the float64 parity tests of the
 cells never reach: here it is checked on its own, output and every gradient, and its fallbacks are checked to
@@ -96,3 +96,42 @@ def test_fused_cells_sequence_products_on_onednn_as_accurate_as_mkl(name, monkey
         scale = ref.abs().max().item()
         e_onednn, e_plain = ((a - ref).abs().max() / scale).item(), ((p - ref).abs().max() / scale).item()
         assert e_onednn <= 3 * e_plain + 1e-6, f"{name} output {k}: oneDNN {e_onednn:.2e}, default GEMM {e_plain:.2e}"
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 300, 100), (2, 64, 32), (3, 40, 8), (5, 1000, 33), (8, 96, 192)])
+def test_small_batch_product_matches_float64(rows, n, k):
+    """rpt's small-batch product (native/small_batch_product.cpp) on every path: pairs of rows and a last single
+    row, a width that ends inside a group of 32 columns, with and without the added term (here a strided view,
+    as a step's slice of the sequence's input projection is), as accurate as torch's own GEMM."""
+    from rpt.models.cells import native
+
+    if native.loops() is None:
+        pytest.skip("the native loops are not built here")
+    torch.manual_seed(0)
+    w, h = torch.randn(n, k), torch.randn(rows, k)
+    add = torch.randn(rows, 2, n)[:, 1]  # row stride 2n
+    W = packed_linear.PackedLinear(w, rows)
+    assert W.operand[1] == 2, "a small product did not take the small-batch layout"
+    exact = h.double() @ w.double().T
+    for got, plain, ref in ((W(h), h @ w.T, exact), (W(h, add), torch.addmm(add, h, w.T), exact + add.double())):
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        scale = ref.abs().max().item()
+        e_ours, e_plain = ((got - ref).abs().max() / scale).item(), ((plain - ref).abs().max() / scale).item()
+        assert e_ours <= 3 * e_plain + 1e-6, f"small-batch {e_ours:.2e}, addmm {e_plain:.2e}"
+
+
+def test_few_rows_or_a_cached_weight_take_the_small_batch_product():
+    """The layout rule: two rows always; more while the weight read once per pair of rows stays within
+    SMALL_BATCH_TRAFFIC; oneDNN beyond, and inside onednn_products()."""
+    from rpt.models.cells import native
+
+    if native.loops() is None or not packed_linear._packed_available():
+        pytest.skip("needs the native loops and oneDNN")
+    big, small = torch.randn(2048, 512), torch.randn(768, 192)  # 4 MiB, 0.56 MiB
+    assert packed_linear.PackedLinear(big, 2).operand[1] == 2
+    assert packed_linear.PackedLinear(big, 3).operand[1] == 1
+    assert packed_linear.PackedLinear(small, 14).operand[1] == 2  # 7 passes x 0.56 MiB
+    assert packed_linear.PackedLinear(small, 16).operand[1] == 1
+    with packed_linear.onednn_products():
+        assert packed_linear.PackedLinear(big, 2).operand[1] == 1
+    assert packed_linear.PackedLinear(big.double(), 2).operand[1] == 0

@@ -1,12 +1,15 @@
-"""Matrix products on oneDNN with a packed weight, where the CPU runs them faster than torch's default GEMM.
+"""Matrix products in the weight layouts the CPU runs fastest, where torch's default GEMM is slow.
 
 `PackedLinear`: h @ W.T (+ add) for the small-batch products inside a recurrent loop.
 
 Inside a time loop the product is [B, H] x [H, 4H] with B as small as 1 or 2: on the build
 machine's CPU, torch's default (MKL) GEMM runs it about 3x slower than oneDNN with the weight
 packed once per sequence (measured: 57 us vs 171 us at B=2, H=512; 186 us vs 296 us at B=16).
-The packed path uses the oneDNN ops that torch's own inductor CPU backend calls; where they are
-missing, or off the CPU, or not float32, this falls back to addmm, so results never depend on it.
+With the fewest rows rpt's own product (native/small_batch_product.cpp) beats oneDNN in turn, whose every
+call pays a fixed ~18 us (in a time loop 34-40 us vs 58-67 us at B=2, H=512; 5.5 vs 23 at B=2, H=192):
+PackedLinear packs the weight for it when the native loops are built and the rows are few. The oneDNN path uses the ops that torch's
+own inductor CPU backend calls; where they are missing, or off the CPU, or not float32, this falls back to
+addmm, so results never depend on either.
 
 `linear(x, weight, bias)`: F.linear for the sequence-sized projections of the scan cells. Its forward and
 input-gradient products, on oneDNN with the weight packed at each call, ran 10-20% faster than MKL one by one
@@ -20,8 +23,12 @@ which call them outside autograd.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+
+from rpt.models.cells import native
 
 MIN_ROWS = 1024  # below this many rows packing the weight at each call costs more than it saves
 
@@ -30,29 +37,54 @@ def _packed_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-class PackedLinear:
-    def __init__(self, weight: torch.Tensor, batch: int):
-        self.weight = weight
-        self.packed = None
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and _packed_available():
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch)
-            except RuntimeError:
-                self.packed = None
+# Few rows and a small enough W: rpt's own product (native/small_batch_product.cpp) reads W once per pair of rows of
+# h, faster than oneDNN while that traffic stays within this (the crossover measured on the build machine).
+SMALL_BATCH_TRAFFIC = 4 << 20  # bytes
+_small_batch = True
 
-    @property
-    def operand(self) -> tuple[torch.Tensor, bool]:
-        """(packed weight, True) or (plain weight, False): what the native loops (rpt.models.cells.native) take."""
-        return (self.packed, True) if self.packed is not None else (self.weight, False)
+
+class PackedLinear:
+    """h @ W.T (+ add) in the layout that suits `batch` rows: 2, rpt's small-batch product (the native loops
+    must be built); 1, oneDNN's reordered weight; 0, the plain weight (addmm: off the CPU, other dtypes)."""
+
+    def __init__(self, weight: torch.Tensor, batch: int):
+        self.weight, self.operand = weight, (weight, 0)
+        self.ops = None
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return
+        ops = native.loops()
+        few = batch <= 2 or (batch + 1) // 2 * weight.nbytes <= SMALL_BATCH_TRAFFIC
+        if ops is not None and few and _small_batch:
+            self.ops, self.operand = ops, (ops.pack_for_small_batch(weight.detach()), 2)
+        elif _packed_available():
+            try:
+                self.operand = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch), 1)
+            except RuntimeError:
+                pass
 
     def __call__(self, h: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is not None:
+        w, layout = self.operand
+        if layout == 2:
+            return self.ops.small_batch_product(h, w, self.weight.shape[0], add)
+        if layout == 1:
             if add is None:
-                return torch.ops.mkldnn._linear_pointwise(h, self.packed, None, "none", [], "")
-            return torch.ops.mkldnn._linear_pointwise.binary(h, add, self.packed, None, "add")
+                return torch.ops.mkldnn._linear_pointwise(h, w, None, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise.binary(h, add, w, None, "add")
         if add is None:
             return h @ self.weight.T
         return torch.addmm(add, h, self.weight.T)
+
+
+@contextlib.contextmanager
+def onednn_products():
+    """Inside this block PackedLinear leaves rpt's small-batch product out (for the native loops' self-test and
+    the tests, which check the loops with either product)."""
+    global _small_batch
+    before, _small_batch = _small_batch, False
+    try:
+        yield
+    finally:
+        _small_batch = before
 
 
 def _on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:

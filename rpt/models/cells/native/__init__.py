@@ -1,14 +1,15 @@
 """The time loops of the fused recurrent kernels (modlstm, gru; minGRU and minLSTM on the CPU) in C++,
 compiled once per machine.
 
-Why our own C++: at small batch each step of these loops is one small matrix product (~55 us at B=2,
+Why our own C++: at small batch each step of these loops is one small matrix product (~30-55 us at B=2,
 H=512 on the build machine) and 6-10 small elementwise ops. Called from Python, each op costs 5-8 us of
 dispatch, so the loop spends as long in the interpreter as in the product; the same ATen ops called from
 C++ cost 1-2 us each. torch.compile would unroll the T steps of the loop (and TorchScript is deprecated),
 and no library offers these cells' loops. `recurrent_loops.cpp` is the Python loops of modlstm.py and
-gru.py step for step on the same buffers: the products are the same oneDNN calls, and on the CPU each step's
-elementwise part is one pass of the same arithmetic (tests/models/test_native_loops.py holds the two forms
-equally close to float64). `min_scan.cpp` is the other
+gru.py step for step on the same buffers: each step's product is PackedLinear's, and on the CPU each
+step's elementwise part is one pass of the same arithmetic (tests/models/test_native_loops.py holds the two
+forms equally close to float64). `small_batch_product.cpp` is the per-step product for few rows, where
+oneDNN's fixed cost per call dominated (why: its header). `min_scan.cpp` is the other
 kind: minGRU's and minLSTM's linear recurrence in one raw pass over memory each way, where the ATen form
 (the chunked scan of rpt/models/scan.py) makes many (why: its header).
 
@@ -33,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("recurrent_loops.cpp", "min_scan.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("recurrent_loops.cpp", "small_batch_product.cpp", "min_scan.cpp")]
 NAME = "rpt_recurrent_loops"
 _use = True
 _fuse = True
@@ -41,11 +43,16 @@ _candidate = None  # the loops while their self-test runs
 
 
 def compile_flags() -> list[str]:
-    """-O3, and AVX2 with FMA where this CPU has them (the vector type of ATen's headers then uses them). The flags
-    are part of the build folder's name: a cache shared by machines of different CPUs keeps one build for each."""
+    """-O3; AVX2 with FMA where this CPU has them (the vector type of ATen's headers then uses them); OpenMP where
+    torch runs its threads on it (Linux): without -fopenmp, ATen's header-only at::parallel_for runs its whole range
+    on the calling thread, and min_scan's and small_batch_product's splits across threads ran on one (the OpenMP
+    runtime is torch's own libgomp, already loaded). The flags are part of the build folder's name: a cache shared
+    by machines of different CPUs keeps one build for each."""
     flags = ["-O3"]
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info():
+        flags += ["-fopenmp"]
     return flags
 
 
@@ -109,8 +116,9 @@ def _register_shapes() -> None:
 
 
 def _self_test(ops) -> None:
-    """Run every loop once on the CPU, oneDNN-packed weights included, before any cell relies on them: the C++
-    calls operators by schema, so a torch whose schemas differ fails here, at load, and not in a training step.
+    """Run every loop once on the CPU, with either per-step product (rpt's small-batch one, oneDNN's), before any
+    cell relies on them: the C++ calls oneDNN's operators by schema, so a torch whose schemas differ fails here,
+    at load, and not in a training step.
 
     On a thread of its own: the first use of the loops may come inside a caller's autograd context, such as a
     block's forward under activation checkpointing, whose saved-tensor hooks (like grad mode and autocast) belong
@@ -120,20 +128,23 @@ def _self_test(ops) -> None:
     from rpt.models.cells.gru import GRU
     from rpt.models.cells.minrnn import MinGRU, MinLSTM
     from rpt.models.cells.modlstm import ModLSTM
+    from rpt.models.cells.packed_linear import onednn_products
 
     failures = []
 
     def run_cells():
         try:
             torch.manual_seed(0)
-            for cell in (ModLSTM(8, gate_norm=True, peepholes=True), ModLSTM(8, gate="exp"), GRU(8), MinGRU(8),
-                         MinLSTM(8)):
-                cell = cell.to("cpu")
-                x = torch.randn(2, 3, 8, device="cpu", requires_grad=True)
-                reset = torch.zeros(2, 3, dtype=torch.bool, device="cpu")
-                reset[0, 1] = True
-                y, _ = cell(x, None, reset)
-                y.sum().backward()
+            for onednn in (False, True):
+                with onednn_products() if onednn else contextlib.nullcontext():
+                    for cell in (ModLSTM(8, gate_norm=True, peepholes=True), ModLSTM(8, gate="exp"), GRU(8),
+                                 MinGRU(8), MinLSTM(8)):
+                        cell = cell.to("cpu")
+                        x = torch.randn(2, 3, 8, device="cpu", requires_grad=True)
+                        reset = torch.zeros(2, 3, dtype=torch.bool, device="cpu")
+                        reset[0, 1] = True
+                        y, _ = cell(x, None, reset)
+                        y.sum().backward()
         except BaseException as e:  # noqa: BLE001 (raised again on the caller's thread)
             failures.append(e)
 

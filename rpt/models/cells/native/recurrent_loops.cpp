@@ -26,6 +26,11 @@
 #include <optional>
 #include <vector>
 
+namespace rpt_native {
+at::Tensor small_batch_product(const at::Tensor& x, const at::Tensor& P, int64_t N,
+                               const std::optional<at::Tensor>& add);  // small_batch_product.cpp
+}
+
 namespace {
 
 using at::Tensor;
@@ -214,10 +219,14 @@ void gru_step(const scalar_t* xp, const scalar_t* hp, const scalar_t* h, scalar_
   }
 }
 
-// h @ W^T (+ add). `packed`: W was reordered for oneDNN by PackedLinear (rpt/models/cells/packed_linear.py),
-// whose ops these are; otherwise W is the plain [N, H] weight and this is addmm.
-Tensor project(const Tensor& h, const OptTensor& add, const Tensor& w, bool packed) {
-  if (packed) {
+// h @ W^T (+ add), n = W's rows, with W in the layout PackedLinear (rpt/models/cells/packed_linear.py) chose:
+// 0 the plain [n, H] weight (addmm), 1 reordered for oneDNN (whose ops these are), 2 grouped for
+// small_batch_product (small_batch_product.cpp: few rows).
+Tensor project(const Tensor& h, const OptTensor& add, const Tensor& w, int64_t layout, int64_t n) {
+  if (layout == 2) {
+    return rpt_native::small_batch_product(h, w, n, add);
+  }
+  if (layout == 1) {
     if (add) {
       static auto binary = c10::Dispatcher::singleton()
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
@@ -239,7 +248,7 @@ Tensor project(const Tensor& h, const OptTensor& add, const Tensor& w, bool pack
 // for the sigmoid and exponential gates (native.unfused_steps() turns it off, so that the tests check the ATen
 // form a GPU runs).
 std::vector<Tensor> modlstm_forward(
-    const Tensor& XP, const Tensor& w, bool packed, const OptTensor& keep, Tensor h, Tensor c, OptTensor n_in,
+    const Tensor& XP, const Tensor& w, int64_t layout, const OptTensor& keep, Tensor h, Tensor c, OptTensor n_in,
     OptTensor m_in, const Tensor& acts, const OptTensor& pre, const Tensor& cs, const Tensor& hs,
     const OptTensor& ns, const OptTensor& ln_in, const OptTensor& ln_stats, const OptTensor& ln_w,
     const OptTensor& ln_b, const OptTensor& peep, int64_t gate, bool coupled, bool fuse) {
@@ -261,7 +270,7 @@ std::vector<Tensor> modlstm_forward(
         m = m * kt;
       }
     }
-    Tensor P = project(h, XP.select(0, t), w, packed).view({B, G, H});
+    Tensor P = project(h, XP.select(0, t), w, layout, G * H).view({B, G, H});
     if (ln_w && fused) {  // the "else" below in one pass
       Tensor normed = at::empty_like(P), Pc = P.contiguous(), w_c = ln_w->contiguous(), b_c = ln_b->contiguous();
       AT_DISPATCH_FLOATING_TYPES(P.scalar_type(), "modlstm_gate_norm", [&] {
@@ -352,7 +361,7 @@ std::vector<Tensor> modlstm_forward(
 std::vector<Tensor> modlstm_backward(
     const Tensor& grad_y, const Tensor& K_c, const Tensor& K_o, const Tensor& K_dc, const Tensor& K_cc,
     const OptTensor& K_n, const OptTensor& K_dn, const Tensor& dP, const Tensor& dP_raw, const OptTensor& keep3,
-    const Tensor& wT, bool packed, Tensor dh, Tensor dc, OptTensor dn_in, const OptTensor& ln_w,
+    const Tensor& wT, int64_t layout, Tensor dh, Tensor dc, OptTensor dn_in, const OptTensor& ln_w,
     const OptTensor& ln_in, const OptTensor& ln_stats) {
   const int64_t T = dP.size(0), B = dP.size(1), G = dP.size(2), H = dP.size(3);
   const bool exp_gate = K_n.has_value();
@@ -376,7 +385,7 @@ std::vector<Tensor> modlstm_backward(
           {true, false, false})));
     }
     dc = dc * K_cc.select(0, t);
-    dh = project(dp_raw.view({B, G * H}), std::nullopt, wT, packed);
+    dh = project(dp_raw.view({B, G * H}), std::nullopt, wT, layout, H);
     if (keep3) {
       dh = dh * keep3->select(0, t);
     }
@@ -400,7 +409,7 @@ std::vector<Tensor> modlstm_backward(
 std::vector<Tensor> modlstm_backward_cpu(
     const Tensor& grad_y, const Tensor& acts, const OptTensor& pre, const Tensor& cs, const OptTensor& ns,
     const Tensor& c0, const OptTensor& n0, const OptTensor& keep, const OptTensor& peep, const Tensor& dP,
-    const Tensor& dP_raw, const Tensor& wT, bool packed, Tensor dh, Tensor dc, OptTensor dn_in,
+    const Tensor& dP_raw, const Tensor& wT, int64_t layout, Tensor dh, Tensor dc, OptTensor dn_in,
     const OptTensor& ln_w, const OptTensor& ln_in, const OptTensor& ln_stats, int64_t gate, bool coupled) {
   const int64_t T = dP.size(0), B = dP.size(1), G = dP.size(2), H = dP.size(3);
   const bool exp_gate = gate < 0;
@@ -502,7 +511,7 @@ std::vector<Tensor> modlstm_backward_cpu(
                             B, G, H);
       }
     });
-    Tensor dh_prev = project(dp_raw.view({B, G * H}), std::nullopt, wT, packed);
+    Tensor dh_prev = project(dp_raw.view({B, G * H}), std::nullopt, wT, layout, H);
     dh.copy_(keep ? dh_prev * keep_c.select(0, t).unsqueeze(1) : dh_prev);
   }
   if (exp_gate) {
@@ -513,7 +522,7 @@ std::vector<Tensor> modlstm_backward_cpu(
 
 // GRUFunction.forward's loop; fills HP (h W_hh^T + b_hh), gates (r, z, n) and hs. Returns the last h.
 // `fuse`: as for modlstm_forward.
-Tensor gru_forward(const Tensor& XP, const Tensor& w, bool packed, const Tensor& bias, const OptTensor& keep,
+Tensor gru_forward(const Tensor& XP, const Tensor& w, int64_t layout, const Tensor& bias, const OptTensor& keep,
                    Tensor h, const Tensor& HP, const Tensor& gates, const Tensor& hs, bool fuse) {
   const int64_t T = gates.size(0), B = gates.size(1), H = gates.size(3);
   const bool fused = fuse && gates.is_cpu() && XP.is_contiguous() && HP.is_contiguous() && gates.is_contiguous() &&
@@ -523,7 +532,7 @@ Tensor gru_forward(const Tensor& XP, const Tensor& w, bool packed, const Tensor&
       h = h * keep->select(0, t).unsqueeze(1);
     }
     Tensor xp = XP.select(0, t), hp = HP.select(0, t), g = gates.select(0, t), out = hs.select(0, t);
-    hp.copy_(project(h, bias, w, packed).view({B, 3, H}));
+    hp.copy_(project(h, bias, w, layout, 3 * H).view({B, 3, H}));
     if (fused) {  // the three lines below in one pass
       h = h.contiguous();
       AT_DISPATCH_FLOATING_TYPES(XP.scalar_type(), "gru_forward", [&] {
@@ -548,7 +557,7 @@ Tensor gru_forward(const Tensor& XP, const Tensor& w, bool packed, const Tensor&
 //   dpre_r = dh K_r, dpre_z = dh K_z, dpre_n = dh K_n (the h-projection's n part: dh K_n r), dh_prev = dh z + ...
 //   K_n = (1 - z)(1 - n^2), K_z = (h_{t-1} - n) z (1 - z), K_r = K_n hp_n r (1 - r).
 Tensor gru_backward(const Tensor& grad_y, const Tensor& gates, const Tensor& HP, const Tensor& h_prev,
-                    const Tensor& dXP, const Tensor& dHP, const OptTensor& keep3, const Tensor& wT, bool packed,
+                    const Tensor& dXP, const Tensor& dHP, const OptTensor& keep3, const Tensor& wT, int64_t layout,
                     Tensor dh) {
   const int64_t T = dXP.size(0), B = dXP.size(1), H = dXP.size(3);
   TORCH_CHECK(dXP.is_cpu(), "gru_backward: CPU tensors only");
@@ -590,7 +599,7 @@ Tensor gru_backward(const Tensor& grad_y, const Tensor& gates, const Tensor& HP,
         }
       }
     });
-    Tensor dh_prev = project(dhp.view({B, 3 * H}), dh_z, wT, packed);
+    Tensor dh_prev = project(dhp.view({B, 3 * H}), dh_z, wT, layout, H);
     dh.copy_(keep3 ? dh_prev * keep3->select(0, t) : dh_prev);
   }
   return dh;
