@@ -23,6 +23,7 @@ from rpt.config import ModelConfig
 from rpt.errors import RptError
 from rpt.models.attention import SlidingWindowAttention
 from rpt.models.cells.base import Cell
+from rpt.models.cells.packed_linear import rows_linear
 from rpt.models.registry import get_cell
 
 
@@ -61,8 +62,8 @@ class GatedMLP(nn.Module):
         self.down = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x):
-        a, b = self.up(x).chunk(2, dim=-1)
-        return self.down(F.silu(a) * b)
+        a, b = rows_linear(x, self.up.weight).chunk(2, dim=-1)
+        return rows_linear(F.silu(a) * b, self.down.weight)
 
     def flops_per_token(self) -> int:
         return 2 * 3 * self.up.in_features * self.down.in_features

@@ -17,6 +17,7 @@ from torch import nn
 from rpt.config import ModelConfig
 from rpt.errors import RptError
 from rpt.models.block import Block, make_norm
+from rpt.models.cells.packed_linear import rows_linear
 from rpt.models.sampling import sample_next
 
 
@@ -68,7 +69,7 @@ class RecurrentLM(nn.Module):
         for block, s in zip(self.blocks, state):
             x, s = block(x, s, step=True)
             new_state.append(s)
-        return self.head(self.norm(x)), new_state
+        return rows_linear(self.norm(x), self.head.weight, self.head.bias), new_state
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,

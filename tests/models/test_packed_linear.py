@@ -135,3 +135,53 @@ def test_few_rows_or_a_cached_weight_take_the_small_batch_product():
     with packed_linear.onednn_products():
         assert packed_linear.PackedLinear(big, 2).operand[1] == 1
     assert packed_linear.PackedLinear(big.double(), 2).operand[1] == 0
+
+
+def test_rows_linear_follows_its_weight_and_keeps_autograd():
+    """rows_linear (generation's products) keeps a packing per parameter: an in-place change of the weight (an
+    optimiser step, load_state_dict) must reach the next call; a call that wants gradients is F.linear's."""
+    from rpt.models.cells import native
+
+    if native.loops() is None:
+        pytest.skip("the native loops are not built here")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(40, 70)
+    x = torch.randn(1, 1, 40)
+    with torch.no_grad():
+        first = packed_linear.rows_linear(x, lin.weight, lin.bias)
+        assert id(lin.weight) in packed_linear._row_packs, "the small-batch product did not run"
+        torch.testing.assert_close(first, lin(x), rtol=1e-5, atol=1e-5)
+        lin.weight.mul_(-2.0)
+        torch.testing.assert_close(packed_linear.rows_linear(x, lin.weight, lin.bias), lin(x), rtol=1e-5, atol=1e-5)
+    xg = x.clone().requires_grad_()
+    packed_linear.rows_linear(xg, lin.weight, lin.bias).sum().backward()
+    torch.testing.assert_close(xg.grad, lin.weight.sum(0).expand_as(xg).detach())
+    key = id(lin.weight)
+    del lin
+    assert key not in packed_linear._row_packs, "a dead weight's packing was kept"
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm"])
+def test_generation_steps_on_the_small_batch_product_equal_the_forward(cell):
+    """In float32 without gradients (generation) every matrix of a step, the head, attention and MLP included,
+    runs rpt's small-batch product; the step-by-step logits still equal the whole-sequence forward's."""
+    from rpt.config import ModelConfig
+    from rpt.models import RecurrentLM
+    from rpt.models.cells import native
+
+    if native.loops() is None:
+        pytest.skip("the native loops are not built here")
+    torch.manual_seed(0)
+    model = RecurrentLM(ModelConfig(cell=cell, vocab_size=50, d_model=16, d_hidden=24, n_layers=2, attention_every=2,
+                                    attention_window=4, attention_heads=2, mlp_ratio=2.0)).eval()
+    x = torch.randint(0, 50, (1, 9))
+    with torch.no_grad():
+        whole, _ = model(x)
+        state = None
+        for t in range(9):
+            out, state = model.step(x[:, t], state)
+            torch.testing.assert_close(out, whole[:, t], rtol=1e-4, atol=1e-5)
+    matrices = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name]
+    missed = [name for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name
+              and id(p) not in packed_linear._row_packs]
+    assert matrices and not missed, f"products not on the small-batch path: {missed}"

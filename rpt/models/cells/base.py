@@ -21,6 +21,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from rpt.models.cells.packed_linear import rows_linear
+
 State = tuple[torch.Tensor, ...]
 
 
@@ -80,7 +82,7 @@ class GatedRNNCell(Cell):
         self.proj = nn.Linear(H, D, bias=False) if H != D else None
 
     def _out(self, h):
-        return self.proj(h) if self.proj is not None else h
+        return rows_linear(h, self.proj.weight) if self.proj is not None else h
 
     def flops_per_token(self):
         H, D = self.d_hidden, self.d_model

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from rpt.models.cells.base import GatedRNNCell, as_fp32, full_precision, over_segments
 from rpt.models.cells.native import fuse_pointwise, loops
-from rpt.models.cells.packed_linear import PackedLinear, matmul
+from rpt.models.cells.packed_linear import PackedLinear, matmul, rows_linear
 from rpt.models.registry import register_cell
 
 
@@ -29,8 +29,8 @@ class GRU(GatedRNNCell):
 
     def step(self, x_t, state):
         (h,) = state
-        xr, xz, xn = (x_t @ self.w_ih.T + self.b_ih).chunk(3, dim=-1)
-        hr, hz, hn = (h @ self.w_hh.T + self.b_hh).chunk(3, dim=-1)
+        xr, xz, xn = rows_linear(x_t, self.w_ih, self.b_ih).chunk(3, dim=-1)
+        hr, hz, hn = rows_linear(h, self.w_hh, self.b_hh).chunk(3, dim=-1)
         r = torch.sigmoid(xr + hr)
         z = torch.sigmoid(xz + hz)
         n = torch.tanh(xn + r * hn)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from rpt.models.cells.base import GatedRNNCell, as_fp32, full_precision, over_segments
+from rpt.models.cells.packed_linear import rows_linear
 from rpt.models.registry import register_cell
 
 
@@ -27,7 +28,7 @@ class LSTM(GatedRNNCell):
 
     def step(self, x_t, state):
         h, c = state
-        gates = x_t @ self.w_ih.T + self.b_ih + h @ self.w_hh.T + self.b_hh
+        gates = rows_linear(x_t, self.w_ih, self.b_ih) + rows_linear(h, self.w_hh, self.b_hh)
         i, f, g, o = gates.chunk(4, dim=-1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = torch.sigmoid(o) * torch.tanh(c)

@@ -20,7 +20,7 @@ from torch import nn
 
 from rpt.models.cells.base import Cell, as_fp32, full_precision
 from rpt.models.cells.native import fuse_pointwise, loops
-from rpt.models.cells.packed_linear import linear
+from rpt.models.cells.packed_linear import linear, rows_linear
 from rpt.models.registry import register_cell
 from rpt.models.scan import linear_scan
 
@@ -42,9 +42,9 @@ class _MinRNN(Cell):
 
     def step(self, x_t, state):
         (h,) = state
-        a, b = self.coefficients(self.in_proj(x_t))
+        a, b = self.coefficients(rows_linear(x_t, self.in_proj.weight, self.in_proj.bias))
         h = a * h + b
-        return self.out_proj(h), (h,)
+        return rows_linear(h, self.out_proj.weight), (h,)
 
     def forward(self, x, state=None, reset=None):
         (h0,) = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from rpt.errors import RptError
 from rpt.models.cells.base import Cell, as_fp32, full_precision
 from rpt.models.cells.native import fuse_pointwise, loops
-from rpt.models.cells.packed_linear import PackedLinear, matmul
+from rpt.models.cells.packed_linear import PackedLinear, matmul, rows_linear
 from rpt.models.registry import GateFunction, get_gate, register_cell
 
 LN_EPS = 1e-5
@@ -118,7 +118,7 @@ class ModLSTM(Cell):
     # ------------------------------------------------------------------ the spec
     def step(self, x_t, state):
         H, G = self.d_hidden, len(self.groups)
-        P = x_t @ self.w_x.T + state[0] @ self.w_h.T
+        P = rows_linear(x_t, self.w_x) + rows_linear(state[0], self.w_h)
         if self.bias is not None:
             P = P + self.bias
         P = P.view(-1, G, H)
@@ -163,7 +163,7 @@ class ModLSTM(Cell):
         return self._out(y), tuple(final if self.exp else final[:2])
 
     def _out(self, h):
-        return self.proj(h) if self.proj is not None else h
+        return rows_linear(h, self.proj.weight) if self.proj is not None else h
 
     def flops_per_token(self):
         H, D, G = self.d_hidden, self.d_model, len(self.groups)
