@@ -9,6 +9,7 @@ a block has one). Training carries it from batch to batch, detached (truncated B
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterator
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 from rpt.config import ModelConfig
 from rpt.errors import RptError
 from rpt.models.block import Block, make_norm
-from rpt.models.cells.packed_linear import rows_linear
+from rpt.models.cells.packed_linear import drop_row_packs, generation_products, rows_linear
 from rpt.models.sampling import sample_next
 
 
@@ -80,12 +81,16 @@ class RecurrentLM(nn.Module):
         try:
             logits, state = self(prompt[None])
             logits = logits[:, -1]
+            # the one-row products of each step on the CPU: packed_linear.rows_linear
+            products = generation_products if logits.is_cpu else contextlib.nullcontext
             for _ in range(max_new_tokens):
                 token = sample_next(logits, temperature, top_k, top_p, generator)
                 yield int(token[0])
-                logits, state = self.step(token, state)
+                with products():
+                    logits, state = self.step(token, state)
         finally:
             self.train(was_training)
+            drop_row_packs()
 
     def num_params(self, embeddings: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())

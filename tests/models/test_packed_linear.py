@@ -139,7 +139,8 @@ def test_few_rows_or_a_cached_weight_take_the_small_batch_product():
 
 def test_rows_linear_follows_its_weight_and_keeps_autograd():
     """rows_linear (generation's products) keeps a packing per parameter: an in-place change of the weight (an
-    optimiser step, load_state_dict) must reach the next call; a call that wants gradients is F.linear's."""
+    optimiser step, load_state_dict) must reach the next call; a call that wants gradients is F.linear's, and so
+    is every call outside generation_products(), which leaves no packing behind (training's gate probe)."""
     from rpt.models.cells import native
 
     if native.loops() is None:
@@ -148,13 +149,19 @@ def test_rows_linear_follows_its_weight_and_keeps_autograd():
     lin = torch.nn.Linear(40, 70)
     x = torch.randn(1, 1, 40)
     with torch.no_grad():
-        first = packed_linear.rows_linear(x, lin.weight, lin.bias)
+        torch.testing.assert_close(packed_linear.rows_linear(x, lin.weight, lin.bias), lin(x), rtol=0, atol=0)
+        assert id(lin.weight) not in packed_linear._row_packs, "a packing was made outside generation"
+        with packed_linear.generation_products():
+            first = packed_linear.rows_linear(x, lin.weight, lin.bias)
         assert id(lin.weight) in packed_linear._row_packs, "the small-batch product did not run"
         torch.testing.assert_close(first, lin(x), rtol=1e-5, atol=1e-5)
         lin.weight.mul_(-2.0)
-        torch.testing.assert_close(packed_linear.rows_linear(x, lin.weight, lin.bias), lin(x), rtol=1e-5, atol=1e-5)
+        with packed_linear.generation_products():
+            torch.testing.assert_close(packed_linear.rows_linear(x, lin.weight, lin.bias), lin(x), rtol=1e-5,
+                                       atol=1e-5)
     xg = x.clone().requires_grad_()
-    packed_linear.rows_linear(xg, lin.weight, lin.bias).sum().backward()
+    with packed_linear.generation_products():
+        packed_linear.rows_linear(xg, lin.weight, lin.bias).sum().backward()
     torch.testing.assert_close(xg.grad, lin.weight.sum(0).expand_as(xg).detach())
     key = id(lin.weight)
     del lin
@@ -162,9 +169,10 @@ def test_rows_linear_follows_its_weight_and_keeps_autograd():
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm"])
-def test_generation_steps_on_the_small_batch_product_equal_the_forward(cell):
+def test_generation_steps_on_the_small_batch_product_equal_the_forward(cell, monkeypatch):
     """In float32 without gradients (generation) every matrix of a step, the head, attention and MLP included,
-    runs rpt's small-batch product; the step-by-step logits still equal the whole-sequence forward's."""
+    runs rpt's small-batch product; the step-by-step logits still equal the whole-sequence forward's. generate()
+    uses it and drops the packings when it ends."""
     from rpt.config import ModelConfig
     from rpt.models import RecurrentLM
     from rpt.models.cells import native
@@ -179,9 +187,16 @@ def test_generation_steps_on_the_small_batch_product_equal_the_forward(cell):
         whole, _ = model(x)
         state = None
         for t in range(9):
-            out, state = model.step(x[:, t], state)
+            with packed_linear.generation_products():
+                out, state = model.step(x[:, t], state)
             torch.testing.assert_close(out, whole[:, t], rtol=1e-4, atol=1e-5)
-    matrices = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name]
     missed = [name for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name
               and id(p) not in packed_linear._row_packs]
-    assert matrices and not missed, f"products not on the small-batch path: {missed}"
+    assert not missed, f"products not on the small-batch path: {missed}"
+    packed_linear.drop_row_packs()
+    seen = []
+    monkeypatch.setattr(packed_linear, "_row_packs", type("Spy", (dict,), {
+        "__setitem__": lambda self, k, v: seen.append(k) or dict.__setitem__(self, k, v)})())
+    tokens = list(model.generate(x[0, :3], 5, temperature=0))
+    assert len(tokens) == 5 and seen, "generate() did not run the small-batch product"
+    assert not packed_linear._row_packs, "generate() left its packings behind"

@@ -79,8 +79,8 @@ class PackedLinear:
 
 @contextlib.contextmanager
 def onednn_products():
-    """Inside this block PackedLinear and rows_linear leave rpt's small-batch product out (for the native loops'
-    self-test and the tests, which check the loops with either product)."""
+    """Inside this block PackedLinear leaves rpt's small-batch product out (for the native loops' self-test and
+    the tests, which check the loops with either product)."""
     global _small_batch
     before, _small_batch = _small_batch, False
     try:
@@ -95,21 +95,38 @@ def _on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 _row_packs: dict = {}  # id(weight) -> (weakref to it, its _version when packed, the packing)
+_row_ops = None  # the native ops inside generation_products()
+
+
+@contextlib.contextmanager
+def generation_products():
+    """Inside this block rows_linear runs rpt's small-batch product, on a packing of each weight made at its first
+    use and kept for the next blocks until drop_row_packs(). RecurrentLM.generate holds it around each step and
+    drops the packings when it ends, so that no copy of the weights outlives a generation; outside it (training's
+    one-row calls, such as the gate probe) rows_linear is F.linear."""
+    global _row_ops
+    before, _row_ops = _row_ops, native.loops()  # built on first use, once per machine
+    try:
+        yield
+    finally:
+        _row_ops = before
+
+
+def drop_row_packs() -> None:
+    _row_packs.clear()
 
 
 def rows_linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for a token at a time (generation's steps): with at most two rows in x, no gradient
-    wanted and a float32 CPU parameter as weight, rpt's small-batch product on a packing of the weight that is kept
-    until the weight changes (its in-place version counter moves) or dies. A generated token reads every matrix
-    once, and MKL's GEMM reads them at a fraction of the memory's speed (lstm 4 x 256 + attention, vocabulary 8192:
-    60% of each token's time). Anything else is F.linear."""
-    if (x.numel() > 2 * weight.shape[-1] or not _small_batch or not isinstance(weight, nn.Parameter)
+    """F.linear(x, weight, bias); inside generation_products(), for at most two rows of x, no gradient wanted and a
+    float32 CPU parameter as weight, rpt's small-batch product on a packing of the weight that is kept until the
+    weight changes (its in-place version counter moves), dies, or is dropped. A generated token reads every
+    matrix once, and MKL's GEMM reads them at a fraction of the memory's speed (lstm 4 x 256 + attention,
+    vocabulary 8192: 60% of each token's time)."""
+    ops = _row_ops
+    if (ops is None or x.numel() > 2 * weight.shape[-1] or not isinstance(weight, nn.Parameter)
             or weight.device.type != "cpu" or weight.dtype != torch.float32 or x.dtype != torch.float32
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             or torch.compiler.is_compiling()):
-        return F.linear(x, weight, bias)
-    ops = native.loops()
-    if ops is None:
         return F.linear(x, weight, bias)
     key = id(weight)
     held = _row_packs.get(key)
