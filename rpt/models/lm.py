@@ -79,10 +79,12 @@ class RecurrentLM(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            logits, state = self(prompt[None])
+            # the one-row products of each step on the CPU: packed_linear.rows_linear (entered here once, so that a
+            # first use builds the native code before any token is out)
+            products = generation_products if prompt.device.type == "cpu" else contextlib.nullcontext
+            with products():
+                logits, state = self(prompt[None])
             logits = logits[:, -1]
-            # the one-row products of each step on the CPU: packed_linear.rows_linear
-            products = generation_products if logits.is_cpu else contextlib.nullcontext
             for _ in range(max_new_tokens):
                 token = sample_next(logits, temperature, top_k, top_p, generator)
                 yield int(token[0])
