@@ -7,9 +7,12 @@ machine's CPU, torch's default (MKL) GEMM runs it about 3x slower than oneDNN wi
 packed once per sequence (measured: 57 us vs 171 us at B=2, H=512; 186 us vs 296 us at B=16).
 With the fewest rows rpt's own product (native/small_batch_product.cpp) beats oneDNN in turn, whose every
 call pays a fixed ~18 us (in a time loop 34-40 us vs 58-67 us at B=2, H=512; 5.5 vs 23 at B=2, H=192):
-PackedLinear packs the weight for it when the native loops are built and the rows are few. The oneDNN path uses the ops that torch's
-own inductor CPU backend calls; where they are missing, or off the CPU, or not float32, this falls back to
-addmm, so results never depend on either.
+PackedLinear packs the weight for it when the native loops are built and the rows are few. The oneDNN path
+uses the ops that torch's own inductor CPU backend calls; where they are missing, or off the CPU, or not
+float32, this falls back to addmm, so results never depend on either.
+
+`rows_linear(x, weight, bias)`: F.linear for generation's steps (one row per sequence), on the same
+small-batch product inside `generation_products()`, with a packing per weight kept for the generation.
 
 `linear(x, weight, bias)`: F.linear for the sequence-sized projections of the scan cells. Its forward and
 input-gradient products, on oneDNN with the weight packed at each call, ran 10-20% faster than MKL one by one
