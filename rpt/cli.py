@@ -194,7 +194,6 @@ def _cmd_eval(args) -> None:
 def _cmd_generate(args) -> None:
     from rpt.train.run import generate_text
 
-    print(args.prompt, end="")
     generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                   args.seed, args.checkpoint, args.device)
 

@@ -8,6 +8,7 @@ it in a fresh process). Each rank logs to RUN_DIR/logs/rank{R}.log; rank 0 also 
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
 import logging
 import sys
@@ -115,7 +116,7 @@ def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str |
 
 def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                   seed: int | None, checkpoint: str, device: str | None, out=sys.stdout) -> str:
-    """Stream generated text to `out` as it is sampled; returns it."""
+    """Stream the prompt, then the generated text as it is sampled, to `out`; returns the generated text."""
     from rpt.data.tokenizer import eot_id, token_bytes
 
     cfg, model, tokenizer, _ = load_run(run_dir, checkpoint, device)
@@ -125,7 +126,10 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     generator = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     pieces = []
-    for token in model.generate(torch.tensor(ids, device=dev), max_new_tokens, temperature, top_k, top_p, generator):
+    tokens = model.generate(torch.tensor(ids, device=dev), max_new_tokens, temperature, top_k, top_p, generator)
+    first = next(tokens, None)  # the prompt's forward first: a first use's build message comes before any text
+    out.write(prompt)
+    for token in [] if first is None else itertools.chain([first], tokens):
         text = decoder.decode(table[token])
         if text:
             pieces.append(text)
