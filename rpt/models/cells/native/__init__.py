@@ -46,12 +46,14 @@ def compile_flags() -> list[str]:
     """-O3; AVX2 with FMA where this CPU has them (the vector type of ATen's headers then uses them); OpenMP where
     torch runs its threads on it (Linux): without -fopenmp, ATen's header-only at::parallel_for runs its whole range
     on the calling thread, and min_scan's and small_batch_product's splits across threads ran on one (the OpenMP
-    runtime is torch's own libgomp, already loaded). The flags are part of the build folder's name: a cache shared
-    by machines of different CPUs keeps one build for each."""
+    runtime is torch's own libgomp, already loaded). Not with a clang named in CXX, which needs libomp's headers
+    to accept -fopenmp: a failed build would cost the loops, where the flag only costs their threads. The flags are
+    part of the build folder's name: a cache shared by machines of different CPUs keeps one build for each."""
     flags = ["-O3"]
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info():
+    gcc = "clang" not in Path(os.environ.get("CXX", "c++")).name
+    if sys.platform.startswith("linux") and gcc and "OpenMP" in torch.__config__.parallel_info():
         flags += ["-fopenmp"]
     return flags
 
