@@ -90,11 +90,11 @@ void rows_times_groups(const float* x, const float* P, const float* add, int64_t
 
 // x [B, K] @ W^T (+ add [B, N]) with W as pack_for_small_batch left it; N: W's rows (the output's width).
 Tensor small_batch_product(const Tensor& x_in, const Tensor& P, int64_t N, const std::optional<Tensor>& add_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && P.dim() == 3 && P.size(1) == x_in.size(1) &&
+                  P.size(2) == kGroup && P.size(0) * kGroup >= N && P.is_contiguous(),
+              "small_batch_product: x [B, K] float32 and W packed by pack_for_small_batch");
   const Tensor x = x_in.contiguous();
   const int64_t B = x.size(0), K = x.size(1), groups = P.size(0);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && P.dim() == 3 && P.size(1) == K &&
-                  P.size(2) == kGroup && groups * kGroup >= N && P.is_contiguous(),
-              "small_batch_product: x [B, K] float32 and W packed by pack_for_small_batch");
   std::optional<Tensor> add;
   if (add_in) {
     add = add_in->reshape({B, N});
