@@ -85,7 +85,7 @@ def test_native_loops_as_accurate_as_python_loops_in_float32(name, fused, produc
     if getattr(cell, "exp", False):  # a positive normaliser, a small stabiliser
         state[2], state[3] = torch.rand(B, cell.d_hidden) + 0.5, torch.randn(B, cell.d_hidden) * 0.1
     reset = torch.zeros(B, T, dtype=torch.bool)
-    reset[1, 7] = reset[0, 20] = True
+    reset[1, 7] = reset[0, 20] = reset[2, 0] = True  # [2, 0]: no gradient reaches row 2 of the initial state
     w = torch.randn(B, T, 16)
     with contextlib.ExitStack() as forms:
         if not fused:
@@ -129,6 +129,38 @@ def test_min_scan_splits_channels_across_threads(name):
         want = run(cell, x, [h0], reset, w)
     for k, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"output {k}")
+
+
+@pytest.mark.parametrize("name", ["modlstm-peep-norm", "modlstm-exp-norm", "modlstm-coupled-odd", "gru-odd"])
+def test_the_loops_at_few_rows_give_the_same_numbers_on_any_thread_count(name):
+    """At few rows the loops run in one parallel region (recurrent_loops.cpp): each thread takes its share of every
+    step's product, of the columns of its elementwise part and of the gates of its norm, between barriers. Every
+    number comes out of the same arithmetic whatever the split, so 1, 2 and 3 threads (one more than a share has
+    vectors: empty and uneven shares) must agree; a missing barrier or an overlapping share would not."""
+    if native.loops() is None:
+        pytest.skip("the native loops are not built here")
+    torch.manual_seed(0)
+    cell = build_cell(ModelConfig(d_model=16, **VARIANTS[name]))
+    with torch.no_grad():
+        for p in cell.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    x, w = torch.randn(2, 40, 16), torch.randn(2, 40, 16)
+    state = [torch.randn(2, n) * 0.5 for n in cell.state_sizes()]
+    if getattr(cell, "exp", False):
+        state[2], state[3] = torch.rand(2, cell.d_hidden) + 0.5, torch.randn(2, cell.d_hidden) * 0.1
+    reset = torch.zeros(2, 40, dtype=torch.bool)
+    reset[0, 0] = reset[1, 13] = True
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(run(cell, x, state, reset, w))
+    finally:
+        torch.set_num_threads(threads)
+    for n, got in zip((2, 3), results[1:]):
+        for k, (a, b) in enumerate(zip(got, results[0])):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"output {k} on {n} threads")
 
 
 def run(cell, x, state, reset, w):

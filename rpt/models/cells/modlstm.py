@@ -238,10 +238,13 @@ def modlstm_sequence_backward(
     dP = torch.empty_like(acts)  # gradient at the gate inputs (after layer norm)
     dP_raw = torch.empty_like(acts) if v.gate_norm else dP
     native = loops() if v.native_gate is not None else None
+    summed = None  # the gradients of ln_w, ln_b and peep, where the loop sums them
     if native is not None and fuse_pointwise() and x.is_cpu:  # the factors derived inside each step's pass
+        norm, peeps = (G, H) if v.gate_norm else None, (G - 1, H) if v.peepholes else None
+        summed = [x.new_zeros(shape) if shape else None for shape in (norm, norm, peeps)]
         grad_state = native.modlstm_backward_cpu(grad_y, acts, pre, cs, ns, c0, n0, keep, peep, dP, dP_raw,
                                                  *WT.operand, dh, dc, dn, ln_w, ln_in, ln_stats, v.native_gate,
-                                                 coupled)
+                                                 coupled, *summed)
     else:
         factors = backward_factors(v, acts, pre, cs, ns, keep3, state, peep)
         if native is not None:
@@ -257,14 +260,20 @@ def modlstm_sequence_backward(
     grad_bias = dPf.sum(0) if has_bias else x.new_empty(0)
     grad_ln_w, grad_ln_b, grad_peep = x.new_empty(0), x.new_empty(0), x.new_empty(0)
     if v.gate_norm:
-        hat = (ln_in - ln_stats[:, 0]) * ln_stats[:, 1]
-        grad_ln_w = (dP * hat).sum((0, 1))
-        grad_ln_b = dP.sum((0, 1))
+        if summed is not None:
+            grad_ln_w, grad_ln_b = summed[:2]
+        else:
+            hat = (ln_in - ln_stats[:, 0]) * ln_stats[:, 1]
+            grad_ln_w = (dP * hat).sum((0, 1))
+            grad_ln_b = dP.sum((0, 1))
     if v.peepholes:
-        c_prev = previous(cs, c0, keep3)
-        rows = [(dP[:, :, k] * c_prev).sum((0, 1)) for k in range(G - 2)]  # i (and f) read c_{t-1}
-        rows.append((dP[:, :, G - 1] * cs).sum((0, 1)))  # o reads c_t
-        grad_peep = torch.stack(rows)
+        if summed is not None:
+            grad_peep = summed[2]
+        else:
+            c_prev = previous(cs, c0, keep3)
+            rows = [(dP[:, :, k] * c_prev).sum((0, 1)) for k in range(G - 2)]  # i (and f) read c_{t-1}
+            rows.append((dP[:, :, G - 1] * cs).sum((0, 1)))  # o reads c_t
+            grad_peep = torch.stack(rows)
     grad_state = [t.clone() for t in grad_state] + [x.new_empty(0) for _ in range(3 - len(grad_state))]
     return grad_x, grad_wx, grad_wh, grad_bias, grad_ln_w, grad_ln_b, grad_peep, *grad_state
 

@@ -8,8 +8,10 @@ C++ cost 1-2 us each. torch.compile would unroll the T steps of the loop (and To
 and no library offers these cells' loops. `recurrent_loops.cpp` is the Python loops of modlstm.py and
 gru.py step for step on the same buffers: each step's product is PackedLinear's, and on the CPU each
 step's elementwise part is one pass of the same arithmetic (tests/models/test_native_loops.py holds the two
-forms equally close to float64). `small_batch_product.cpp` is the per-step product for few rows, where
-oneDNN's fixed cost per call dominated (why: its header). `min_scan.cpp` is the other
+forms equally close to float64); at few rows the whole loop runs in one parallel region, the threads
+splitting each step's product and then its elementwise part (why: above modlstm_forward_threaded).
+`small_batch_product.cpp` is the per-step product for few rows, where oneDNN's fixed cost per call
+dominated (why: its header). `min_scan.cpp` is the other
 kind: minGRU's and minLSTM's linear recurrence in one raw pass over memory each way, where the ATen form
 (the chunked scan of rpt/models/scan.py) makes many (why: its header).
 

@@ -17,8 +17,12 @@
 #endif
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -26,9 +30,11 @@
 #include <optional>
 #include <vector>
 
-namespace rpt_native {
+namespace rpt_native {  // small_batch_product.cpp
 at::Tensor small_batch_product(const at::Tensor& x, const at::Tensor& P, int64_t N,
-                               const std::optional<at::Tensor>& add);  // small_batch_product.cpp
+                               const std::optional<at::Tensor>& add);
+void small_batch_groups(const float* x, int64_t B, const float* P, const float* add, int64_t ld_add, float* out,
+                        int64_t N, int64_t K, int64_t g0, int64_t g1);
 }
 
 namespace {
@@ -72,13 +78,17 @@ inline scalar_t row_sum(const scalar_t* x, int64_t len) {
   return row_sum(x, len, [](Vec<scalar_t> v) { return v; }, [](scalar_t v) { return v; });
 }
 
-// Gate layer norm of one step, each of the B x G rows of P ([B, G, H]) over its H values: keeps the input
-// (ln_in) and the statistics (mean, rstd: [B, G]) for the backward, writes w_g (x - mean) rstd + b_g to out.
+// Gate layer norm of one step, each of the B x G rows of P ([B, G, H]) of the gates [g0, g1) over its H values:
+// keeps the input (ln_in) and the statistics (mean, rstd: [B, G]) for the backward, writes w_g (x - mean) rstd + b_g
+// to out (which may be P).
 template <typename scalar_t>
 void gate_norm_step(const scalar_t* P, scalar_t* ln_in, scalar_t* mean, scalar_t* rstd, const scalar_t* w,
-                    const scalar_t* bias, scalar_t* out, int64_t B, int64_t G, int64_t H) {
+                    const scalar_t* bias, scalar_t* out, int64_t B, int64_t G, int64_t H, int64_t g0, int64_t g1) {
   using V = Vec<scalar_t>;
   for (int64_t r = 0; r < B * G; ++r) {
+    if (r % G < g0 || r % G >= g1) {
+      continue;
+    }
     const scalar_t* x = P + r * H;
     const scalar_t* wg = w + (r % G) * H;
     const scalar_t* bg = bias + (r % G) * H;
@@ -98,22 +108,40 @@ void gate_norm_step(const scalar_t* P, scalar_t* ln_in, scalar_t* mean, scalar_t
   }
 }
 
+// acc[0:len] += v[0:len], one vector at a time (n: how many of v's lanes are in range).
+template <typename scalar_t>
+inline void accumulate(scalar_t* acc, const Vec<scalar_t>& v, int n) {
+  (Vec<scalar_t>::loadu(acc, n) + v).store(acc, n);
+}
+
 // The gate layer norm's backward for one step: from the gradient at its output (dp) to its input (dp_raw),
-// dx = rstd (dy - mean(dy) - x_hat mean(dy x_hat)) with dy = w_g dp and x_hat = (x - mean) rstd.
+// dx = rstd (dy - mean(dy) - x_hat mean(dy x_hat)) with dy = w_g dp and x_hat = (x - mean) rstd; and the norm's
+// own gradients, summed into grad_w (dp x_hat) and grad_b (dp), [G, H] each, while dp is in the cache (summed
+// over all T x B rows afterwards, in ATen ops, they were 5-7% of a step's time). The rows of the gates [g0, g1):
+// threads that split a step by gates add to parts of grad_w and grad_b of their own. scratch: 2 H numbers.
 template <typename scalar_t>
 void gate_norm_step_back(const scalar_t* dp, const scalar_t* ln_in, const scalar_t* mean, const scalar_t* rstd,
-                         const scalar_t* w, scalar_t* dp_raw, scalar_t* scratch, int64_t B, int64_t G, int64_t H) {
+                         const scalar_t* w, scalar_t* dp_raw, scalar_t* scratch, scalar_t* grad_w, scalar_t* grad_b,
+                         int64_t B, int64_t G, int64_t H, int64_t g0, int64_t g1) {
   using V = Vec<scalar_t>;
   for (int64_t r = 0; r < B * G; ++r) {
+    if (r % G < g0 || r % G >= g1) {
+      continue;
+    }
     const scalar_t* wg = w + (r % G) * H;
+    scalar_t* gw = grad_w + (r % G) * H;
+    scalar_t* gb = grad_b + (r % G) * H;
     const V mu(mean[r]), rs(rstd[r]);
     scalar_t* dy = scratch;            // w_g dp
     scalar_t* dy_xhat = scratch + H;  // w_g dp x_hat
     for (int64_t j = 0; j < H; j += V::size()) {
       const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
-      const V d = V::loadu(dp + r * H + j, n) * V::loadu(wg + j, n);
+      const V g = V::loadu(dp + r * H + j, n), x_hat = (V::loadu(ln_in + r * H + j, n) - mu) * rs;
+      const V d = g * V::loadu(wg + j, n);
       d.store(dy + j, n);
-      (d * (V::loadu(ln_in + r * H + j, n) - mu) * rs).store(dy_xhat + j, n);
+      (d * x_hat).store(dy_xhat + j, n);
+      accumulate(gw + j, g * x_hat, n);
+      accumulate(gb + j, g, n);
     }
     const V m_dy(row_sum(dy, H) / H), m_dyx(row_sum(dy_xhat, H) / H);
     for (int64_t j = 0; j < H; j += V::size()) {
@@ -124,19 +152,19 @@ void gate_norm_step_back(const scalar_t* dp, const scalar_t* ln_in, const scalar
   }
 }
 
-// One step of the sigmoid-gated modlstm after its product P = x W_x + h W_h + b ([B, G, H]): writes the
-// gates to `a` (i, f, z, o; coupled: f, z, o with i = 1 - f), c_t and h_t = o tanh(c_t). Peepholes (`peep`,
-// [G - 1, H], or null): the gates before z read c_{t-1}, the output gate c_t.
+// One step of the sigmoid-gated modlstm after its product P = x W_x + h W_h + b ([B, G, H]), on the columns
+// [j0, j1) of every row: writes the gates to `a` (i, f, z, o; coupled: f, z, o with i = 1 - f), c_t and
+// h_t = o tanh(c_t). Peepholes (`peep`, [G - 1, H], or null): the gates before z read c_{t-1}, the output gate c_t.
 template <typename scalar_t>
 void modlstm_sigmoid_step(const scalar_t* P, scalar_t* a, const scalar_t* c, const scalar_t* peep, scalar_t* c_out,
-                          scalar_t* h_out, int64_t B, int64_t G, int64_t H, bool coupled) {
+                          scalar_t* h_out, int64_t B, int64_t G, int64_t H, bool coupled, int64_t j0, int64_t j1) {
   using V = Vec<scalar_t>;
   const int64_t f_at = coupled ? 0 : H, z_at = (G - 2) * H, o_at = (G - 1) * H;
   for (int64_t b = 0; b < B; ++b) {
     const scalar_t* Pb = P + b * G * H;
     scalar_t* ab = a + b * G * H;
-    for (int64_t j = 0; j < H; j += V::size()) {
-      const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
+    for (int64_t j = j0; j < j1; j += V::size()) {
+      const int n = static_cast<int>(std::min<int64_t>(V::size(), j1 - j));
       const V c_prev = V::loadu(c + b * H + j, n);
       V p_f = V::loadu(Pb + f_at + j, n), p_i = coupled ? V(0) : V::loadu(Pb + j, n), p_o = V::loadu(Pb + o_at + j, n);
       if (peep) {
@@ -166,16 +194,18 @@ void modlstm_sigmoid_step(const scalar_t* P, scalar_t* a, const scalar_t* c, con
 // One step of the exponential-gated modlstm (xLSTM's sLSTM stabiliser) after its product P ([B, 4, H]):
 // m_t = max(P_f + m_{t-1}, P_i), with m_{t-1} read as -inf where n_{t-1} = 0 (a fresh or reset state);
 // i = exp(P_i - m_t), f = exp(P_f + m_{t-1} - m_t); c_t = f c + i z, n_t = f n + i, h_t = o c_t / n_t.
+// On the columns [j0, j1) of every row (m_out may be m: each column is read before it is written).
 template <typename scalar_t>
 void modlstm_exp_step(const scalar_t* P, scalar_t* a, const scalar_t* c, const scalar_t* n, const scalar_t* m,
-                      scalar_t* c_out, scalar_t* n_out, scalar_t* m_out, scalar_t* h_out, int64_t B, int64_t H) {
+                      scalar_t* c_out, scalar_t* n_out, scalar_t* m_out, scalar_t* h_out, int64_t B, int64_t H,
+                      int64_t j0, int64_t j1) {
   using V = Vec<scalar_t>;
   const V none(-std::numeric_limits<scalar_t>::infinity());
   for (int64_t b = 0; b < B; ++b) {
     const scalar_t* Pb = P + b * 4 * H;
     scalar_t* ab = a + b * 4 * H;
-    for (int64_t j = 0; j < H; j += V::size()) {
-      const int k = static_cast<int>(std::min<int64_t>(V::size(), H - j));
+    for (int64_t j = j0; j < j1; j += V::size()) {
+      const int k = static_cast<int>(std::min<int64_t>(V::size(), j1 - j));
       const int64_t at = b * H + j;
       const V n_prev = V::loadu(n + at, k);
       const V m_prev = V::blendv(none, V::loadu(m + at, k), n_prev > V(0));
@@ -196,16 +226,16 @@ void modlstm_exp_step(const scalar_t* P, scalar_t* a, const scalar_t* c, const s
   }
 }
 
-// One step of the gru after its product hp = h W_hh^T + b_hh ([B, 3, H], as xp): writes r, z, n to g and
-// h_t = n + z (h - n).
+// One step of the gru after its product hp = h W_hh^T + b_hh ([B, 3, H], as xp), on the columns [j0, j1) of
+// every row: writes r, z, n to g and h_t = n + z (h - n).
 template <typename scalar_t>
 void gru_step(const scalar_t* xp, const scalar_t* hp, const scalar_t* h, scalar_t* g, scalar_t* h_out, int64_t B,
-              int64_t H) {
+              int64_t H, int64_t j0, int64_t j1) {
   using V = Vec<scalar_t>;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t row = b * 3 * H;
-    for (int64_t j = 0; j < H; j += V::size()) {
-      const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
+    for (int64_t j = j0; j < j1; j += V::size()) {
+      const int n = static_cast<int>(std::min<int64_t>(V::size(), j1 - j));
       const int64_t at_r = row + j, at_z = row + H + j, at_n = row + 2 * H + j;
       const V r = sigmoid(V::loadu(xp + at_r, n) + V::loadu(hp + at_r, n));
       const V z = sigmoid(V::loadu(xp + at_z, n) + V::loadu(hp + at_z, n));
@@ -242,6 +272,149 @@ Tensor project(const Tensor& h, const OptTensor& add, const Tensor& w, int64_t l
   return add ? at::addmm(*add, h, w.t()) : at::mm(h, w.t());
 }
 
+// The loops at few rows: PackedLinear's small-batch layout (float32) with the steps fused, on the CPU. The whole
+// sequence runs in one parallel region: each step, every thread computes its share of the product (groups of W's
+// columns: small_batch_groups), waits for the others, computes its share of the pointwise part (columns of every
+// row; the gate norm, a phase of its own: rows of its share of the gates), and waits again. Calling the product
+// each step instead (small_batch_product's at::parallel_for) left the second thread idle through the pointwise
+// part and paid a fork and ATen's per-call costs every step: 42 against 32 us a step of modlstm's forward at B=2,
+// H=512 on the build machine (benchmarks/RESULTS.md). Without OpenMP (or inside a parallel region already) one
+// thread runs it all. A race here shows as a wrong number: test_native_loops.py runs these on 2 threads.
+template <typename Body>
+void on_each_thread(const Body& body) {
+#ifdef _OPENMP
+  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  body(omp_get_thread_num(), omp_get_num_threads());
+#else
+  body(0, 1);
+#endif
+}
+
+inline void wait_for_all() {
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+}
+
+// Thread k's share [lo, hi) of [0, n), in whole units (but the last share's end).
+inline std::pair<int64_t, int64_t> share(int64_t n, int64_t unit, int k, int threads) {
+  const int64_t units = (n + unit - 1) / unit;
+  return {std::min(n, units * k / threads * unit), std::min(n, units * (k + 1) / threads * unit)};
+}
+
+// dst[b, j0:j1] = src[b, j0:j1] * keep[b] (keep null: 1) over the B rows of [B, H] buffers.
+inline void scaled_rows(const float* src, const float* keep, float* dst, int64_t B, int64_t H, int64_t j0,
+                        int64_t j1) {
+  for (int64_t b = 0; b < B; ++b) {
+    const float k = keep ? keep[b] : 1.0f;
+    for (int64_t j = j0; j < j1; ++j) {
+      dst[b * H + j] = src[b * H + j] * k;
+    }
+  }
+}
+
+// A [B, H] state as the first step reads it: after that step's reset, in a buffer of its own.
+Tensor first_read(const Tensor& state, const OptTensor& keep) {
+  return keep ? (state * keep->select(0, 0).unsqueeze(1)).contiguous() : state.contiguous().clone();
+}
+
+// modlstm_forward's loop at few rows (above): the sigmoid gate (its inputs not kept) or the exponential gate. With
+// the gate norm, a third phase between the two: each thread normalises the rows of its share of the gates.
+std::vector<Tensor> modlstm_forward_threaded(const Tensor& XP, const Tensor& w, const OptTensor& keep,
+                                             const Tensor& h0, const Tensor& c0, const OptTensor& n0,
+                                             const OptTensor& m0, const Tensor& acts, const Tensor& cs,
+                                             const Tensor& hs, const OptTensor& ns, const OptTensor& ln_in,
+                                             const OptTensor& ln_stats, const OptTensor& ln_w, const OptTensor& ln_b,
+                                             const OptTensor& peep, bool exp_gate, bool coupled) {
+  const int64_t T = acts.size(0), B = acts.size(1), G = acts.size(2), H = acts.size(3), N = G * H;
+  // The state the next step reads, after its reset: h (the product's input), c, and n, m for the exponential gate.
+  Tensor h = first_read(h0, keep), c = first_read(c0, keep);
+  Tensor n = exp_gate ? first_read(*n0, keep) : Tensor(), m = exp_gate ? first_read(*m0, keep) : Tensor();
+  Tensor P = at::empty({B, N}, acts.options()), peep_c = peep ? peep->contiguous() : Tensor();
+  const Tensor ln_w_c = ln_w ? ln_w->contiguous() : Tensor(), ln_b_c = ln_w ? ln_b->contiguous() : Tensor();
+  const float* W = w.data_ptr<float>();
+  const float* xp = XP.data_ptr<float>();
+  const float* kp = keep ? keep->data_ptr<float>() : nullptr;
+  const float* pp = peep ? peep_c.data_ptr<float>() : nullptr;
+  float *Pp = P.data_ptr<float>(), *hp = h.data_ptr<float>(), *cp = c.data_ptr<float>();
+  float *np = exp_gate ? n.data_ptr<float>() : nullptr, *mp = exp_gate ? m.data_ptr<float>() : nullptr;
+  float *a_all = acts.data_ptr<float>(), *c_all = cs.data_ptr<float>(), *h_all = hs.data_ptr<float>();
+  float* n_all = exp_gate ? ns->data_ptr<float>() : nullptr;
+  float* ln_in_all = ln_w ? ln_in->data_ptr<float>() : nullptr;
+  float* stats_all = ln_w ? ln_stats->data_ptr<float>() : nullptr;
+  on_each_thread([&](int k, int threads) {
+    const auto [g0, g1] = share(w.size(0), 1, k, threads);
+    const auto [j0, j1] = share(H, Vec<float>::size(), k, threads);
+    const auto [q0, q1] = share(G, 1, k, threads);  // gates, for the norm's rows
+    for (int64_t t = 0; t < T; ++t) {
+      rpt_native::small_batch_groups(hp, B, W, xp + t * B * N, N, Pp, N, H, g0, g1);
+      wait_for_all();
+      if (ln_in_all) {
+        float* stats = stats_all + t * 2 * B * G;
+        gate_norm_step(Pp, ln_in_all + t * B * N, stats, stats + B * G, ln_w_c.data_ptr<float>(),
+                       ln_b_c.data_ptr<float>(), Pp, B, G, H, q0, q1);
+        wait_for_all();
+      }
+      float *c_out = c_all + t * B * H, *h_out = h_all + t * B * H;
+      const float* k_next = kp && t + 1 < T ? kp + (t + 1) * B : nullptr;
+      if (exp_gate) {
+        float* n_out = n_all + t * B * H;
+        modlstm_exp_step(Pp, a_all + t * B * N, cp, np, mp, c_out, n_out, mp, h_out, B, H, j0, j1);
+        scaled_rows(n_out, k_next, np, B, H, j0, j1);
+        scaled_rows(mp, k_next, mp, B, H, j0, j1);
+      } else {
+        modlstm_sigmoid_step(Pp, a_all + t * B * N, cp, pp, c_out, h_out, B, G, H, coupled, j0, j1);
+      }
+      scaled_rows(c_out, k_next, cp, B, H, j0, j1);
+      scaled_rows(h_out, k_next, hp, B, H, j0, j1);
+      wait_for_all();
+    }
+  });
+  const Tensor h_last = hs.select(0, T - 1), c_last = cs.select(0, T - 1);
+  if (exp_gate) {
+    return {h_last, c_last, ns->select(0, T - 1), m};
+  }
+  return {h_last, c_last};
+}
+
+// The backward loops at few rows (as above, float32 only): for t = T-1 .. 0, each thread runs pointwise(t, j0, j1,
+// dh_keep) on its columns of every row; where G > 0, after a barrier, by_gates(t, q0, q1, thread) on its share of
+// the G gates; then, after a barrier, its share of dh = dQ[t] @ W (+ add[B, H]), dQ: [T, B, K]. dh_keep: the keep
+// of the reset before step t + 1, which dh (step t + 1's product) has not had yet; dh leaves with the first step's.
+// dh: contiguous [B, H], the gradient of the last h on entry.
+template <typename scalar_t, typename Pointwise, typename ByGates>
+void backward_steps_threaded(const Pointwise& pointwise, const ByGates& by_gates, int64_t G, const Tensor& dQ,
+                             const Tensor& wT, const OptTensor& add, const Tensor& keep, Tensor& dh) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    const int64_t T = dQ.size(0), B = dQ.size(1), K = dQ.size(2), H = dh.size(1);
+    const float *WT = wT.data_ptr<float>(), *dq = dQ.data_ptr<float>();
+    const float* kp = keep.defined() ? keep.data_ptr<float>() : nullptr;
+    const float* ap = add ? add->data_ptr<float>() : nullptr;
+    float* dh_p = dh.data_ptr<float>();
+    on_each_thread([&](int k, int threads) {
+      const auto [j0, j1] = share(H, Vec<float>::size(), k, threads);
+      const auto [g0, g1] = share(wT.size(0), 1, k, threads);
+      const auto [q0, q1] = share(G, 1, k, threads);
+      for (int64_t t = T - 1; t >= 0; --t) {
+        pointwise(t, j0, j1, kp && t + 1 < T ? kp + (t + 1) * B : nullptr);
+        wait_for_all();
+        if (G > 0) {
+          by_gates(t, q0, q1, k);
+          wait_for_all();
+        }
+        rpt_native::small_batch_groups(dq + t * B * K, B, WT, ap, H, dh_p, H, K, g0, g1);
+        wait_for_all();
+      }
+    });
+    if (kp) {
+      dh.mul_(keep.select(0, 0).view({B, 1}));
+    }
+  } else {
+    TORCH_CHECK(false, "backward_steps_threaded: the small-batch product is float32's");
+  }
+}
+
 // ModLSTMFunction.forward's loop. gate: -1 the stabilised exponential gate, 0 sigmoid, 1 hard sigmoid
 // (clamp(x / 6 + 0.5, 0, 1), as registered in rpt/models/registry.py). Returns the state after the last step:
 // (h, c), or (h, c, n, m) for the exponential gate. `fuse`: on the CPU, run each step's pointwise part as one pass
@@ -259,6 +432,15 @@ std::vector<Tensor> modlstm_forward(
   const int64_t f_index = coupled ? 0 : 1;
   TORCH_CHECK(!(fused && ln_w) || (ln_in->is_contiguous() && ln_stats->is_contiguous()),
               "modlstm_forward: ln_in and ln_stats must be contiguous");
+  const bool threaded = fused && layout == 2 && acts.scalar_type() == at::kFloat && T > 0 &&
+                        (exp_gate || (gate == 0 && !pre)) &&
+                        XP.is_contiguous() && acts.is_contiguous() && cs.is_contiguous() && hs.is_contiguous() &&
+                        (!ns || ns->is_contiguous()) && (!keep || keep->is_contiguous()) &&
+                        (!ln_w || (ln_in->is_contiguous() && ln_stats->is_contiguous()));
+  if (threaded) {
+    return modlstm_forward_threaded(XP, w, keep, h, c, n_in, m_in, acts, cs, hs, ns, ln_in, ln_stats, ln_w, ln_b,
+                                    peep, exp_gate, coupled);
+  }
   Tensor n = exp_gate ? *n_in : Tensor(), m = exp_gate ? *m_in : Tensor();
   for (int64_t t = 0; t < T; ++t) {
     if (keep) {
@@ -276,7 +458,7 @@ std::vector<Tensor> modlstm_forward(
       AT_DISPATCH_FLOATING_TYPES(P.scalar_type(), "modlstm_gate_norm", [&] {
         scalar_t* stats = ln_stats->data_ptr<scalar_t>() + t * 2 * B * G;
         gate_norm_step(Pc.data_ptr<scalar_t>(), ln_in->data_ptr<scalar_t>() + t * B * G * H, stats, stats + B * G,
-                       w_c.data_ptr<scalar_t>(), b_c.data_ptr<scalar_t>(), normed.data_ptr<scalar_t>(), B, G, H);
+                       w_c.data_ptr<scalar_t>(), b_c.data_ptr<scalar_t>(), normed.data_ptr<scalar_t>(), B, G, H, 0, G);
       });
       P = normed;
     } else if (ln_w) {
@@ -293,7 +475,8 @@ std::vector<Tensor> modlstm_forward(
       AT_DISPATCH_FLOATING_TYPES(P.scalar_type(), "modlstm_forward_exp", [&] {
         modlstm_exp_step(Pc.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
                          n.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(), c_out.data_ptr<scalar_t>(),
-                         n_out.data_ptr<scalar_t>(), m_next.data_ptr<scalar_t>(), h_out.data_ptr<scalar_t>(), B, H);
+                         n_out.data_ptr<scalar_t>(), m_next.data_ptr<scalar_t>(), h_out.data_ptr<scalar_t>(), B, H,
+                         0, H);
       });
       c = c_out, n = n_out, m = m_next, h = h_out;
       continue;
@@ -305,7 +488,7 @@ std::vector<Tensor> modlstm_forward(
       AT_DISPATCH_FLOATING_TYPES(P.scalar_type(), "modlstm_forward_sigmoid", [&] {
         modlstm_sigmoid_step(Pc.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
                              peep ? pc.data_ptr<scalar_t>() : nullptr, c_out.data_ptr<scalar_t>(),
-                             h_out.data_ptr<scalar_t>(), B, G, H, coupled);
+                             h_out.data_ptr<scalar_t>(), B, G, H, coupled, 0, H);
       });
       c = c_out, h = h_out;
       continue;
@@ -405,34 +588,44 @@ std::vector<Tensor> modlstm_backward(
 //     K_i = z i', K_f = c_prev f' (coupled: (c_prev - z) f'), K_cc = f + K_i p_i + K_f p_f (peepholes: p_*)
 //   exponential: h^ = c / n, K_o = h^ o (1 - o), K_c = o / n, K_n = -o h^ / n, K_i = z i, K_f = c_prev f,
 //     K_z = i (1 - z^2), dn reaching (i, f): (i, n_prev f), K_cc = f
-// gate: as for modlstm_forward. Returns the gradients of the initial state: (dh, dc), or (dh, dc, dn).
+// gate: as for modlstm_forward. The gradients of the peepholes and of the gate norm's weight and bias are summed
+// here too, into peep_grad ([G - 1, H]), ln_w_grad and ln_b_grad ([G, H]), zeros on entry: each step's share,
+// dP times c or x_hat, is made while dP is in the cache.
+// Returns the gradients of the initial state: (dh, dc), or (dh, dc, dn).
 std::vector<Tensor> modlstm_backward_cpu(
     const Tensor& grad_y, const Tensor& acts, const OptTensor& pre, const Tensor& cs, const OptTensor& ns,
     const Tensor& c0, const OptTensor& n0, const OptTensor& keep, const OptTensor& peep, const Tensor& dP,
     const Tensor& dP_raw, const Tensor& wT, int64_t layout, Tensor dh, Tensor dc, OptTensor dn_in,
-    const OptTensor& ln_w, const OptTensor& ln_in, const OptTensor& ln_stats, int64_t gate, bool coupled) {
+    const OptTensor& ln_w, const OptTensor& ln_in, const OptTensor& ln_stats, int64_t gate, bool coupled,
+    const OptTensor& ln_w_grad, const OptTensor& ln_b_grad, const OptTensor& peep_grad) {
   const int64_t T = dP.size(0), B = dP.size(1), G = dP.size(2), H = dP.size(3);
   const bool exp_gate = gate < 0;
   TORCH_CHECK(dP.is_cpu(), "modlstm_backward_cpu: CPU tensors only");
   TORCH_CHECK(dP.is_contiguous() && dP_raw.is_contiguous() && acts.is_contiguous() && cs.is_contiguous() &&
                   (!pre || pre->is_contiguous()) && (!ns || ns->is_contiguous()),
               "modlstm_backward_cpu: acts, pre, cs, ns, dP and dP_raw must be contiguous");
+  TORCH_CHECK((!ln_w || (ln_w_grad && ln_b_grad && ln_w_grad->is_contiguous() && ln_b_grad->is_contiguous())) &&
+                  (!peep || (peep_grad && peep_grad->is_contiguous())),
+              "modlstm_backward_cpu: contiguous gradient sums for the gate norm's parameters and the peepholes");
   const Tensor gy_all = grad_y.contiguous(), c0_c = c0.contiguous();
   const Tensor n0_c = exp_gate ? n0->contiguous() : Tensor(), keep_c = keep ? keep->contiguous() : Tensor();
   const Tensor peep_c = peep ? peep->contiguous() : Tensor();
   Tensor ln_in_c, ln_stats_c, ln_w_c, ln_scratch;
   if (ln_w) {
     ln_in_c = ln_in->contiguous(), ln_stats_c = ln_stats->contiguous(), ln_w_c = ln_w->contiguous();
-    ln_scratch = at::empty({2 * H}, dP.options());
+    ln_scratch = at::empty({at::get_num_threads(), 2 * H}, dP.options());  // one row a thread
   }
   dh = dh.contiguous().clone(), dc = dc.contiguous().clone();
   Tensor dn = exp_gate ? dn_in->contiguous().clone() : Tensor();
   const int64_t f_at = coupled ? 0 : H, z_at = (G - 2) * H, o_at = (G - 1) * H;
-  for (int64_t t = T - 1; t >= 0; --t) {
-    Tensor dp = dP.select(0, t), dp_raw = dP_raw.select(0, t);
-    AT_DISPATCH_FLOATING_TYPES(dP.scalar_type(), "modlstm_backward_cpu", [&] {
-      using V = Vec<scalar_t>;
-      const int64_t BH = B * H;
+  const bool threaded = layout == 2 && dP.scalar_type() == at::kFloat && T > 0;
+  AT_DISPATCH_FLOATING_TYPES(dP.scalar_type(), "modlstm_backward_cpu", [&] {
+    using V = Vec<scalar_t>;
+    const int64_t BH = B * H;
+    // Step t's pointwise part on the columns [j0, j1) of every row; dh_keep: the rows' keep of the reset before
+    // step t + 1, which dh (the product's output from step t + 1) has not had yet (null: none, or applied).
+    auto pointwise = [&](int64_t t, int64_t j0, int64_t j1, const scalar_t* dh_keep) {
+      scalar_t* dp_p = dP.data_ptr<scalar_t>() + t * B * G * H;
       const scalar_t* a_t = acts.data_ptr<scalar_t>() + t * B * G * H;
       const scalar_t* pre_t = pre ? pre->data_ptr<scalar_t>() + t * B * G * H : nullptr;
       const scalar_t* c_t = cs.data_ptr<scalar_t>() + t * BH;
@@ -441,10 +634,10 @@ std::vector<Tensor> modlstm_backward_cpu(
       const scalar_t* n_prev = exp_gate ? (t > 0 ? n_t - BH : n0_c.data_ptr<scalar_t>()) : nullptr;
       const scalar_t* gy = gy_all.data_ptr<scalar_t>() + t * BH;
       const scalar_t* pp = peep ? peep_c.data_ptr<scalar_t>() : nullptr;
+      scalar_t* pg = peep ? peep_grad->data_ptr<scalar_t>() : nullptr;
       scalar_t* dh_p = dh.data_ptr<scalar_t>();
       scalar_t* dc_p = dc.data_ptr<scalar_t>();
       scalar_t* dn_p = exp_gate ? dn.data_ptr<scalar_t>() : nullptr;
-      scalar_t* dp_p = dp.data_ptr<scalar_t>();
       const V one(1);
       // u' from the gate's output u (sigmoid) or its input x (hard sigmoid: 1/6 on (-3, 3), else 0).
       auto grad_gate = [&](const V& u, const scalar_t* x, int64_t at, int n) {
@@ -456,13 +649,14 @@ std::vector<Tensor> modlstm_backward_cpu(
       };
       for (int64_t b = 0; b < B; ++b) {
         const V kb(keep ? keep_c.data_ptr<scalar_t>()[t * B + b] : scalar_t(1));
+        const V dhk(dh_keep ? dh_keep[b] : scalar_t(1));  // the reset before step t + 1
         const scalar_t* a = a_t + b * G * H;
         const scalar_t* x = pre_t ? pre_t + b * G * H : nullptr;
         scalar_t* d = dp_p + b * G * H;
-        for (int64_t j = 0; j < H; j += V::size()) {
-          const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
+        for (int64_t j = j0; j < j1; j += V::size()) {
+          const int n = static_cast<int>(std::min<int64_t>(V::size(), j1 - j));
           const int64_t at = b * H + j;
-          const V dh_v = V::loadu(dh_p + at, n) + V::loadu(gy + at, n);
+          const V dh_v = V::loadu(dh_p + at, n) * dhk + V::loadu(gy + at, n);
           const V f = V::loadu(a + f_at + j, n), z = V::loadu(a + z_at + j, n), o = V::loadu(a + o_at + j, n);
           const V i = coupled ? one - f : V::loadu(a + j, n);
           const V c = V::loadu(c_t + at, n), cp = V::loadu(c_prev + at, n) * kb;
@@ -489,35 +683,85 @@ std::vector<Tensor> modlstm_backward_cpu(
           const V dc_v = V::loadu(dc_p + at, n) + dh_v * k_c;
           const V gf = grad_gate(f, x, f_at + j, n);
           V k_cc = f;
+          const V d_o = dh_v * k_o;
           if (coupled) {
-            const V k_f = (cp - z) * gf;
-            (dc_v * k_f).store(d + j, n);
-            k_cc = pp ? k_cc + k_f * V::loadu(pp + j, n) : k_cc;
+            const V k_f = (cp - z) * gf, d_f = dc_v * k_f;
+            d_f.store(d + j, n);
+            if (pp) {
+              k_cc = k_cc + k_f * V::loadu(pp + j, n);
+              accumulate(pg + j, d_f * cp, n);
+            }
           } else {
-            const V k_i = z * grad_gate(i, x, j, n), k_f = cp * gf;
-            (dc_v * k_i).store(d + j, n);
-            (dc_v * k_f).store(d + H + j, n);
-            k_cc = pp ? k_cc + k_i * V::loadu(pp + j, n) + k_f * V::loadu(pp + H + j, n) : k_cc;
+            const V k_i = z * grad_gate(i, x, j, n), k_f = cp * gf, d_i = dc_v * k_i, d_f = dc_v * k_f;
+            d_i.store(d + j, n);
+            d_f.store(d + H + j, n);
+            if (pp) {
+              k_cc = k_cc + k_i * V::loadu(pp + j, n) + k_f * V::loadu(pp + H + j, n);
+              accumulate(pg + j, d_i * cp, n);
+              accumulate(pg + H + j, d_f * cp, n);
+            }
+          }
+          if (pp) {  // the output gate's peephole reads c_t
+            accumulate(pg + z_at + j, d_o * c, n);
           }
           (dc_v * k_z).store(d + z_at + j, n);
-          (dh_v * k_o).store(d + o_at + j, n);
+          d_o.store(d + o_at + j, n);
           (dc_v * k_cc * kb).store(dc_p + at, n);
         }
       }
+    };
+    // Step t's gate norm backward on the rows of the gates [q0, q1), with the scratch of thread k.
+    auto norm_back = [&](int64_t t, int64_t q0, int64_t q1, int k) {
+      const scalar_t* stats = ln_stats_c.data_ptr<scalar_t>() + t * 2 * B * G;
+      const int64_t at = t * B * G * H;
+      gate_norm_step_back(dP.data_ptr<scalar_t>() + at, ln_in_c.data_ptr<scalar_t>() + at, stats, stats + B * G,
+                          ln_w_c.data_ptr<scalar_t>(), dP_raw.data_ptr<scalar_t>() + at,
+                          ln_scratch.data_ptr<scalar_t>() + k * 2 * H, ln_w_grad->data_ptr<scalar_t>(),
+                          ln_b_grad->data_ptr<scalar_t>(), B, G, H, q0, q1);
+    };
+    if (threaded) {
+      backward_steps_threaded<scalar_t>(pointwise, norm_back, ln_w ? G : 0, dP_raw.view({T, B, G * H}), wT,
+                                        std::nullopt, keep_c, dh);
+      return;
+    }
+    for (int64_t t = T - 1; t >= 0; --t) {
+      pointwise(t, 0, H, nullptr);
       if (ln_w) {
-        const scalar_t* stats = ln_stats_c.data_ptr<scalar_t>() + t * 2 * B * G;
-        gate_norm_step_back(dp_p, ln_in_c.data_ptr<scalar_t>() + t * B * G * H, stats, stats + B * G,
-                            ln_w_c.data_ptr<scalar_t>(), dp_raw.data_ptr<scalar_t>(), ln_scratch.data_ptr<scalar_t>(),
-                            B, G, H);
+        norm_back(t, 0, G, 0);
       }
-    });
-    Tensor dh_prev = project(dp_raw.view({B, G * H}), std::nullopt, wT, layout, H);
-    dh.copy_(keep ? dh_prev * keep_c.select(0, t).unsqueeze(1) : dh_prev);
-  }
+      Tensor dp_raw = dP_raw.select(0, t);
+      Tensor dh_prev = project(dp_raw.view({B, G * H}), std::nullopt, wT, layout, H);
+      dh.copy_(keep ? dh_prev * keep_c.select(0, t).unsqueeze(1) : dh_prev);
+    }
+  });
   if (exp_gate) {
     return {dh, dc, dn};
   }
   return {dh, dc};
+}
+
+// gru_forward's loop at few rows (above modlstm_forward_threaded).
+Tensor gru_forward_threaded(const Tensor& XP, const Tensor& w, const Tensor& bias, const OptTensor& keep,
+                            const Tensor& h0, const Tensor& HP, const Tensor& gates, const Tensor& hs) {
+  const int64_t T = gates.size(0), B = gates.size(1), H = gates.size(3), N = 3 * H;
+  Tensor h = first_read(h0, keep), bias_rows = bias.expand({B, N}).contiguous();
+  const float *W = w.data_ptr<float>(), *xp = XP.data_ptr<float>(), *b_hh = bias_rows.data_ptr<float>();
+  const float* kp = keep ? keep->data_ptr<float>() : nullptr;
+  float *hp = h.data_ptr<float>(), *HP_all = HP.data_ptr<float>(), *g_all = gates.data_ptr<float>();
+  float* h_all = hs.data_ptr<float>();
+  on_each_thread([&](int k, int threads) {
+    const auto [g0, g1] = share(w.size(0), 1, k, threads);
+    const auto [j0, j1] = share(H, Vec<float>::size(), k, threads);
+    for (int64_t t = 0; t < T; ++t) {
+      rpt_native::small_batch_groups(hp, B, W, b_hh, N, HP_all + t * B * N, N, H, g0, g1);
+      wait_for_all();
+      float* h_out = h_all + t * B * H;
+      gru_step(xp + t * B * N, HP_all + t * B * N, hp, g_all + t * B * N, h_out, B, H, j0, j1);
+      scaled_rows(h_out, kp && t + 1 < T ? kp + (t + 1) * B : nullptr, hp, B, H, j0, j1);
+      wait_for_all();
+    }
+  });
+  return hs.select(0, T - 1);
 }
 
 // GRUFunction.forward's loop; fills HP (h W_hh^T + b_hh), gates (r, z, n) and hs. Returns the last h.
@@ -527,6 +771,9 @@ Tensor gru_forward(const Tensor& XP, const Tensor& w, int64_t layout, const Tens
   const int64_t T = gates.size(0), B = gates.size(1), H = gates.size(3);
   const bool fused = fuse && gates.is_cpu() && XP.is_contiguous() && HP.is_contiguous() && gates.is_contiguous() &&
                      hs.is_contiguous();
+  if (fused && layout == 2 && gates.scalar_type() == at::kFloat && T > 0 && (!keep || keep->is_contiguous())) {
+    return gru_forward_threaded(XP, w, bias, keep, h, HP, gates, hs);
+  }
   for (int64_t t = 0; t < T; ++t) {
     if (keep) {
       h = h * keep->select(0, t).unsqueeze(1);
@@ -537,7 +784,7 @@ Tensor gru_forward(const Tensor& XP, const Tensor& w, int64_t layout, const Tens
       h = h.contiguous();
       AT_DISPATCH_FLOATING_TYPES(XP.scalar_type(), "gru_forward", [&] {
         gru_step(xp.data_ptr<scalar_t>(), hp.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(),
-                 out.data_ptr<scalar_t>(), B, H);
+                 out.data_ptr<scalar_t>(), B, H, 0, H);
       });
       h = out;
       continue;
@@ -566,26 +813,28 @@ Tensor gru_backward(const Tensor& grad_y, const Tensor& gates, const Tensor& HP,
   const Tensor gy_all = grad_y.contiguous(), hp_all = h_prev.contiguous();
   dh = dh.contiguous().clone();
   Tensor dh_z = at::empty_like(dh);
-  for (int64_t t = T - 1; t >= 0; --t) {
-    Tensor dxp = dXP.select(0, t), dhp = dHP.select(0, t);
-    AT_DISPATCH_FLOATING_TYPES(dXP.scalar_type(), "gru_backward", [&] {
-      using V = Vec<scalar_t>;
+  const Tensor keep_c = keep3 ? keep3->contiguous() : Tensor();
+  AT_DISPATCH_FLOATING_TYPES(dXP.scalar_type(), "gru_backward", [&] {
+    using V = Vec<scalar_t>;
+    // Step t's pointwise part on the columns [j0, j1) of every row (dh_keep: as in modlstm_backward_cpu).
+    auto pointwise = [&](int64_t t, int64_t j0, int64_t j1, const scalar_t* dh_keep) {
       const int64_t off = t * B * H, off3 = t * B * 3 * H;
       scalar_t* dh_p = dh.data_ptr<scalar_t>();
       scalar_t* dhz_p = dh_z.data_ptr<scalar_t>();
-      scalar_t* dxp_p = dxp.data_ptr<scalar_t>();
-      scalar_t* dhp_p = dhp.data_ptr<scalar_t>();
+      scalar_t* dxp_p = dXP.data_ptr<scalar_t>() + off3;
+      scalar_t* dhp_p = dHP.data_ptr<scalar_t>() + off3;
       const scalar_t* gy = gy_all.data_ptr<scalar_t>() + off;
       const scalar_t* prev = hp_all.data_ptr<scalar_t>() + off;
       const scalar_t* g = gates.data_ptr<scalar_t>() + off3;
       const scalar_t* hp = HP.data_ptr<scalar_t>() + off3;
       const V one(1);
       for (int64_t b = 0; b < B; ++b) {
-        for (int64_t j = 0; j < H; j += V::size()) {
-          const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
+        const V dhk(dh_keep ? dh_keep[b] : scalar_t(1));
+        for (int64_t j = j0; j < j1; j += V::size()) {
+          const int n = static_cast<int>(std::min<int64_t>(V::size(), j1 - j));
           const int64_t i = b * H + j, at_r = b * 3 * H + j, at_z = at_r + H, at_n = at_r + 2 * H;
           const V r = V::loadu(g + at_r, n), z = V::loadu(g + at_z, n), nn = V::loadu(g + at_n, n);
-          const V dh_v = V::loadu(dh_p + i, n) + V::loadu(gy + i, n);
+          const V dh_v = V::loadu(dh_p + i, n) * dhk + V::loadu(gy + i, n);
           const V d_n = dh_v * (one - z) * (one - nn * nn);
           const V d_z = dh_v * (V::loadu(prev + i, n) - nn) * z * (one - z);
           const V d_r = d_n * V::loadu(hp + at_n, n) * r * (one - r);
@@ -598,10 +847,18 @@ Tensor gru_backward(const Tensor& grad_y, const Tensor& gates, const Tensor& HP,
           (dh_v * z).store(dhz_p + i, n);
         }
       }
-    });
-    Tensor dh_prev = project(dhp.view({B, 3 * H}), dh_z, wT, layout, H);
-    dh.copy_(keep3 ? dh_prev * keep3->select(0, t) : dh_prev);
-  }
+    };
+    if (layout == 2 && dXP.scalar_type() == at::kFloat && T > 0) {
+      backward_steps_threaded<scalar_t>(pointwise, [](int64_t, int64_t, int64_t, int) {}, 0, dHP.view({T, B, 3 * H}),
+                                        wT, dh_z, keep_c, dh);
+      return;
+    }
+    for (int64_t t = T - 1; t >= 0; --t) {
+      pointwise(t, 0, H, nullptr);
+      Tensor dh_prev = project(dHP.select(0, t).view({B, 3 * H}), dh_z, wT, layout, H);
+      dh.copy_(keep3 ? dh_prev * keep_c.select(0, t) : dh_prev);
+    }
+  });
   return dh;
 }
 

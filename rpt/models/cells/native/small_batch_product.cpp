@@ -88,6 +88,20 @@ void rows_times_groups(const float* x, const float* P, const float* add, int64_t
 
 }  // namespace
 
+// Rows [0, B) of x [B, K] times the groups [g0, g1) of P into out [B, N] (+ add, rows ld_add apart; null: none):
+// one thread's share of small_batch_product, for the time loops that split the groups over threads themselves.
+void small_batch_groups(const float* x, int64_t B, const float* P, const float* add, int64_t ld_add, float* out,
+                        int64_t N, int64_t K, int64_t g0, int64_t g1) {
+  for (int64_t b = 0; b < B; b += 2) {
+    const float* a = add ? add + b * ld_add : nullptr;
+    if (B - b >= 2) {
+      rows_times_groups<2>(x + b * K, P, a, ld_add, out + b * N, N, K, g0, g1);
+    } else {
+      rows_times_groups<1>(x + b * K, P, a, ld_add, out + b * N, N, K, g0, g1);
+    }
+  }
+}
+
 // x [B, K] @ W^T (+ add [B, N]) with W as pack_for_small_batch left it; N: W's rows (the output's width).
 Tensor small_batch_product(const Tensor& x_in, const Tensor& P, int64_t N, const std::optional<Tensor>& add_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && P.dim() == 3 && P.size(1) == x_in.size(1) &&
@@ -110,14 +124,7 @@ Tensor small_batch_product(const Tensor& x_in, const Tensor& P, int64_t N, const
   float* op = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (K * kGroup * 4));  // at least 64 KB of W a task
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t b = 0; b < B; b += 2) {
-      const float* a = ap ? ap + b * ld_add : nullptr;
-      if (B - b >= 2) {
-        rows_times_groups<2>(xp + b * K, pp, a, ld_add, op + b * N, N, K, g0, g1);
-      } else {
-        rows_times_groups<1>(xp + b * K, pp, a, ld_add, op + b * N, N, K, g0, g1);
-      }
-    }
+    small_batch_groups(xp, B, pp, ap, ld_add, op, N, K, g0, g1);
   });
   return out;
 }
