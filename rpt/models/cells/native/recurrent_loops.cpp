@@ -343,6 +343,7 @@ std::vector<Tensor> modlstm_forward_threaded(const Tensor& XP, const Tensor& w, 
   float* n_all = exp_gate ? ns->data_ptr<float>() : nullptr;
   float* ln_in_all = ln_w ? ln_in->data_ptr<float>() : nullptr;
   float* stats_all = ln_w ? ln_stats->data_ptr<float>() : nullptr;
+  const float *ln_w_p = ln_w ? ln_w_c.data_ptr<float>() : nullptr, *ln_b_p = ln_w ? ln_b_c.data_ptr<float>() : nullptr;
   on_each_thread([&](int k, int threads) {
     const auto [g0, g1] = share(w.size(0), 1, k, threads);
     const auto [j0, j1] = share(H, Vec<float>::size(), k, threads);
@@ -352,8 +353,7 @@ std::vector<Tensor> modlstm_forward_threaded(const Tensor& XP, const Tensor& w, 
       wait_for_all();
       if (ln_in_all) {
         float* stats = stats_all + t * 2 * B * G;
-        gate_norm_step(Pp, ln_in_all + t * B * N, stats, stats + B * G, ln_w_c.data_ptr<float>(),
-                       ln_b_c.data_ptr<float>(), Pp, B, G, H, q0, q1);
+        gate_norm_step(Pp, ln_in_all + t * B * N, stats, stats + B * G, ln_w_p, ln_b_p, Pp, B, G, H, q0, q1);
         wait_for_all();
       }
       float *c_out = c_all + t * B * H, *h_out = h_all + t * B * H;
