@@ -27,6 +27,7 @@ from rpt.models.cells import native, packed_linear
 VARIANTS = {
     "modlstm": dict(cell="modlstm"),
     "modlstm-hard": dict(cell="modlstm", gate="hard_sigmoid"),
+    "modlstm-hard-peep": dict(cell="modlstm", gate="hard_sigmoid", peepholes=True),  # pre: inputs after peepholes
     "modlstm-coupled-peep": dict(cell="modlstm", coupled_gates=True, peepholes=True),
     "modlstm-coupled-odd": dict(cell="modlstm", coupled_gates=True, d_hidden=21),  # a part-filled last vector
     "modlstm-peep-norm": dict(cell="modlstm", peepholes=True, gate_norm=True),
@@ -131,7 +132,8 @@ def test_min_scan_splits_channels_across_threads(name):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"output {k}")
 
 
-@pytest.mark.parametrize("name", ["modlstm-peep-norm", "modlstm-exp-norm", "modlstm-coupled-odd", "gru-odd"])
+@pytest.mark.parametrize("name", ["modlstm-peep-norm", "modlstm-exp-norm", "modlstm-hard-peep", "modlstm-coupled-odd",
+                                  "gru-odd"])
 def test_the_loops_at_few_rows_give_the_same_numbers_on_any_thread_count(name):
     """At few rows the loops run in one parallel region (recurrent_loops.cpp): each thread takes its share of every
     step's product, of the columns of its elementwise part and of the gates of its norm, between barriers. Every

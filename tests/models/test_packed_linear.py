@@ -122,16 +122,18 @@ def test_small_batch_product_matches_float64(rows, n, k):
 
 def test_few_rows_or_a_cached_weight_take_the_small_batch_product():
     """The layout rule: two rows always; more while the weight read once per pair of rows stays within
-    SMALL_BATCH_TRAFFIC; oneDNN beyond, and inside onednn_products()."""
+    SMALL_BATCH_TRAFFIC, any number for a weight within CACHED_WEIGHT; oneDNN beyond, and inside onednn_products()."""
     from rpt.models.cells import native
 
     if native.loops() is None or not packed_linear._packed_available():
         pytest.skip("needs the native loops and oneDNN")
-    big, small = torch.randn(2048, 512), torch.randn(768, 192)  # 4 MiB, 0.56 MiB
+    big, mid, small = torch.randn(2048, 512), torch.randn(1536, 384), torch.randn(768, 192)  # 4, 2.25, 0.56 MiB
     assert packed_linear.PackedLinear(big, 2).operand[1] == 2
-    assert packed_linear.PackedLinear(big, 3).operand[1] == 1
-    assert packed_linear.PackedLinear(small, 14).operand[1] == 2  # 7 passes x 0.56 MiB
-    assert packed_linear.PackedLinear(small, 16).operand[1] == 1
+    assert packed_linear.PackedLinear(big, 4).operand[1] == 2  # 2 passes x 4 MiB
+    assert packed_linear.PackedLinear(big, 5).operand[1] == 1
+    assert packed_linear.PackedLinear(mid, 6).operand[1] == 2  # 3 passes x 2.25 MiB
+    assert packed_linear.PackedLinear(mid, 8).operand[1] == 1
+    assert packed_linear.PackedLinear(small, 128).operand[1] == 2
     with packed_linear.onednn_products():
         assert packed_linear.PackedLinear(big, 2).operand[1] == 1
     assert packed_linear.PackedLinear(big.double(), 2).operand[1] == 0

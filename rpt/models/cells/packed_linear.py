@@ -7,7 +7,8 @@ machine's CPU, torch's default (MKL) GEMM runs it about 3x slower than oneDNN wi
 packed once per sequence (measured: 57 us vs 171 us at B=2, H=512; 186 us vs 296 us at B=16).
 With the fewest rows rpt's own product (native/small_batch_product.cpp) beats oneDNN in turn, whose every
 call pays a fixed ~18 us (in a time loop 34-40 us vs 58-67 us at B=2, H=512; 5.5 vs 23 at B=2, H=192):
-PackedLinear packs the weight for it when the native loops are built and the rows are few. The oneDNN path
+PackedLinear packs the weight for it when the native loops are built and the rows are few, or the weight small
+enough to stay in the cache (SMALL_BATCH_TRAFFIC and CACHED_WEIGHT below). The oneDNN path
 uses the ops that torch's own inductor CPU backend calls; where they are missing, or off the CPU, or not
 float32, this falls back to addmm, so results never depend on either.
 
@@ -43,8 +44,12 @@ def _packed_available() -> bool:
 
 
 # Few rows and a small enough W: rpt's own product (native/small_batch_product.cpp) reads W once per pair of rows of
-# h, faster than oneDNN while that traffic stays within this (the crossover measured on the build machine).
-SMALL_BATCH_TRAFFIC = 4 << 20  # bytes
+# h, and the native loops run it with the step's elementwise part split over the same threads; faster than oneDNN's
+# product while that traffic stays within SMALL_BATCH_TRAFFIC, and at any number of rows (measured to 128) for a W
+# that stays in the threads' L2 caches (1 MB a core on the build machine): the crossovers of a grid of modlstm and
+# gru forward + backward over H 192-864 and B 4-128 (benchmarks/RESULTS.md, session 10).
+SMALL_BATCH_TRAFFIC = 8 << 20  # bytes a step: (rows / 2) x W
+CACHED_WEIGHT = 1 << 20  # bytes
 _small_batch = True
 
 
@@ -58,7 +63,8 @@ class PackedLinear:
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return
         ops = native.loops()
-        few = batch <= 2 or (batch + 1) // 2 * weight.nbytes <= SMALL_BATCH_TRAFFIC
+        few = (batch <= 2 or weight.nbytes <= CACHED_WEIGHT
+               or (batch + 1) // 2 * weight.nbytes <= SMALL_BATCH_TRAFFIC)
         if ops is not None and few and _small_batch:
             self.ops, self.operand = ops, (ops.pack_for_small_batch(weight.detach()), 2)
         elif _packed_available():

@@ -152,17 +152,24 @@ void gate_norm_step_back(const scalar_t* dp, const scalar_t* ln_in, const scalar
   }
 }
 
-// One step of the sigmoid-gated modlstm after its product P = x W_x + h W_h + b ([B, G, H]), on the columns
+// One step of the sigmoid-family modlstm after its product P = x W_x + h W_h + b ([B, G, H]), on the columns
 // [j0, j1) of every row: writes the gates to `a` (i, f, z, o; coupled: f, z, o with i = 1 - f), c_t and
 // h_t = o tanh(c_t). Peepholes (`peep`, [G - 1, H], or null): the gates before z read c_{t-1}, the output gate c_t.
+// gate: 0 sigmoid, 1 hard sigmoid for the gates before z (the output gate is a sigmoid); `pre` (or null): where
+// the gate inputs go, peepholes added, for the backward (the hard sigmoid's derivative reads them).
 template <typename scalar_t>
 void modlstm_sigmoid_step(const scalar_t* P, scalar_t* a, const scalar_t* c, const scalar_t* peep, scalar_t* c_out,
-                          scalar_t* h_out, int64_t B, int64_t G, int64_t H, bool coupled, int64_t j0, int64_t j1) {
+                          scalar_t* h_out, scalar_t* pre, int64_t B, int64_t G, int64_t H, int64_t gate, bool coupled,
+                          int64_t j0, int64_t j1) {
   using V = Vec<scalar_t>;
   const int64_t f_at = coupled ? 0 : H, z_at = (G - 2) * H, o_at = (G - 1) * H;
+  auto gate_fn = [&](const V& x) {
+    return gate == 0 ? sigmoid(x) : at::vec::minimum(at::vec::maximum(x / V(6) + V(0.5), V(0)), V(1));
+  };
   for (int64_t b = 0; b < B; ++b) {
     const scalar_t* Pb = P + b * G * H;
     scalar_t* ab = a + b * G * H;
+    scalar_t* xb = pre ? pre + b * G * H : nullptr;
     for (int64_t j = j0; j < j1; j += V::size()) {
       const int n = static_cast<int>(std::min<int64_t>(V::size(), j1 - j));
       const V c_prev = V::loadu(c + b * H + j, n);
@@ -171,9 +178,9 @@ void modlstm_sigmoid_step(const scalar_t* P, scalar_t* a, const scalar_t* c, con
         p_f = p_f + V::loadu(peep + f_at + j, n) * c_prev;
         p_i = coupled ? p_i : p_i + V::loadu(peep + j, n) * c_prev;
       }
-      const V f = sigmoid(p_f);
-      const V i = coupled ? V(1) - f : sigmoid(p_i);
-      const V z = V::loadu(Pb + z_at + j, n).tanh();
+      const V f = gate_fn(p_f);
+      const V i = coupled ? V(1) - f : gate_fn(p_i);
+      const V p_z = V::loadu(Pb + z_at + j, n), z = p_z.tanh();
       const V c_new = f * c_prev + i * z;
       if (peep) {
         p_o = p_o + V::loadu(peep + z_at + j, n) * c_new;
@@ -185,6 +192,14 @@ void modlstm_sigmoid_step(const scalar_t* P, scalar_t* a, const scalar_t* c, con
       f.store(ab + f_at + j, n);
       z.store(ab + z_at + j, n);
       o.store(ab + o_at + j, n);
+      if (xb) {
+        if (!coupled) {
+          p_i.store(xb + j, n);
+        }
+        p_f.store(xb + f_at + j, n);
+        p_z.store(xb + z_at + j, n);
+        p_o.store(xb + o_at + j, n);
+      }
       c_new.store(c_out + b * H + j, n);
       (o * c_new.tanh()).store(h_out + b * H + j, n);
     }
@@ -319,15 +334,17 @@ Tensor first_read(const Tensor& state, const OptTensor& keep) {
   return keep ? (state * keep->select(0, 0).unsqueeze(1)).contiguous() : state.contiguous().clone();
 }
 
-// modlstm_forward's loop at few rows (above): the sigmoid gate (its inputs not kept) or the exponential gate. With
-// the gate norm, a third phase between the two: each thread normalises the rows of its share of the gates.
+// modlstm_forward's loop at few rows (above); gate as for modlstm_forward. With the gate norm, a third phase between
+// the two: each thread normalises the rows of its share of the gates.
 std::vector<Tensor> modlstm_forward_threaded(const Tensor& XP, const Tensor& w, const OptTensor& keep,
                                              const Tensor& h0, const Tensor& c0, const OptTensor& n0,
-                                             const OptTensor& m0, const Tensor& acts, const Tensor& cs,
-                                             const Tensor& hs, const OptTensor& ns, const OptTensor& ln_in,
-                                             const OptTensor& ln_stats, const OptTensor& ln_w, const OptTensor& ln_b,
-                                             const OptTensor& peep, bool exp_gate, bool coupled) {
+                                             const OptTensor& m0, const Tensor& acts, const OptTensor& pre,
+                                             const Tensor& cs, const Tensor& hs, const OptTensor& ns,
+                                             const OptTensor& ln_in, const OptTensor& ln_stats,
+                                             const OptTensor& ln_w, const OptTensor& ln_b, const OptTensor& peep,
+                                             int64_t gate, bool coupled) {
   const int64_t T = acts.size(0), B = acts.size(1), G = acts.size(2), H = acts.size(3), N = G * H;
+  const bool exp_gate = gate < 0;
   // The state the next step reads, after its reset: h (the product's input), c, and n, m for the exponential gate.
   Tensor h = first_read(h0, keep), c = first_read(c0, keep);
   Tensor n = exp_gate ? first_read(*n0, keep) : Tensor(), m = exp_gate ? first_read(*m0, keep) : Tensor();
@@ -341,6 +358,7 @@ std::vector<Tensor> modlstm_forward_threaded(const Tensor& XP, const Tensor& w, 
   float *np = exp_gate ? n.data_ptr<float>() : nullptr, *mp = exp_gate ? m.data_ptr<float>() : nullptr;
   float *a_all = acts.data_ptr<float>(), *c_all = cs.data_ptr<float>(), *h_all = hs.data_ptr<float>();
   float* n_all = exp_gate ? ns->data_ptr<float>() : nullptr;
+  float* pre_all = pre ? pre->data_ptr<float>() : nullptr;
   float* ln_in_all = ln_w ? ln_in->data_ptr<float>() : nullptr;
   float* stats_all = ln_w ? ln_stats->data_ptr<float>() : nullptr;
   const float *ln_w_p = ln_w ? ln_w_c.data_ptr<float>() : nullptr, *ln_b_p = ln_w ? ln_b_c.data_ptr<float>() : nullptr;
@@ -364,7 +382,8 @@ std::vector<Tensor> modlstm_forward_threaded(const Tensor& XP, const Tensor& w, 
         scaled_rows(n_out, k_next, np, B, H, j0, j1);
         scaled_rows(mp, k_next, mp, B, H, j0, j1);
       } else {
-        modlstm_sigmoid_step(Pp, a_all + t * B * N, cp, pp, c_out, h_out, B, G, H, coupled, j0, j1);
+        modlstm_sigmoid_step(Pp, a_all + t * B * N, cp, pp, c_out, h_out, pre_all ? pre_all + t * B * N : nullptr, B,
+                             G, H, gate, coupled, j0, j1);
       }
       scaled_rows(c_out, k_next, cp, B, H, j0, j1);
       scaled_rows(h_out, k_next, hp, B, H, j0, j1);
@@ -418,8 +437,7 @@ void backward_steps_threaded(const Pointwise& pointwise, const ByGates& by_gates
 // ModLSTMFunction.forward's loop. gate: -1 the stabilised exponential gate, 0 sigmoid, 1 hard sigmoid
 // (clamp(x / 6 + 0.5, 0, 1), as registered in rpt/models/registry.py). Returns the state after the last step:
 // (h, c), or (h, c, n, m) for the exponential gate. `fuse`: on the CPU, run each step's pointwise part as one pass
-// for the sigmoid and exponential gates (native.unfused_steps() turns it off, so that the tests check the ATen
-// form a GPU runs).
+// (native.unfused_steps() turns it off, so that the tests check the ATen form a GPU runs).
 std::vector<Tensor> modlstm_forward(
     const Tensor& XP, const Tensor& w, int64_t layout, const OptTensor& keep, Tensor h, Tensor c, OptTensor n_in,
     OptTensor m_in, const Tensor& acts, const OptTensor& pre, const Tensor& cs, const Tensor& hs,
@@ -433,13 +451,13 @@ std::vector<Tensor> modlstm_forward(
   TORCH_CHECK(!(fused && ln_w) || (ln_in->is_contiguous() && ln_stats->is_contiguous()),
               "modlstm_forward: ln_in and ln_stats must be contiguous");
   const bool threaded = fused && layout == 2 && acts.scalar_type() == at::kFloat && T > 0 &&
-                        (exp_gate || (gate == 0 && !pre)) &&
                         XP.is_contiguous() && acts.is_contiguous() && cs.is_contiguous() && hs.is_contiguous() &&
                         (!ns || ns->is_contiguous()) && (!keep || keep->is_contiguous()) &&
+                        (!pre || pre->is_contiguous()) &&
                         (!ln_w || (ln_in->is_contiguous() && ln_stats->is_contiguous()));
   if (threaded) {
-    return modlstm_forward_threaded(XP, w, keep, h, c, n_in, m_in, acts, cs, hs, ns, ln_in, ln_stats, ln_w, ln_b,
-                                    peep, exp_gate, coupled);
+    return modlstm_forward_threaded(XP, w, keep, h, c, n_in, m_in, acts, pre, cs, hs, ns, ln_in, ln_stats, ln_w,
+                                    ln_b, peep, gate, coupled);
   }
   Tensor n = exp_gate ? *n_in : Tensor(), m = exp_gate ? *m_in : Tensor();
   for (int64_t t = 0; t < T; ++t) {
@@ -481,14 +499,15 @@ std::vector<Tensor> modlstm_forward(
       c = c_out, n = n_out, m = m_next, h = h_out;
       continue;
     }
-    if (fused && gate == 0 && !pre) {  // the "else" below for the sigmoid gate, in one pass
+    if (fused && !exp_gate) {  // the "else" below for the sigmoid family, in one pass
       Tensor Pc = P.contiguous();
       c = c.contiguous();
       Tensor pc = peep ? peep->contiguous() : Tensor();
       AT_DISPATCH_FLOATING_TYPES(P.scalar_type(), "modlstm_forward_sigmoid", [&] {
         modlstm_sigmoid_step(Pc.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
                              peep ? pc.data_ptr<scalar_t>() : nullptr, c_out.data_ptr<scalar_t>(),
-                             h_out.data_ptr<scalar_t>(), B, G, H, coupled, 0, H);
+                             h_out.data_ptr<scalar_t>(), pre ? pre->data_ptr<scalar_t>() + t * B * G * H : nullptr,
+                             B, G, H, gate, coupled, 0, H);
       });
       c = c_out, h = h_out;
       continue;
