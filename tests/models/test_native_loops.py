@@ -47,6 +47,19 @@ def test_built_wherever_a_compiler_is():
     assert native.loops() is not None, "g++ is here but the native loops did not build (see the warning)"
 
 
+def test_the_build_key_covers_every_header(tmp_path, monkeypatch):
+    """recurrent_loops.cpp includes the headers beside it: a changed header must give a new build folder, or every
+    machine would go on loading the library built from the old one; and a header left out of HEADERS would."""
+    folder = Path(native.__file__).parent
+    assert {p.name for p in native.HEADERS} == {p.name for p in folder.glob("*.h")}
+    header = tmp_path / "passes.h"
+    header.write_text("// one")
+    monkeypatch.setattr(native, "HEADERS", [header])
+    before = native.build_directory()
+    header.write_text("// two")
+    assert native.build_directory() != before
+
+
 def test_the_loops_split_work_on_torchs_threads():
     """ATen's at::parallel_for is a header template: compiled without -fopenmp it runs its whole range on the
     calling thread, and min_scan's and small_batch_product's splits across threads ran on one until compile_flags

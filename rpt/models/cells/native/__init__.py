@@ -8,8 +8,9 @@ C++ cost 1-2 us each. torch.compile would unroll the T steps of the loop (and To
 and no library offers these cells' loops. `recurrent_loops.cpp` is the Python loops of modlstm.py and
 gru.py step for step on the same buffers: each step's product is PackedLinear's, and on the CPU each
 step's elementwise part is one pass of the same arithmetic (tests/models/test_native_loops.py holds the two
-forms equally close to float64); at few rows the whole loop runs in one parallel region, the threads
-splitting each step's product and then its elementwise part (why: above modlstm_forward_threaded).
+forms equally close to float64: the passes are in `step_passes.h`); at few rows the whole loop runs in one
+parallel region, the threads splitting each step's product and then its elementwise part (why:
+`threaded_loops.h`).
 `small_batch_product.cpp` is the per-step product for few rows, where oneDNN's fixed cost per call
 dominated (why: its header). `min_scan.cpp` is the other
 kind: minGRU's and minLSTM's linear recurrence in one raw pass over memory each way, where the ATen form
@@ -38,6 +39,7 @@ import torch
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("recurrent_loops.cpp", "small_batch_product.cpp", "min_scan.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("step_passes.h", "threaded_loops.h")]  # in the build's key
 NAME = "rpt_recurrent_loops"
 _use = True
 _fuse = True
@@ -61,7 +63,7 @@ def compile_flags() -> list[str]:
 
 
 def build_directory() -> Path:
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
     digest = hashlib.sha256(sources + " ".join(compile_flags()).encode()).hexdigest()[:12]
     root = Path(os.environ.get("RPT_NATIVE_DIR") or Path.home() / ".cache" / "rpt" / "native")
     return root / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"

@@ -1,15 +1,13 @@
 // The time loops of rpt's fused recurrent kernels (modlstm, gru), step for step the Python loops in
 // modlstm.py and gru.py on the same buffers, called from C++ instead of Python (on the CPU each step's
-// elementwise part as one pass, below; elsewhere the same ATen ops).
+// elementwise part as one pass: step_passes.h; elsewhere the same ATen ops). At few rows each loop runs in
+// one parallel region instead (threaded_loops.h).
 // Why this file exists, and how it is built: native/__init__.py. The Python loop is the readable form; a change
 // there is made here too, and tests/models/test_native_loops.py holds the two equal.
 //
 // Buffers are time-major ([T, B, ...]); every step writes its slice of the caller's buffers in place.
-//
-// On the CPU each step's pointwise part (forward: gates and state update; backward: the gradient through them)
-// runs as one pass of ATen's vector type, where ATen's ops would take 6-8 calls a step, each paying its
-// dispatch (~3 us) on a few thousand numbers. native/__init__.py builds with AVX2 (CPU_CAPABILITY=AVX2)
-// where the CPU has it; elsewhere the vector type is ATen's portable one.
+// native/__init__.py builds with AVX2 (CPU_CAPABILITY=AVX2) where the CPU has it; elsewhere ATen's vector type
+// is its portable one.
 
 #ifndef CPU_CAPABILITY
 #define CPU_CAPABILITY DEFAULT
@@ -17,252 +15,28 @@
 #endif
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <optional>
 #include <vector>
 
+#include "step_passes.h"
+#include "threaded_loops.h"
+
 namespace rpt_native {  // small_batch_product.cpp
 at::Tensor small_batch_product(const at::Tensor& x, const at::Tensor& P, int64_t N,
                                const std::optional<at::Tensor>& add);
-void small_batch_groups(const float* x, int64_t B, const float* P, const float* add, int64_t ld_add, float* out,
-                        int64_t N, int64_t K, int64_t g0, int64_t g1);
 }
 
 namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
-
-constexpr double kLayerNormEps = 1e-5;  // modlstm.LN_EPS
-
-template <typename scalar_t>
-using Vec = at::vec::Vectorized<scalar_t>;
-
-template <typename scalar_t>
-inline Vec<scalar_t> sigmoid(Vec<scalar_t> x) {
-  return (Vec<scalar_t>(1) + x.neg().exp()).reciprocal();
-}
-
-// Sum of x[0:len] and of f(x[j]) over it: the vector type for whole vectors, then the scalar rest.
-template <typename scalar_t, typename VecFn, typename ScalarFn>
-inline scalar_t row_sum(const scalar_t* x, int64_t len, VecFn vf, ScalarFn sf) {
-  using V = Vec<scalar_t>;
-  V acc(0);
-  int64_t j = 0;
-  for (; j + V::size() <= len; j += V::size()) {
-    acc = acc + vf(V::loadu(x + j));
-  }
-  scalar_t lanes[V::size()];
-  acc.store(lanes);
-  scalar_t total = 0;
-  for (int64_t k = 0; k < V::size(); ++k) {
-    total += lanes[k];
-  }
-  for (; j < len; ++j) {
-    total += sf(x[j]);
-  }
-  return total;
-}
-
-template <typename scalar_t>
-inline scalar_t row_sum(const scalar_t* x, int64_t len) {
-  return row_sum(x, len, [](Vec<scalar_t> v) { return v; }, [](scalar_t v) { return v; });
-}
-
-// Gate layer norm of one step, each of the B x G rows of P ([B, G, H]) of the gates [g0, g1) over its H values:
-// keeps the input (ln_in) and the statistics (mean, rstd: [B, G]) for the backward, writes w_g (x - mean) rstd + b_g
-// to out (which may be P).
-template <typename scalar_t>
-void gate_norm_step(const scalar_t* P, scalar_t* ln_in, scalar_t* mean, scalar_t* rstd, const scalar_t* w,
-                    const scalar_t* bias, scalar_t* out, int64_t B, int64_t G, int64_t H, int64_t g0, int64_t g1) {
-  using V = Vec<scalar_t>;
-  for (int64_t r = 0; r < B * G; ++r) {
-    if (r % G < g0 || r % G >= g1) {
-      continue;
-    }
-    const scalar_t* x = P + r * H;
-    const scalar_t* wg = w + (r % G) * H;
-    const scalar_t* bg = bias + (r % G) * H;
-    const scalar_t mu = row_sum(x, H) / H;
-    const V mu_v(mu);
-    const scalar_t var = row_sum(x, H, [&](V v) { return (v - mu_v) * (v - mu_v); },
-                                 [&](scalar_t v) { return (v - mu) * (v - mu); }) / H;
-    const scalar_t rs = scalar_t(1) / std::sqrt(var + scalar_t(kLayerNormEps));
-    mean[r] = mu, rstd[r] = rs;
-    const V rs_v(rs);
-    for (int64_t j = 0; j < H; j += V::size()) {
-      const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
-      const V xv = V::loadu(x + j, n);
-      xv.store(ln_in + r * H + j, n);
-      ((xv - mu_v) * rs_v * V::loadu(wg + j, n) + V::loadu(bg + j, n)).store(out + r * H + j, n);
-    }
-  }
-}
-
-// acc[0:len] += v[0:len], one vector at a time (n: how many of v's lanes are in range).
-template <typename scalar_t>
-inline void accumulate(scalar_t* acc, const Vec<scalar_t>& v, int n) {
-  (Vec<scalar_t>::loadu(acc, n) + v).store(acc, n);
-}
-
-// The gate layer norm's backward for one step: from the gradient at its output (dp) to its input (dp_raw),
-// dx = rstd (dy - mean(dy) - x_hat mean(dy x_hat)) with dy = w_g dp and x_hat = (x - mean) rstd; and the norm's
-// own gradients, summed into grad_w (dp x_hat) and grad_b (dp), [G, H] each, while dp is in the cache (summed
-// over all T x B rows afterwards, in ATen ops, they were 5-7% of a step's time). The rows of the gates [g0, g1):
-// threads that split a step by gates add to parts of grad_w and grad_b of their own. scratch: 2 H numbers.
-template <typename scalar_t>
-void gate_norm_step_back(const scalar_t* dp, const scalar_t* ln_in, const scalar_t* mean, const scalar_t* rstd,
-                         const scalar_t* w, scalar_t* dp_raw, scalar_t* scratch, scalar_t* grad_w, scalar_t* grad_b,
-                         int64_t B, int64_t G, int64_t H, int64_t g0, int64_t g1) {
-  using V = Vec<scalar_t>;
-  for (int64_t r = 0; r < B * G; ++r) {
-    if (r % G < g0 || r % G >= g1) {
-      continue;
-    }
-    const scalar_t* wg = w + (r % G) * H;
-    scalar_t* gw = grad_w + (r % G) * H;
-    scalar_t* gb = grad_b + (r % G) * H;
-    const V mu(mean[r]), rs(rstd[r]);
-    scalar_t* dy = scratch;            // w_g dp
-    scalar_t* dy_xhat = scratch + H;  // w_g dp x_hat
-    for (int64_t j = 0; j < H; j += V::size()) {
-      const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
-      const V g = V::loadu(dp + r * H + j, n), x_hat = (V::loadu(ln_in + r * H + j, n) - mu) * rs;
-      const V d = g * V::loadu(wg + j, n);
-      d.store(dy + j, n);
-      (d * x_hat).store(dy_xhat + j, n);
-      accumulate(gw + j, g * x_hat, n);
-      accumulate(gb + j, g, n);
-    }
-    const V m_dy(row_sum(dy, H) / H), m_dyx(row_sum(dy_xhat, H) / H);
-    for (int64_t j = 0; j < H; j += V::size()) {
-      const int n = static_cast<int>(std::min<int64_t>(V::size(), H - j));
-      const V x_hat = (V::loadu(ln_in + r * H + j, n) - mu) * rs;
-      (rs * (V::loadu(dy + j, n) - m_dy - x_hat * m_dyx)).store(dp_raw + r * H + j, n);
-    }
-  }
-}
-
-// One step of the sigmoid-family modlstm after its product P = x W_x + h W_h + b ([B, G, H]), on the columns
-// [j0, j1) of every row: writes the gates to `a` (i, f, z, o; coupled: f, z, o with i = 1 - f), c_t and
-// h_t = o tanh(c_t). Peepholes (`peep`, [G - 1, H], or null): the gates before z read c_{t-1}, the output gate c_t.
-// gate: 0 sigmoid, 1 hard sigmoid for the gates before z (the output gate is a sigmoid); `pre` (or null): where
-// the gate inputs go, peepholes added, for the backward (the hard sigmoid's derivative reads them).
-template <typename scalar_t>
-void modlstm_sigmoid_step(const scalar_t* P, scalar_t* a, const scalar_t* c, const scalar_t* peep, scalar_t* c_out,
-                          scalar_t* h_out, scalar_t* pre, int64_t B, int64_t G, int64_t H, int64_t gate, bool coupled,
-                          int64_t j0, int64_t j1) {
-  using V = Vec<scalar_t>;
-  const int64_t f_at = coupled ? 0 : H, z_at = (G - 2) * H, o_at = (G - 1) * H;
-  auto gate_fn = [&](const V& x) {
-    return gate == 0 ? sigmoid(x) : at::vec::minimum(at::vec::maximum(x / V(6) + V(0.5), V(0)), V(1));
-  };
-  for (int64_t b = 0; b < B; ++b) {
-    const scalar_t* Pb = P + b * G * H;
-    scalar_t* ab = a + b * G * H;
-    scalar_t* xb = pre ? pre + b * G * H : nullptr;
-    for (int64_t j = j0; j < j1; j += V::size()) {
-      const int n = static_cast<int>(std::min<int64_t>(V::size(), j1 - j));
-      const V c_prev = V::loadu(c + b * H + j, n);
-      V p_f = V::loadu(Pb + f_at + j, n), p_i = coupled ? V(0) : V::loadu(Pb + j, n), p_o = V::loadu(Pb + o_at + j, n);
-      if (peep) {
-        p_f = p_f + V::loadu(peep + f_at + j, n) * c_prev;
-        p_i = coupled ? p_i : p_i + V::loadu(peep + j, n) * c_prev;
-      }
-      const V f = gate_fn(p_f);
-      const V i = coupled ? V(1) - f : gate_fn(p_i);
-      const V p_z = V::loadu(Pb + z_at + j, n), z = p_z.tanh();
-      const V c_new = f * c_prev + i * z;
-      if (peep) {
-        p_o = p_o + V::loadu(peep + z_at + j, n) * c_new;
-      }
-      const V o = sigmoid(p_o);
-      if (!coupled) {
-        i.store(ab + j, n);
-      }
-      f.store(ab + f_at + j, n);
-      z.store(ab + z_at + j, n);
-      o.store(ab + o_at + j, n);
-      if (xb) {
-        if (!coupled) {
-          p_i.store(xb + j, n);
-        }
-        p_f.store(xb + f_at + j, n);
-        p_z.store(xb + z_at + j, n);
-        p_o.store(xb + o_at + j, n);
-      }
-      c_new.store(c_out + b * H + j, n);
-      (o * c_new.tanh()).store(h_out + b * H + j, n);
-    }
-  }
-}
-
-// One step of the exponential-gated modlstm (xLSTM's sLSTM stabiliser) after its product P ([B, 4, H]):
-// m_t = max(P_f + m_{t-1}, P_i), with m_{t-1} read as -inf where n_{t-1} = 0 (a fresh or reset state);
-// i = exp(P_i - m_t), f = exp(P_f + m_{t-1} - m_t); c_t = f c + i z, n_t = f n + i, h_t = o c_t / n_t.
-// On the columns [j0, j1) of every row (m_out may be m: each column is read before it is written).
-template <typename scalar_t>
-void modlstm_exp_step(const scalar_t* P, scalar_t* a, const scalar_t* c, const scalar_t* n, const scalar_t* m,
-                      scalar_t* c_out, scalar_t* n_out, scalar_t* m_out, scalar_t* h_out, int64_t B, int64_t H,
-                      int64_t j0, int64_t j1) {
-  using V = Vec<scalar_t>;
-  const V none(-std::numeric_limits<scalar_t>::infinity());
-  for (int64_t b = 0; b < B; ++b) {
-    const scalar_t* Pb = P + b * 4 * H;
-    scalar_t* ab = a + b * 4 * H;
-    for (int64_t j = j0; j < j1; j += V::size()) {
-      const int k = static_cast<int>(std::min<int64_t>(V::size(), j1 - j));
-      const int64_t at = b * H + j;
-      const V n_prev = V::loadu(n + at, k);
-      const V m_prev = V::blendv(none, V::loadu(m + at, k), n_prev > V(0));
-      const V p_i = V::loadu(Pb + j, k), p_f = V::loadu(Pb + H + j, k) + m_prev;
-      const V m_new = at::vec::maximum(p_f, p_i);
-      const V i = (p_i - m_new).exp(), f = (p_f - m_new).exp();
-      const V z = V::loadu(Pb + 2 * H + j, k).tanh(), o = sigmoid(V::loadu(Pb + 3 * H + j, k));
-      const V c_new = f * V::loadu(c + at, k) + i * z, n_new = i + f * n_prev;
-      i.store(ab + j, k);
-      f.store(ab + H + j, k);
-      z.store(ab + 2 * H + j, k);
-      o.store(ab + 3 * H + j, k);
-      m_new.store(m_out + at, k);
-      c_new.store(c_out + at, k);
-      n_new.store(n_out + at, k);
-      (o * (c_new / n_new)).store(h_out + at, k);
-    }
-  }
-}
-
-// One step of the gru after its product hp = h W_hh^T + b_hh ([B, 3, H], as xp), on the columns [j0, j1) of
-// every row: writes r, z, n to g and h_t = n + z (h - n).
-template <typename scalar_t>
-void gru_step(const scalar_t* xp, const scalar_t* hp, const scalar_t* h, scalar_t* g, scalar_t* h_out, int64_t B,
-              int64_t H, int64_t j0, int64_t j1) {
-  using V = Vec<scalar_t>;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t row = b * 3 * H;
-    for (int64_t j = j0; j < j1; j += V::size()) {
-      const int n = static_cast<int>(std::min<int64_t>(V::size(), j1 - j));
-      const int64_t at_r = row + j, at_z = row + H + j, at_n = row + 2 * H + j;
-      const V r = sigmoid(V::loadu(xp + at_r, n) + V::loadu(hp + at_r, n));
-      const V z = sigmoid(V::loadu(xp + at_z, n) + V::loadu(hp + at_z, n));
-      const V nn = (V::loadu(xp + at_n, n) + r * V::loadu(hp + at_n, n)).tanh();
-      const V h_prev = V::loadu(h + b * H + j, n);
-      r.store(g + at_r, n);
-      z.store(g + at_z, n);
-      nn.store(g + at_n, n);
-      (nn + z * (h_prev - nn)).store(h_out + b * H + j, n);
-    }
-  }
-}
+using namespace rpt_native::steps;     // each step's elementwise pass
+using namespace rpt_native::threaded;  // the loops at few rows
 
 // h @ W^T (+ add), n = W's rows, with W in the layout PackedLinear (rpt/models/cells/packed_linear.py) chose:
 // 0 the plain [n, H] weight (addmm), 1 reordered for oneDNN (whose ops these are), 2 grouped for
@@ -285,153 +59,6 @@ Tensor project(const Tensor& h, const OptTensor& add, const Tensor& w, int64_t l
     return plain.call(h, w, std::nullopt, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt);
   }
   return add ? at::addmm(*add, h, w.t()) : at::mm(h, w.t());
-}
-
-// The loops at few rows: PackedLinear's small-batch layout (float32) with the steps fused, on the CPU. The whole
-// sequence runs in one parallel region: each step, every thread computes its share of the product (groups of W's
-// columns: small_batch_groups), waits for the others, computes its share of the pointwise part (columns of every
-// row; the gate norm, a phase of its own: rows of its share of the gates), and waits again. Calling the product
-// each step instead (small_batch_product's at::parallel_for) left the second thread idle through the pointwise
-// part and paid a fork and ATen's per-call costs every step: 42 against 32 us a step of modlstm's forward at B=2,
-// H=512 on the build machine (benchmarks/RESULTS.md). Without OpenMP (or inside a parallel region already) one
-// thread runs it all. A race here shows as a wrong number: test_native_loops.py runs these on 2 threads.
-template <typename Body>
-void on_each_thread(const Body& body) {
-#ifdef _OPENMP
-  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-#pragma omp parallel num_threads(threads)
-  body(omp_get_thread_num(), omp_get_num_threads());
-#else
-  body(0, 1);
-#endif
-}
-
-inline void wait_for_all() {
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-}
-
-// Thread k's share [lo, hi) of [0, n), in whole units (but the last share's end).
-inline std::pair<int64_t, int64_t> share(int64_t n, int64_t unit, int k, int threads) {
-  const int64_t units = (n + unit - 1) / unit;
-  return {std::min(n, units * k / threads * unit), std::min(n, units * (k + 1) / threads * unit)};
-}
-
-// dst[b, j0:j1] = src[b, j0:j1] * keep[b] (keep null: 1) over the B rows of [B, H] buffers.
-inline void scaled_rows(const float* src, const float* keep, float* dst, int64_t B, int64_t H, int64_t j0,
-                        int64_t j1) {
-  for (int64_t b = 0; b < B; ++b) {
-    const float k = keep ? keep[b] : 1.0f;
-    for (int64_t j = j0; j < j1; ++j) {
-      dst[b * H + j] = src[b * H + j] * k;
-    }
-  }
-}
-
-// A [B, H] state as the first step reads it: after that step's reset, in a buffer of its own.
-Tensor first_read(const Tensor& state, const OptTensor& keep) {
-  return keep ? (state * keep->select(0, 0).unsqueeze(1)).contiguous() : state.contiguous().clone();
-}
-
-// modlstm_forward's loop at few rows (above); gate as for modlstm_forward. With the gate norm, a third phase between
-// the two: each thread normalises the rows of its share of the gates.
-std::vector<Tensor> modlstm_forward_threaded(const Tensor& XP, const Tensor& w, const OptTensor& keep,
-                                             const Tensor& h0, const Tensor& c0, const OptTensor& n0,
-                                             const OptTensor& m0, const Tensor& acts, const OptTensor& pre,
-                                             const Tensor& cs, const Tensor& hs, const OptTensor& ns,
-                                             const OptTensor& ln_in, const OptTensor& ln_stats,
-                                             const OptTensor& ln_w, const OptTensor& ln_b, const OptTensor& peep,
-                                             int64_t gate, bool coupled) {
-  const int64_t T = acts.size(0), B = acts.size(1), G = acts.size(2), H = acts.size(3), N = G * H;
-  const bool exp_gate = gate < 0;
-  // The state the next step reads, after its reset: h (the product's input), c, and n, m for the exponential gate.
-  Tensor h = first_read(h0, keep), c = first_read(c0, keep);
-  Tensor n = exp_gate ? first_read(*n0, keep) : Tensor(), m = exp_gate ? first_read(*m0, keep) : Tensor();
-  Tensor P = at::empty({B, N}, acts.options()), peep_c = peep ? peep->contiguous() : Tensor();
-  const Tensor ln_w_c = ln_w ? ln_w->contiguous() : Tensor(), ln_b_c = ln_w ? ln_b->contiguous() : Tensor();
-  const float* W = w.data_ptr<float>();
-  const float* xp = XP.data_ptr<float>();
-  const float* kp = keep ? keep->data_ptr<float>() : nullptr;
-  const float* pp = peep ? peep_c.data_ptr<float>() : nullptr;
-  float *Pp = P.data_ptr<float>(), *hp = h.data_ptr<float>(), *cp = c.data_ptr<float>();
-  float *np = exp_gate ? n.data_ptr<float>() : nullptr, *mp = exp_gate ? m.data_ptr<float>() : nullptr;
-  float *a_all = acts.data_ptr<float>(), *c_all = cs.data_ptr<float>(), *h_all = hs.data_ptr<float>();
-  float* n_all = exp_gate ? ns->data_ptr<float>() : nullptr;
-  float* pre_all = pre ? pre->data_ptr<float>() : nullptr;
-  float* ln_in_all = ln_w ? ln_in->data_ptr<float>() : nullptr;
-  float* stats_all = ln_w ? ln_stats->data_ptr<float>() : nullptr;
-  const float *ln_w_p = ln_w ? ln_w_c.data_ptr<float>() : nullptr, *ln_b_p = ln_w ? ln_b_c.data_ptr<float>() : nullptr;
-  on_each_thread([&](int k, int threads) {
-    const auto [g0, g1] = share(w.size(0), 1, k, threads);
-    const auto [j0, j1] = share(H, Vec<float>::size(), k, threads);
-    const auto [q0, q1] = share(G, 1, k, threads);  // gates, for the norm's rows
-    for (int64_t t = 0; t < T; ++t) {
-      rpt_native::small_batch_groups(hp, B, W, xp + t * B * N, N, Pp, N, H, g0, g1);
-      wait_for_all();
-      if (ln_in_all) {
-        float* stats = stats_all + t * 2 * B * G;
-        gate_norm_step(Pp, ln_in_all + t * B * N, stats, stats + B * G, ln_w_p, ln_b_p, Pp, B, G, H, q0, q1);
-        wait_for_all();
-      }
-      float *c_out = c_all + t * B * H, *h_out = h_all + t * B * H;
-      const float* k_next = kp && t + 1 < T ? kp + (t + 1) * B : nullptr;
-      if (exp_gate) {
-        float* n_out = n_all + t * B * H;
-        modlstm_exp_step(Pp, a_all + t * B * N, cp, np, mp, c_out, n_out, mp, h_out, B, H, j0, j1);
-        scaled_rows(n_out, k_next, np, B, H, j0, j1);
-        scaled_rows(mp, k_next, mp, B, H, j0, j1);
-      } else {
-        modlstm_sigmoid_step(Pp, a_all + t * B * N, cp, pp, c_out, h_out, pre_all ? pre_all + t * B * N : nullptr, B,
-                             G, H, gate, coupled, j0, j1);
-      }
-      scaled_rows(c_out, k_next, cp, B, H, j0, j1);
-      scaled_rows(h_out, k_next, hp, B, H, j0, j1);
-      wait_for_all();
-    }
-  });
-  const Tensor h_last = hs.select(0, T - 1), c_last = cs.select(0, T - 1);
-  if (exp_gate) {
-    return {h_last, c_last, ns->select(0, T - 1), m};
-  }
-  return {h_last, c_last};
-}
-
-// The backward loops at few rows (as above, float32 only): for t = T-1 .. 0, each thread runs pointwise(t, j0, j1,
-// dh_keep) on its columns of every row; where G > 0, after a barrier, by_gates(t, q0, q1, thread) on its share of
-// the G gates; then, after a barrier, its share of dh = dQ[t] @ W (+ add[B, H]), dQ: [T, B, K]. dh_keep: the keep
-// of the reset before step t + 1, which dh (step t + 1's product) has not had yet; dh leaves with the first step's.
-// dh: contiguous [B, H], the gradient of the last h on entry.
-template <typename scalar_t, typename Pointwise, typename ByGates>
-void backward_steps_threaded(const Pointwise& pointwise, const ByGates& by_gates, int64_t G, const Tensor& dQ,
-                             const Tensor& wT, const OptTensor& add, const Tensor& keep, Tensor& dh) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    const int64_t T = dQ.size(0), B = dQ.size(1), K = dQ.size(2), H = dh.size(1);
-    const float *WT = wT.data_ptr<float>(), *dq = dQ.data_ptr<float>();
-    const float* kp = keep.defined() ? keep.data_ptr<float>() : nullptr;
-    const float* ap = add ? add->data_ptr<float>() : nullptr;
-    float* dh_p = dh.data_ptr<float>();
-    on_each_thread([&](int k, int threads) {
-      const auto [j0, j1] = share(H, Vec<float>::size(), k, threads);
-      const auto [g0, g1] = share(wT.size(0), 1, k, threads);
-      const auto [q0, q1] = share(G, 1, k, threads);
-      for (int64_t t = T - 1; t >= 0; --t) {
-        pointwise(t, j0, j1, kp && t + 1 < T ? kp + (t + 1) * B : nullptr);
-        wait_for_all();
-        if (G > 0) {
-          by_gates(t, q0, q1, k);
-          wait_for_all();
-        }
-        rpt_native::small_batch_groups(dq + t * B * K, B, WT, ap, H, dh_p, H, K, g0, g1);
-        wait_for_all();
-      }
-    });
-    if (kp) {
-      dh.mul_(keep.select(0, 0).view({B, 1}));
-    }
-  } else {
-    TORCH_CHECK(false, "backward_steps_threaded: the small-batch product is float32's");
-  }
 }
 
 // ModLSTMFunction.forward's loop. gate: -1 the stabilised exponential gate, 0 sigmoid, 1 hard sigmoid
@@ -757,30 +384,6 @@ std::vector<Tensor> modlstm_backward_cpu(
     return {dh, dc, dn};
   }
   return {dh, dc};
-}
-
-// gru_forward's loop at few rows (above modlstm_forward_threaded).
-Tensor gru_forward_threaded(const Tensor& XP, const Tensor& w, const Tensor& bias, const OptTensor& keep,
-                            const Tensor& h0, const Tensor& HP, const Tensor& gates, const Tensor& hs) {
-  const int64_t T = gates.size(0), B = gates.size(1), H = gates.size(3), N = 3 * H;
-  Tensor h = first_read(h0, keep), bias_rows = bias.expand({B, N}).contiguous();
-  const float *W = w.data_ptr<float>(), *xp = XP.data_ptr<float>(), *b_hh = bias_rows.data_ptr<float>();
-  const float* kp = keep ? keep->data_ptr<float>() : nullptr;
-  float *hp = h.data_ptr<float>(), *HP_all = HP.data_ptr<float>(), *g_all = gates.data_ptr<float>();
-  float* h_all = hs.data_ptr<float>();
-  on_each_thread([&](int k, int threads) {
-    const auto [g0, g1] = share(w.size(0), 1, k, threads);
-    const auto [j0, j1] = share(H, Vec<float>::size(), k, threads);
-    for (int64_t t = 0; t < T; ++t) {
-      rpt_native::small_batch_groups(hp, B, W, b_hh, N, HP_all + t * B * N, N, H, g0, g1);
-      wait_for_all();
-      float* h_out = h_all + t * B * H;
-      gru_step(xp + t * B * N, HP_all + t * B * N, hp, g_all + t * B * N, h_out, B, H, j0, j1);
-      scaled_rows(h_out, kp && t + 1 < T ? kp + (t + 1) * B : nullptr, hp, B, H, j0, j1);
-      wait_for_all();
-    }
-  });
-  return hs.select(0, T - 1);
 }
 
 // GRUFunction.forward's loop; fills HP (h W_hh^T + b_hh), gates (r, z, n) and hs. Returns the last h.
