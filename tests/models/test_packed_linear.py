@@ -98,11 +98,12 @@ def test_fused_cells_sequence_products_on_onednn_as_accurate_as_mkl(name, monkey
         assert e_onednn <= 3 * e_plain + 1e-6, f"{name} output {k}: oneDNN {e_onednn:.2e}, default GEMM {e_plain:.2e}"
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 300, 100), (2, 64, 32), (3, 40, 8), (5, 1000, 33), (8, 96, 192)])
+@pytest.mark.parametrize("rows,n,k", [(1, 300, 100), (2, 64, 32), (3, 40, 8), (4, 70, 20), (5, 1000, 33),
+                                     (7, 33, 64), (8, 96, 192)])
 def test_small_batch_product_matches_float64(rows, n, k):
-    """rpt's small-batch product (native/small_batch_product.cpp) on every path: pairs of rows and a last single
-    row, a width that ends inside a group of 32 columns, with and without the added term (here a strided view,
-    as a step's slice of the sequence's input projection is), as accurate as torch's own GEMM."""
+    """rpt's small-batch product (native/small_batch_product.cpp) on every path: rows in threes, then a pair or a
+    last single row, a width that ends inside a group of 32 columns, with and without the added term (here a
+    strided view, as a step's slice of the sequence's input projection is), as accurate as torch's own GEMM."""
     from rpt.models.cells import native
 
     if native.loops() is None:
@@ -121,7 +122,7 @@ def test_small_batch_product_matches_float64(rows, n, k):
 
 
 def test_few_rows_or_a_cached_weight_take_the_small_batch_product():
-    """The layout rule: two rows always; more while the weight read once per pair of rows stays within
+    """The layout rule: two rows always; more while the weight read once per three rows stays within
     SMALL_BATCH_TRAFFIC, any number for a weight within CACHED_WEIGHT; oneDNN beyond, and inside onednn_products()."""
     from rpt.models.cells import native
 
@@ -129,10 +130,10 @@ def test_few_rows_or_a_cached_weight_take_the_small_batch_product():
         pytest.skip("needs the native loops and oneDNN")
     big, mid, small = torch.randn(2048, 512), torch.randn(1536, 384), torch.randn(768, 192)  # 4, 2.25, 0.56 MiB
     assert packed_linear.PackedLinear(big, 2).operand[1] == 2
-    assert packed_linear.PackedLinear(big, 4).operand[1] == 2  # 2 passes x 4 MiB
-    assert packed_linear.PackedLinear(big, 5).operand[1] == 1
-    assert packed_linear.PackedLinear(mid, 6).operand[1] == 2  # 3 passes x 2.25 MiB
-    assert packed_linear.PackedLinear(mid, 8).operand[1] == 1
+    assert packed_linear.PackedLinear(big, 12).operand[1] == 2  # 4 passes x 4 MiB
+    assert packed_linear.PackedLinear(big, 13).operand[1] == 1
+    assert packed_linear.PackedLinear(mid, 21).operand[1] == 2  # 7 passes x 2.25 MiB
+    assert packed_linear.PackedLinear(mid, 22).operand[1] == 1
     assert packed_linear.PackedLinear(small, 128).operand[1] == 2
     with packed_linear.onednn_products():
         assert packed_linear.PackedLinear(big, 2).operand[1] == 1

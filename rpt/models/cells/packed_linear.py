@@ -43,12 +43,12 @@ def _packed_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-# Few rows and a small enough W: rpt's own product (native/small_batch_product.cpp) reads W once per pair of rows of
+# Few rows and a small enough W: rpt's own product (native/small_batch_product.cpp) reads W once per three rows of
 # h, and the native loops run it with the step's elementwise part split over the same threads; faster than oneDNN's
 # product while that traffic stays within SMALL_BATCH_TRAFFIC, and at any number of rows (measured to 128) for a W
 # that stays in the threads' L2 caches (1 MB a core on the build machine): the crossovers of a grid of modlstm and
-# gru forward + backward over H 192-864 and B 4-128 (benchmarks/RESULTS.md, session 10).
-SMALL_BATCH_TRAFFIC = 8 << 20  # bytes a step: (rows / 2) x W
+# gru forward + backward over H 192-864 and B 4-128 (benchmarks/RESULTS.md, session 10; beyond them the two tie).
+SMALL_BATCH_TRAFFIC = 16 << 20  # bytes a step: ceil(rows / 3) x W
 CACHED_WEIGHT = 1 << 20  # bytes
 _small_batch = True
 
@@ -64,7 +64,7 @@ class PackedLinear:
             return
         ops = native.loops()
         few = (batch <= 2 or weight.nbytes <= CACHED_WEIGHT
-               or (batch + 1) // 2 * weight.nbytes <= SMALL_BATCH_TRAFFIC)
+               or -(-batch // 3) * weight.nbytes <= SMALL_BATCH_TRAFFIC)
         if ops is not None and few and _small_batch:
             self.ops, self.operand = ops, (ops.pack_for_small_batch(weight.detach()), 2)
         elif _packed_available():
