@@ -20,6 +20,7 @@
 #include <omp.h>
 #endif
 
+#include <algorithm>
 #include <optional>
 #include <utility>
 #include <vector>
