@@ -240,8 +240,8 @@ def modlstm_sequence_backward(
     native = loops() if v.native_gate is not None else None
     summed = None  # the gradients of ln_w, ln_b and peep, where the loop sums them
     if native is not None and fuse_pointwise() and x.is_cpu:  # the factors derived inside each step's pass
-        norm, peeps = (G, H) if v.gate_norm else None, (G - 1, H) if v.peepholes else None
-        summed = [x.new_zeros(shape) if shape else None for shape in (norm, norm, peeps)]
+        norm_sums = [x.new_zeros(G, H), x.new_zeros(G, H)] if v.gate_norm else [None, None]
+        summed = [*norm_sums, x.new_zeros(G - 1, H) if v.peepholes else None]
         grad_state = native.modlstm_backward_cpu(grad_y, acts, pre, cs, ns, c0, n0, keep, peep, dP, dP_raw,
                                                  *WT.operand, dh, dc, dn, ln_w, ln_in, ln_stats, v.native_gate,
                                                  coupled, *summed)
