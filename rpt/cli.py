@@ -14,6 +14,11 @@ from pathlib import Path
 from rpt.errors import RptError
 
 
+CHECKPOINT_HELP = ("which checkpoint: best (the default: lowest validation loss, ranked among the checkpoints "
+                   "measured on the same validation tokens, the periodic evaluations' train.eval_tokens), latest "
+                   "(the newest complete one), a step (6000 or step_00006000), or a checkpoint folder")
+
+
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file with the run's settings (see configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -56,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run's checkpoint")
     p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--checkpoint", default="best", help="best, latest, or a checkpoint folder")
+    p.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
     p.add_argument("--data", help="another prepared dataset (same tokenizer) to evaluate on")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=_cmd_eval)
@@ -69,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int)
-    p.add_argument("--checkpoint", default="best", help="best, latest, or a checkpoint folder")
+    p.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=_cmd_generate)
 
@@ -145,8 +150,11 @@ def _cmd_train(args) -> None:
         raise RptError("--resume needs the run to continue", "name it with --run-dir RUN_DIR")
     if args.nproc < 1:
         raise RptError(f"--nproc {args.nproc} must be 1 or more", "e.g. --nproc 2")
+    if args.resume and not (args.run_dir / "config.toml").is_file():
+        raise RptError(f"--resume: {args.run_dir} holds no run (no config.toml there)",
+                       _runs_nearby(args.run_dir) + "; without --resume, a new run starts in that folder")
     config_path = args.config
-    if args.resume and config_path is None and (args.run_dir / "config.toml").is_file():
+    if args.resume and config_path is None:
         config_path = str(args.run_dir / "config.toml")
     overrides = args.overrides + ([f"monitor.profile={args.profile}"] if args.profile else [])
     cfg = Config.load(config_path, overrides)
@@ -170,6 +178,19 @@ def _cmd_train(args) -> None:
     print(run_dir / "summary.json")
 
 
+def _runs_nearby(run_dir: Path) -> str:
+    """The fix for a mistyped run folder: the runs beside it, closest name first."""
+    import difflib
+
+    parent = run_dir.parent if run_dir.parent.is_dir() else Path("runs")
+    runs = sorted(p.name for p in parent.glob("*") if (p / "config.toml").is_file()) if parent.is_dir() else []
+    if not runs:
+        return f"name the folder of an earlier run (none found in {parent})"
+    close = difflib.get_close_matches(run_dir.name, runs, n=1, cutoff=0.5)
+    listed = ", ".join(str(parent / r) for r in runs[-5:])
+    return (f"did you mean {parent / close[0]}? " if close else "") + f"runs in {parent}: {listed}"
+
+
 def _check_writable(run_dir: Path) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise RptError(f"the run directory {run_dir} is a file", "choose another --run-dir (a folder)")
@@ -187,7 +208,7 @@ def _cmd_eval(args) -> None:
     from rpt.train.run import eval_run
 
     r = eval_run(args.run_dir, args.checkpoint, args.device, args.data)
-    print(f"{r['checkpoint']}\nval loss {r['loss']:.4f}  ppl {r['ppl']:.2f}  bpb {r['bpb']:.4f}  "
+    print(f"{r['checkpoint']} ({r['about']})\nwhole validation split: val loss {r['loss']:.4f}  ppl {r['ppl']:.2f}  bpb {r['bpb']:.4f}  "
           f"({r['tokens']:,} tokens, {r['bytes']:,} bytes)")
 
 

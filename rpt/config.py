@@ -145,8 +145,12 @@ class MonitorConfig:
     profile: str = ""  # "START:END": torch.profiler traces of those steps on every rank (rpt train --profile)
 
 
+BUDGETS = ("train.max_steps", "train.max_tokens", "train.max_time")
+
+
 @dataclass
 class Config:
+    notes: typing.ClassVar[list[str]] = []  # what loading changed on its own, said to the user at start
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -162,11 +166,28 @@ class Config:
         cfg = cls()
         if path is not None:
             cfg.update(read_toml(path), origin=str(path))
+        given = []
         for item in overrides:
             key, value = parse_override(item)
             cfg.set(key, value, origin="--set")
+            given.append(key)
+        cfg.notes = cfg._replace_budgets(given)
         cfg.validate()
         return cfg
+
+    def _replace_budgets(self, given: list[str]) -> list[str]:
+        """A budget given with --set replaces the budgets of the file and the defaults, so that a preset's
+        max_steps cannot end a run the user gave 300 seconds; budgets given together with --set all hold."""
+        named = [key for key in BUDGETS if key in given]
+        if not named:
+            return []
+        notes = []
+        for key in BUDGETS:
+            if key not in named and self.get(key):
+                notes.append(f"{key} = {self.get(key)} is off: a budget given with --set ({', '.join(named)}) "
+                             "replaces the others (give both with --set to keep both)")
+                self.set(key, 0, origin="budgets")
+        return notes
 
     def update(self, tree: dict, origin: str) -> None:
         for section_name, section_values in tree.items():

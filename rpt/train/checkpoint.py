@@ -8,8 +8,9 @@
 A checkpoint is complete only when its manifest exists and every file matches its size and
 checksum, so a crash in the middle of a save leaves the previous checkpoint the newest usable
 one, and a damaged newest checkpoint is skipped with a warning naming it. Retention keeps the
-last `keep_last` and the best `keep_best` (lowest validation loss). The folder may be a local
-or shared path, or an fsspec URL (`file://`, `s3://` with s3fs installed, ...).
+last `keep_last` and the best `keep_best`: the lowest validation loss among those measured on the
+same validation tokens (`val_tokens` in the manifest), since losses over different token spans do not
+compare. The folder may be a local or shared path, or an fsspec URL (`file://`, `s3://` with s3fs installed, ...).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import logging
 import time
 import warnings
 from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
 
 import fsspec
 import torch
@@ -52,13 +55,15 @@ class Checkpointer:
         self.rank, self.world_size = rank, world_size
         self.keep_last, self.keep_best = keep_last, keep_best
         self.async_save = async_save
-        self._pending: tuple[Future, str, int, float | None] | None = None
+        self._pending: tuple[Future, str, int, tuple[float, int] | None] | None = None
+        self.damaged: dict[str, str] = {}  # path -> what is wrong, of checkpoints skipped when looking for one
 
     # ------------------------------------------------------------------ saving
-    def save(self, step: int, model, optimizer, extras: dict, val_loss: float | None = None,
+    def save(self, step: int, model, optimizer, extras: dict, val: tuple[float, int] | None = None,
              before_commit=None) -> str:
-        """Save (all ranks call this). With async_save the write goes on in the background. `before_commit` runs
-        between the shards and the manifest (fault injection: a crash in the middle of a save)."""
+        """Save (all ranks call this). With async_save the write goes on in the background. `val` is the
+        (validation loss, tokens it covered) measured at this step, if any. `before_commit` runs between the
+        shards and the manifest (fault injection: a crash in the middle of a save)."""
         self.finish_pending()
         path = f"{self.root}/{PREFIX}{step:08d}"
         if self.rank == 0:
@@ -71,23 +76,25 @@ class Checkpointer:
             f.write(buf.getvalue())
         state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
         if self.async_save:
-            future = dcp.async_save(state, storage_writer=self._writer(path))
-            self._pending = (future, path, step, val_loss)
+            with _dcp_warnings_to_log():
+                future = dcp.async_save(state, storage_writer=self._writer(path))
+            self._pending = (future, path, step, val)
         else:
-            dcp.save(state, storage_writer=self._writer(path))
+            with _dcp_warnings_to_log():
+                dcp.save(state, storage_writer=self._writer(path))
             if before_commit is not None:
                 before_commit()
-            self._commit(path, step, val_loss)
+            self._commit(path, step, val)
         return path
 
     def finish_pending(self) -> None:
         if self._pending is not None:
-            future, path, step, val_loss = self._pending
+            future, path, step, val = self._pending
             self._pending = None
             future.result()
-            self._commit(path, step, val_loss)
+            self._commit(path, step, val)
 
-    def _commit(self, path: str, step: int, val_loss: float | None) -> None:
+    def _commit(self, path: str, step: int, val: tuple[float, int] | None) -> None:
         _barrier()  # every rank's files are written
         if self.rank == 0:
             files = {}
@@ -95,8 +102,8 @@ class Checkpointer:
                 rel = full[len(path) + 1:]
                 if not rel.startswith(MANIFEST):
                     files[rel] = {"bytes": self.fs.size(full), "sha256": self._sha256(full)}
-            manifest = {"step": step, "val_loss": val_loss, "world_size": self.world_size, "time": time.time(),
-                        "files": files}
+            manifest = {"step": step, "val_loss": val[0] if val else None, "val_tokens": val[1] if val else None,
+                        "world_size": self.world_size, "time": time.time(), "files": files}
             self._write_manifest(path, manifest)
             self._retain()
         _barrier()
@@ -107,13 +114,13 @@ class Checkpointer:
             f.write(json.dumps(manifest, indent=1))
         self.fs.mv(f"{path}/{MANIFEST}.tmp", f"{path}/{MANIFEST}")
 
-    def set_val_loss(self, step: int, val_loss: float) -> None:
-        """Attach a validation loss to a complete checkpoint (its manifest), for keep_best."""
+    def set_val_loss(self, step: int, val: tuple[float, int]) -> None:
+        """Attach a validation loss (and the tokens it covered) to a complete checkpoint's manifest, for keep_best."""
         if self.rank == 0:
             path = f"{self.root}/{PREFIX}{step:08d}/{MANIFEST}"
             with self.fs.open(path) as f:
                 manifest = json.loads(f.read())
-            manifest["val_loss"] = val_loss
+            manifest["val_loss"], manifest["val_tokens"] = val
             self._write_manifest(path.rsplit("/", 1)[0], manifest)
             self._retain()
         _barrier()
@@ -144,8 +151,7 @@ class Checkpointer:
     def _retain(self) -> None:
         complete = self.complete()
         keep = {p for p, _ in complete[-self.keep_last:]} if self.keep_last else set()
-        scored = [(m["val_loss"], p) for p, m in complete if m.get("val_loss") is not None]
-        keep |= {p for _, p in sorted(scored)[: self.keep_best]}
+        keep |= {p for _, p in sorted(comparable(complete))[: self.keep_best]}
         newest = complete[-1][0] if complete else None
         for path in self._step_dirs():
             done = any(path == p for p, _ in complete)
@@ -172,6 +178,7 @@ class Checkpointer:
                 problem = self._verify(path, manifest)
                 if problem:
                     log.warning("skipping damaged checkpoint %s: %s", path, problem)
+                    self.damaged[path] = problem
                     continue
             out.append((path, manifest))
         return out
@@ -192,8 +199,46 @@ class Checkpointer:
         return found[-1][0] if found else None
 
     def best(self) -> str | None:
-        found = [(m["val_loss"], p) for p, m in self.complete(verify=True) if m.get("val_loss") is not None]
+        found = comparable(self.complete(verify=True))
         return min(found)[1] if found else self.latest()
+
+    def resolve(self, name: str, run_dir: str) -> str:
+        """A checkpoint named as the CLI takes it (best, latest, step_N, N, or a folder) as a complete
+        checkpoint's path; anything else is refused with the checkpoints there are."""
+        found = {"best": self.best, "latest": self.latest}.get(name)
+        if found is not None:
+            path = found()
+            if path is None:
+                raise RptError(f"{run_dir} has no complete checkpoint yet", "wait for the first checkpoint, or train longer")
+            return path
+        candidates = [f"{self.root}/{name}", name]
+        if name.removeprefix(PREFIX).isdigit():
+            candidates.insert(0, f"{self.root}/{PREFIX}{int(name.removeprefix(PREFIX)):08d}")
+        for candidate in candidates:
+            path = self.fs._strip_protocol(candidate).rstrip("/")
+            try:
+                with self.fs.open(f"{path}/{MANIFEST}") as f:
+                    manifest = json.loads(f.read())
+            except (FileNotFoundError, NotADirectoryError, ValueError):
+                continue
+            problem = self._verify(path, manifest)
+            if problem:
+                raise RptError(f"the checkpoint {path} is damaged: {problem}",
+                               "choose another one with --checkpoint (latest skips damaged checkpoints)")
+            return path
+        complete = self.complete()
+        names = ", ".join(p.rsplit("/", 1)[-1] for p, _ in complete) or "none"
+        raise RptError(f"no complete checkpoint '{name}' in {run_dir}",
+                       f"--checkpoint takes best, latest, a step number or one of: {names}")
+
+    def describe(self, path: str) -> str:
+        """One line on a checkpoint: its step and the validation loss that ranks it."""
+        with self.fs.open(f"{path}/{MANIFEST}") as f:
+            m = json.loads(f.read())
+        if m.get("val_loss") is None:
+            return f"step {m['step']}, no validation loss recorded"
+        tokens = f" on {m['val_tokens']:,} validation tokens" if m.get("val_tokens") else ""
+        return f"step {m['step']}, ranked by val loss {m['val_loss']:.4f}{tokens}"
 
     # ------------------------------------------------------------------ loading
     def load(self, path: str, model, optimizer=None, partial: bool = False) -> dict:
@@ -217,6 +262,26 @@ class Checkpointer:
                            "resume with the world size the checkpoint was written with")
         with self.fs.open(extras_path, "rb") as f:
             return torch.load(io.BytesIO(f.read()), weights_only=False)
+
+
+def comparable(complete: list[tuple[str, dict]]) -> list[tuple[float, str]]:
+    """(val loss, path) of the checkpoints whose loss was measured on the same validation tokens as the newest
+    scored one: a loss over the first train.eval_tokens and one over the whole split do not rank together."""
+    scored = [(m["val_loss"], m.get("val_tokens"), p) for p, m in complete if m.get("val_loss") is not None]
+    if not scored:
+        return []
+    measure = scored[-1][1]
+    return [(loss, p) for loss, tokens, p in scored if tokens == measure]
+
+
+@contextmanager
+def _dcp_warnings_to_log():
+    """DCP's warnings (e.g. that it overwrites a damaged checkpoint's folder) go to the rank's log, not the terminal."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        log.info("torch.distributed.checkpoint: %s", w.message)
 
 
 def check_shapes(metadata, model_sd: dict, path: str, partial: bool = False) -> None:

@@ -87,9 +87,9 @@ def load_run(run_dir: str | Path, checkpoint: str = "best", device: str | None =
     dev = launch.pick_device(device, 0)
     model = RecurrentLM(cfg.model).to(dev)
     ck = Checkpointer(cfg.checkpoint.path or str(run_dir / "checkpoints"))
-    path = {"best": ck.best, "latest": ck.latest}.get(checkpoint, lambda: checkpoint)()
-    if path is None:
-        raise RptError(f"{run_dir} has no complete checkpoint yet", "wait for the first checkpoint, or train longer")
+    path = ck.resolve(checkpoint, str(run_dir))
+    for damaged, problem in ck.damaged.items():
+        print(f"skipping the damaged checkpoint {damaged}: {problem}", file=sys.stderr)
     ck.load(path, model)
     model.eval()
     tokenizer = load_tokenizer(run_dir / "tokenizer.json")
@@ -99,6 +99,7 @@ def load_run(run_dir: str | Path, checkpoint: str = "best", device: str | None =
 def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str | None) -> dict:
     from rpt.data.dataset import PreparedData
     from rpt.data.tokenizer import token_byte_lengths
+    from rpt.train.checkpoint import Checkpointer
     from rpt.train.evaluate import evaluate
 
     keep_freed_memory()
@@ -111,7 +112,9 @@ def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str |
     result = evaluate(model, data.tokens("val"), token_byte_lengths(tokenizer), batch_size=cfg.train.batch_size,
                       seq_len=cfg.train.seq_len, device=dev,
                       eot_id=data.eot_id if cfg.data.reset_at_documents else None)
-    return {**result, "checkpoint": path}
+    ck = Checkpointer(cfg.checkpoint.path or str(Path(run_dir) / "checkpoints"))
+    about = ck.describe(path)
+    return {**result, "checkpoint": path, "about": f"{checkpoint}: {about}" if checkpoint in ("best", "latest") else about}
 
 
 def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,

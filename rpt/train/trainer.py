@@ -47,12 +47,13 @@ from rpt.monitor.store import MetricsWriter
 from rpt.monitor import sinks
 from rpt.models.state import all_finite, cat_rows, detach_state, map_state, rows
 from rpt.parallel import pipeline
-from rpt.parallel.launch import Dist
+from rpt.parallel.launch import Dist, restart_count
 from rpt.parallel.pipeline import PipelineEval, check_layout
 from rpt.train import faults
+from rpt.train.budget import Budget
 from rpt.train.checkpoint import Checkpointer
 from rpt.train.evaluate import evaluate
-from rpt.train.optim import build_optimizer, lr_at, step_unless
+from rpt.train.optim import build_optimizer, step_unless
 from rpt.train.watchdog import Watchdog
 
 log = logging.getLogger("rpt.train")
@@ -110,6 +111,7 @@ class Trainer:
         self.checkpointer = Checkpointer(ck.path or str(self.run_dir / "checkpoints"), dist_info.rank,
                                          dist_info.world_size, ck.keep_last, ck.keep_best, ck.async_save)
         self.step = self.tokens = self.skipped_steps = self.bad_streak = 0
+        self.budget, self.lr, self.ended_by = Budget(t), t.lr, None
         self.pending_skip = None  # on a GPU: the last step's non-finite flag, not read yet
         self.elapsed_before = 0.0  # training seconds of earlier runs of this run directory
         self.last_eval: dict | None = None
@@ -240,14 +242,19 @@ class Trainer:
                    bar_format="{desc} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]")
         log.info("training %s parameters on %s, world size %d", f"{self.params:,}", self.device,
                  self.d.world_size)
+        if self.d.is_main:
+            for line in [f"training {self.params:,} parameters on {self.device}, world size {self.d.world_size}",
+                         *self.cfg.notes, self.budget.describe()]:
+                tqdm.write(line)
         try:
             while True:
                 self.watchdog.mark(self.step + 1, "data")
                 elapsed = self._agreed_elapsed(self.elapsed_before + time.perf_counter() - started)
-                if self._budget_spent(elapsed):
+                self.ended_by = self.budget.ended_by(self.step, self.tokens, elapsed)
+                if self.ended_by:
                     break
                 faults.maybe_kill(self.fault, self.step, self.d.rank)
-                lr = lr_at(self.step, self._progress(elapsed), t)
+                lr = self.lr = self.budget.lr(self.step, self._progress(elapsed))
                 for group in self.optimizer.param_groups if self.optimizer is not None else ():
                     group["lr"] = lr
                 with self.clock("data"):
@@ -282,16 +289,23 @@ class Trainer:
                         self._save(time.perf_counter() - started)
         finally:
             bar.close()
+        if self.d.is_main:
+            tqdm.write(f"ended by {self.ended_by} at step {self.step:,} ({self.tokens:,} tokens)")
         self._settle_pending_skip()
         wall = time.perf_counter() - started
         self._store_profile()
         log.info("parameter digest %s", param_digest(self.model))  # ranks compare equal under data parallel
+        periodic = bool(t.eval_interval and t.eval_tokens)  # periodic evaluations cover fewer tokens than the final
+        if periodic and (self.last_eval is None or self.last_eval["step"] != self.step):
+            self._evaluate(final=False)  # the measure the checkpoints are ranked by, at the last step too
         final = self._evaluate(final=True)
+        measured = self.last_eval if periodic else final
+        val = (measured["loss"], measured["tokens"])
         if self.last_saved_step == self.step:  # saved by the interval at this very step: record its loss
             self.checkpointer.finish_pending()
-            self.checkpointer.set_val_loss(self.step, final["loss"])
+            self.checkpointer.set_val_loss(self.step, val)
         else:
-            self._save(wall)
+            self._save(wall, val)
         self.checkpointer.finish_pending()
         summary = self._summary(wall, final)
         self.watchdog.stop()
@@ -305,12 +319,6 @@ class Trainer:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
-    def _budget_spent(self, elapsed: float) -> bool:
-        t = self.cfg.train
-        done = ((t.max_steps and self.step >= t.max_steps) or (t.max_tokens and self.tokens >= t.max_tokens)
-                or (t.max_time and elapsed >= t.max_time))
-        return bool(done)
-
     def _agreed_elapsed(self, elapsed: float) -> float:
         """Rank 0's clock for every rank: the time budget ends the run on all ranks at the same step, and the
         learning rate (which follows the spent fraction of the budget) stays identical across replicas."""
@@ -321,10 +329,7 @@ class Trainer:
         return clock.item()
 
     def _progress(self, elapsed: float) -> float:
-        t = self.cfg.train
-        parts = [self.step / t.max_steps if t.max_steps else 0.0, self.tokens / t.max_tokens if t.max_tokens else 0.0,
-                 elapsed / t.max_time if t.max_time else 0.0]
-        return max(parts)
+        return self.budget.progress(self.step, self.tokens, elapsed)
 
     def _mean_across_ranks(self, value: torch.Tensor) -> float:
         if self.d.enabled:
@@ -432,7 +437,8 @@ class Trainer:
                           max_tokens=0 if final else t.eval_tokens,
                           eot_id=self.data.eot_id if self.cfg.data.reset_at_documents else None,
                           autocast=self._autocast)
-        self.last_eval = {**result, "step": self.step}
+        if not final:
+            self.last_eval = {**result, "step": self.step}
         record = {"kind": "eval", "step": self.step, "final": final, **result, "time": time.time()}
         log.info(json.dumps(record))
         if self.store:
@@ -446,18 +452,20 @@ class Trainer:
                 f.write(json.dumps(record) + "\n")
         return result
 
-    def _save(self, seconds_this_run: float) -> None:
+    def _save(self, seconds_this_run: float, val: tuple[float, int] | None = None) -> None:
+        """A checkpoint of this step; `val` ranks it (default: the periodic evaluation of this step, if any)."""
         extras = {
             "step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
             "elapsed": self.elapsed_before + seconds_this_run, "loader": self.loader.state_dict(),
             "state": self.state, "scaler": self.scaler.state_dict(), "last_eval": self.last_eval,
-            "sync": self.sync.state_dict(),
+            "sync": self.sync.state_dict(), "budget": self.budget.state_dict(self.lr),
             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None},
         }
-        val = self.last_eval["loss"] if self.last_eval and self.last_eval["step"] == self.step else None
+        if val is None and self.last_eval and self.last_eval["step"] == self.step:
+            val = (self.last_eval["loss"], self.last_eval["tokens"])
         with self.clock("checkpoint"):
-            path = self.checkpointer.save(self.step, self.model, self.optimizer, extras, val_loss=val,
+            path = self.checkpointer.save(self.step, self.model, self.optimizer, extras, val=val,
                                           before_commit=lambda: faults.maybe_kill(self.fault, self.step, self.d.rank,
                                                                                   "killsave"))
             faults.maybe_corrupt(self.fault, self.step, self.d.rank, path if not self.checkpointer.async_save else None)
@@ -465,8 +473,13 @@ class Trainer:
 
     def _resume(self) -> None:
         path = self.checkpointer.latest()
+        if self.d.is_main:
+            for damaged, problem in self.checkpointer.damaged.items():
+                tqdm.write(f"skipping the damaged checkpoint {damaged}: {problem}")
         if path is None:
             log.info("no complete checkpoint to resume from; starting fresh")
+            if self.d.is_main:
+                tqdm.write(f"no complete checkpoint in {self.checkpointer.root}: this run starts fresh from step 0")
             return
         extras = self.checkpointer.load(path, self.model, self.optimizer, partial=self.pipe is not None)
         self.step, self.tokens = extras["step"], extras["tokens"]
@@ -476,6 +489,8 @@ class Trainer:
         self.scaler.load_state_dict(extras["scaler"])
         self.sync.load_state_dict(extras.get("sync", {}))
         self.last_eval = extras["last_eval"]
+        extending = self.budget.resume(extras.get("budget"), self.step, self.tokens, self.elapsed_before,
+                                       refuse_spent=restart_count() == 0)
         rng = extras["rng"]
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])
@@ -485,6 +500,8 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step)
         if self.d.is_main:
             tqdm.write(f"resumed from {path} at step {self.step}")
+            if extending:
+                tqdm.write(extending)
 
     def _write_run_files(self) -> None:
         if not self.d.is_main:
@@ -546,7 +563,8 @@ class Trainer:
             "exposed_comm_fraction": tot["exposed"] / tot["seconds"] if tot["seconds"] > 0 else None,
             "params": self.params, "flops_per_token": self.flops_per_token,
             "pp": self.pipe.plan.pp if self.pipe else 1, "dp": self.dp_size, **self._bubble_by_stage(),
-            "skipped_steps": self.skipped_steps, "precision": self.cfg.train.precision, "device": str(self.device),
+            "ended_by": self.ended_by, "skipped_steps": self.skipped_steps, "precision": self.cfg.train.precision,
+            "device": str(self.device),
             "profile_by_rank": getattr(self, "profile_by_rank", None),
         }
         if self.d.is_main:

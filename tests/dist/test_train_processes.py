@@ -162,6 +162,10 @@ def test_a_corrupted_newest_checkpoint_is_skipped_with_a_warning_and_the_previou
     assert "skipping damaged checkpoint" in log and "step_00000006" in log and "does not match its checksum" in log
     assert re.search(r"resumed from \S*step_00000003 at step 3", log)
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 9
+    # the terminal names it and why; DCP's warning that it overwrites the folder stays in the log
+    terminal = again.stdout + again.stderr
+    assert re.search(r"skipping the damaged checkpoint \S*step_00000006: \S+ does not match its checksum", terminal)
+    assert "Detected an existing checkpoint" not in terminal
 
 
 def test_a_rank_that_computes_slowly_is_flagged_as_the_straggler(tmp_path, tiny_data):

@@ -1,0 +1,80 @@
+"""The run's budgets (steps, tokens, seconds): which are in force, how much of them is spent, which one
+ended the run, and the learning rate over that progress.
+
+Extending a run (resuming with other budgets than the checkpoint was written under) never makes the
+learning rate jump: from the rate at the checkpoint, the schedule's shape continues down to its floor
+over what remains of the new budget (a run that ended at the floor stays there). The segment is saved
+with every checkpoint, so a later resume of the extended run continues it exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rpt.config import TrainConfig
+from rpt.errors import RptError
+from rpt.train.optim import lr_at
+
+KEYS = ("max_steps", "max_tokens", "max_time")
+
+
+class Budget:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.segment: tuple[float, float] | None = None  # (progress, lr) where an extension began
+
+    def limits(self) -> dict:
+        return {k: getattr(self.cfg, k) for k in KEYS if getattr(self.cfg, k)}
+
+    def describe(self) -> str:
+        """The budgets in force, as the start of a run states them."""
+        units = {"max_steps": "{:,} steps", "max_tokens": "{:,} tokens", "max_time": "{:g} s of training"}
+        parts = [units[k].format(v) + f" (train.{k})" for k, v in self.limits().items()]
+        return "budget: " + " or ".join(parts) + ("; whichever comes first ends the run" if len(parts) > 1 else "")
+
+    def progress(self, step: int, tokens: int, elapsed: float) -> float:
+        """The spent share of the budget: the largest over the budgets set."""
+        spent = {"max_steps": step, "max_tokens": tokens, "max_time": elapsed}
+        return max(spent[k] / v for k, v in self.limits().items())
+
+    def ended_by(self, step: int, tokens: int, elapsed: float) -> str | None:
+        """The budget that is spent ('train.max_steps = 20'), or None while the run goes on."""
+        spent = {"max_steps": step, "max_tokens": tokens, "max_time": elapsed}
+        for k, v in self.limits().items():
+            if spent[k] >= v:
+                return f"train.{k} = {v:g}" if k == "max_time" else f"train.{k} = {v}"
+        return None
+
+    def lr(self, step: int, progress: float) -> float:
+        if self.segment is None or self.cfg.schedule == "constant":
+            return lr_at(step, progress, self.cfg)
+        start, lr0 = self.segment
+        q = min(1.0, max(0.0, (progress - start) / max(1e-12, 1.0 - start)))
+        floor = min(lr0, self.cfg.lr * self.cfg.min_lr_ratio)
+        shape = 1 - q if self.cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * q))
+        return floor + (lr0 - floor) * shape
+
+    def state_dict(self, lr: float) -> dict:
+        return {"limits": self.limits(), "segment": self.segment, "lr": lr}
+
+    def resume(self, saved: dict | None, step: int, tokens: int, elapsed: float, refuse_spent: bool) -> str | None:
+        """Continue from a checkpoint's budget state; returns a line to print when the run is being extended.
+        `refuse_spent`: a run whose budget is already spent is refused (resuming it would only re-evaluate)."""
+        ended = self.ended_by(step, tokens, elapsed)
+        if ended and refuse_spent:
+            raise RptError(f"this run already spent its budget ({ended}; it is at step {step:,}, {tokens:,} tokens, "
+                           f"{elapsed:.0f} s)", "extend it with a larger budget, e.g. --set "
+                           f"train.max_steps={2 * step} or --set train.max_time={max(60, round(2 * elapsed))}")
+        if saved is None:  # a checkpoint from before budgets were saved: the schedule as configured
+            return None
+        self.segment = saved["segment"]
+        if saved["limits"] == self.limits() or step < self.cfg.warmup_steps:
+            return None
+        start = self.progress(step, tokens, elapsed)
+        self.segment = (start, saved["lr"])
+        old = ", ".join(f"train.{k} = {v:g}" for k, v in saved["limits"].items())
+        floor = min(saved["lr"], self.cfg.lr * self.cfg.min_lr_ratio)
+        rule = ("stays constant" if self.cfg.schedule == "constant" else
+                f"continues from {saved['lr']:.2e} down to {floor:.2e} over the rest ({self.cfg.schedule})")
+        return (f"extending the run from {old} to {self.describe().removeprefix('budget: ')}: the learning rate "
+                f"{rule}; it never jumps back up")
