@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved configuration (defaults + --config + --set), validated")
     _add_config_flags(p)
     p.set_defaults(func=_cmd_config)
+    for p in sub.choices.values():  # --debug also after the sub-command; absent there, the top-level value holds
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for user errors")
     return parser
 
 
@@ -126,7 +128,8 @@ def format_prepare_report(meta: dict, out: Path) -> str:
         head = f"prepared {out} in {meta['seconds']['total']:.1f} s"
     report, sources = meta["report"], meta["sources"]
     lines = [head,
-             f"  sources     {sources['files']} files, {sources['bytes'] / 1e6:.1f} MB ({', '.join(sources['inputs'])})",
+             f"  sources     {sources['files']} files, {report['text_bytes'] / 1e6:.1f} MB of text "
+             f"({sources['bytes'] / 1e6:.1f} MB on disk; {', '.join(sources['inputs'])})",
              f"  documents   {report['documents']}",
              f"  tokenizer   byte-level BPE, vocabulary {meta['vocab_size']}, stored as {meta['dtype']}"]
     for name, s in meta["splits"].items():
@@ -138,7 +141,10 @@ def format_prepare_report(meta: dict, out: Path) -> str:
     if report["skipped_binary"]:
         lines.append(f"  note        {len(report['skipped_binary'])} binary files skipped, e.g. {report['skipped_binary'][0]}")
     if report["bad_jsonl_lines"]:
-        lines.append(f"  note        {report['bad_jsonl_lines']} jsonl lines without a text field were skipped")
+        lines.append(f"  note        {report['bad_jsonl_lines']} jsonl lines that are not JSON objects were skipped")
+    if report.get("missing_field_lines"):
+        lines.append(f"  note        {report['missing_field_lines']} jsonl records without the text field were skipped "
+                     f"(fields of the first: {', '.join(report['fields_seen'])})")
     return "\n".join(lines)
 
 
@@ -265,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # `rpt ... | head` closed the pipe: stop quietly, as other command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        sys.exit(141)
 
 
 if __name__ == "__main__":

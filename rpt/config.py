@@ -172,7 +172,7 @@ class Config:
             cfg.set(key, value, origin="--set")
             given.append(key)
         cfg.notes = cfg._replace_budgets(given)
-        cfg.validate()
+        cfg.validate(search=[Path(path).parent] if path is not None else [])
         return cfg
 
     def _replace_budgets(self, given: list[str]) -> list[str]:
@@ -222,9 +222,17 @@ class Config:
         Path(path).write_text(self.to_toml())
 
     # ----------------------------------------------------------------- checks
-    def validate(self) -> None:
-        """Refuse values and combinations that cannot work, naming the fix."""
+    def validate(self, search: list[Path] = ()) -> None:
+        """Refuse values and combinations that cannot work, naming the fix. `search`: folders where
+        model.imports may live besides the working directory (the config file's)."""
         d, m, t, p, c = self.data, self.model, self.train, self.parallel, self.comm
+        from rpt.models import registry  # the built-in cells register on import
+
+        import rpt.models  # noqa: F401
+        registry.import_user_modules(m.imports, list(search))
+        registry.get_cell(m.cell)
+        if m.cell == "modlstm":
+            registry.get_gate(m.gate)
         _positive("model.n_layers", m.n_layers)
         _positive("model.d_model", m.d_model)
         _positive("train.batch_size", t.batch_size)
@@ -253,7 +261,8 @@ class Config:
                                          ("peepholes", False)) if getattr(m, k) != v}
         if modlstm_only and m.cell in ("lstm", "gru", "mingru", "minlstm"):
             keys = ", ".join(f"model.{k}" for k in modlstm_only)
-            raise RptError(f"{keys} only apply to model.cell = 'modlstm' (the cell is '{m.cell}')",
+            verb = "applies" if len(modlstm_only) == 1 else "apply"
+            raise RptError(f"{keys} only {verb} to model.cell = 'modlstm' (the cell is '{m.cell}')",
                            f"set model.cell = 'modlstm', or leave {keys} at the default")
         if not 0.0 <= m.dropout < 1.0:
             raise RptError(f"model.dropout = {m.dropout} is outside [0, 1)", "use a value such as 0.1, or 0 for none")

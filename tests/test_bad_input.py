@@ -57,6 +57,11 @@ def test_every_entry_point_refuses_bad_input_clearly_and_writes_nothing(tmp_path
     busy.listen()
     port = str(busy.getsockname()[1])
     new = tmp_path / "new"
+    jsonl = tmp_path / "records.jsonl"
+    jsonl.write_text("".join(json.dumps({"body": shakespeare_text[i * 500:(i + 1) * 500], "id": i}) + "\n"
+                             for i in range(20)))
+    notjson = tmp_path / "notjson.jsonl"
+    notjson.write_text("this is not json\n" * 20)
 
     cases = [  # (what, argv, text the message must hold, folders that must stay as they were)
         ("malformed TOML", ["train", "--config", str(tmp_path / "bad.toml"), "--run-dir", str(new)], "bad.toml", [new]),
@@ -83,6 +88,25 @@ def test_every_entry_point_refuses_bad_input_clearly_and_writes_nothing(tmp_path
         ("bad profile range", ["train", "--run-dir", str(new), *data, "--profile", "ten:12"], "START:END", [new]),
         ("dashboard port in use", ["monitor", str(run), "--port", port], f"cannot listen on 127.0.0.1:{port}", [run]),
         ("dashboard of a folder that is no run", ["monitor", str(tmp_path / "empty")], "not a run directory", []),
+        ("resume of a folder that holds no run", ["train", "--resume", "--run-dir", str(new)], "holds no run", [new]),
+        ("resume of a run whose budget is spent", ["train", "--resume", "--run-dir", str(run)],
+         "already spent its budget", [run]),
+        ("resume of a 1-process run with 2", ["train", "--resume", "--run-dir", str(run), "--nproc", "2",
+         "--set", "train.max_steps=6"], "--nproc 1", [run]),
+        ("mistyped checkpoint", ["eval", str(run), "--checkpoint", "bestt"], "no complete checkpoint 'bestt'", [run]),
+        ("checkpoint folder that does not exist", ["generate", str(run), "--checkpoint", "no/such/folder"],
+         "step_00000003", [run]),
+        ("mistyped cell, rpt config", ["config", "--set", "model.cell=lstmm"], "did you mean 'lstm'", []),
+        ("mistyped gate, rpt config", ["config", "--set", "model.cell=modlstm", "--set", "model.gate=expp"],
+         "did you mean 'exp'", []),
+        ("a gate nobody registered", ["config", "--set", "model.cell=modlstm", "--set", "model.gate=softsign01"],
+         "model.imports", []),
+        ("data.path at a text file", ["train", "--run-dir", str(new), "--set", f"data.path={text}"],
+         f"rpt prepare --input {text} --out data/other", [new]),
+        ("jsonl without the text field", ["prepare", "--input", str(jsonl), "--out", str(tmp_path / "prep")],
+         "--text-field body", [tmp_path / "prep"]),
+        ("jsonl lines that are not JSON", ["prepare", "--input", str(notjson), "--out", str(tmp_path / "prep")],
+         "not JSON objects", [tmp_path / "prep"]),
         ("plan for an impossible layout", ["plan", "--world-size", "6", *data, "--set", "model.n_layers=4",
          "--set", "parallel.pp=4"], "not divisible", []),
     ]

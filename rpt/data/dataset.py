@@ -19,9 +19,14 @@ class PreparedData:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         meta_path = self.path / "meta.json"
+        if self.path.is_file():
+            raise RptError(f"data.path = {self.path} is a file, not a prepared dataset",
+                           f"prepare it first: `rpt prepare --input {self.path} --out data/{self.path.stem}`, then "
+                           f"--set data.path=data/{self.path.stem}")
         if not meta_path.is_file():
             raise RptError(f"{self.path} is not a prepared dataset (no meta.json)",
-                           f"run `rpt prepare --input YOUR_TEXT --out {self.path}` first")
+                           f"point data.path at a folder `rpt prepare --out` wrote, or make one: "
+                           f"`rpt prepare --input YOUR_TEXT --out {self.path}`")
         try:
             self.meta = json.loads(meta_path.read_text())
             self.vocab_size = int(self.meta["vocab_size"])

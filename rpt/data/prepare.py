@@ -86,8 +86,7 @@ def prepare(opts: PrepareOptions) -> dict:
         doc_starts, doc_hashes, total = _encode(opts, sources, tok, dtype, staging / "all.bin", report)
         seconds["encode"] = time.perf_counter() - t
         if report.documents == 0:
-            raise RptError("the corpus holds no text: every input is empty or was skipped as binary",
-                           "pass text files, or .jsonl with the right --text-field")
+            raise no_text_error(report, opts.text_field)
 
         t = time.perf_counter()
         lengths = token_byte_lengths(tok)
@@ -200,9 +199,23 @@ def _tokenizer(opts: PrepareOptions, sources: list[Source]):
 
     tok = train_tokenizer(sample(), opts.vocab_size)
     if report.documents == 0:
-        raise RptError("the corpus holds no text: every input is empty or was skipped as binary",
-                       "pass text files, or .jsonl with the right --text-field")
+        raise no_text_error(report, opts.text_field)
     return tok
+
+
+def no_text_error(report, text_field: str) -> RptError:
+    """Why a corpus gave no document, from what reading it met."""
+    if report.missing_field_lines:
+        fields = ", ".join(report.fields_seen) or "none"
+        return RptError(f"the corpus holds no text: {report.missing_field_lines:,} jsonl records have no string field "
+                        f"'{text_field}' (the first one's fields: {fields})",
+                        f"name the field that holds the text, e.g. --text-field {report.fields_seen[0]}"
+                        if report.fields_seen else "name the field that holds the text with --text-field")
+    if report.bad_jsonl_lines:
+        return RptError(f"the corpus holds no text: {report.bad_jsonl_lines:,} lines of the .jsonl inputs are not "
+                        "JSON objects", "write one JSON object per line, e.g. {\"text\": \"...\"}")
+    return RptError("the corpus holds no text: every input is empty or was skipped as binary",
+                    "pass text files, or .jsonl with the right --text-field")
 
 
 def _dtype(requested: str, vocab: int):

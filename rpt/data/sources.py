@@ -61,7 +61,9 @@ class ReadReport:
     text_bytes: int = 0
     replaced_sequences: int = 0  # undecodable byte sequences replaced by U+FFFD
     skipped_binary: list[str] = field(default_factory=list)
-    bad_jsonl_lines: int = 0
+    bad_jsonl_lines: int = 0  # lines that are not a JSON object
+    missing_field_lines: int = 0  # JSON records without the text field (or with a non-string one)
+    fields_seen: list[str] = field(default_factory=list)  # the fields of the first such record
 
 
 def default_corpus_root() -> Path:
@@ -158,11 +160,16 @@ def _jsonl_pieces(raw: BinaryIO, report: ReadReport, text_field: str, source: So
             continue
         try:
             record = json.loads(line)
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
             report.bad_jsonl_lines += 1
+            continue
+        text = record.get(text_field)
+        if not isinstance(text, str):
+            report.missing_field_lines += 1
+            if not report.fields_seen:
+                report.fields_seen = sorted(record)[:10]
             continue
         report.replaced_sequences += text.count("\ufffd")
         doc = _DocumentCutter(report)

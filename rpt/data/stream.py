@@ -105,8 +105,11 @@ class TokenStream:
         diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if diff:
             listed = ", ".join(f"{k}: saved {a} now {b}" for k, (a, b) in diff.items())
-            raise RptError(f"the loader state does not fit this run ({listed})",
-                           "resume with the same data, batch size, sequence length, seed and world size")
+            fix = "resume with the same data, batch size, sequence length, seed and world size"
+            if "world_size" in diff:
+                fix = (f"resume with --nproc {state.get('world_size')} (or torchrun with that many ranks), as the run "
+                       "was written")
+            raise RptError(f"the loader state does not fit this run ({listed})", fix)
         self.step = int(state["step"])
 
     def _geometry(self) -> dict:

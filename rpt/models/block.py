@@ -11,7 +11,6 @@ stack starts close to the identity and every block's contribution grows as it le
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import torch
@@ -24,16 +23,11 @@ from rpt.errors import RptError
 from rpt.models.attention import SlidingWindowAttention
 from rpt.models.cells.base import Cell
 from rpt.models.cells.packed_linear import rows_linear
-from rpt.models.registry import get_cell
+from rpt.models.registry import get_cell, import_user_modules
 
 
 def build_cell(cfg: ModelConfig) -> Cell:
-    for module in cfg.imports:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise RptError(f"model.imports: cannot import '{module}': {exc}",
-                           "make the module importable (installed, or on PYTHONPATH)") from None
+    import_user_modules(cfg.imports)
     cls = get_cell(cfg.cell)
     cell = cls(cfg.d_model, cfg.d_hidden, gate=cfg.gate, gate_norm=cfg.gate_norm, coupled_gates=cfg.coupled_gates,
                forget_bias=cfg.forget_bias, peepholes=cfg.peepholes)

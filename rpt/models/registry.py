@@ -14,7 +14,11 @@ nothing in rpt needs to change. docs/cells.md walks through both with a worked e
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -33,11 +37,33 @@ def register_cell(name: str):
     return add
 
 
+def _did_you_mean(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    return f"did you mean '{close[0]}'? " if close else ""
+
+
 def get_cell(name: str) -> type:
     if name not in CELLS:
-        raise RptError(f"unknown cell '{name}'", f"model.cell must be one of {', '.join(sorted(CELLS))} "
-                       "(or a cell registered with rpt.models.register_cell)")
+        raise RptError(f"unknown cell '{name}'", _did_you_mean(name, list(CELLS)) +
+                       f"model.cell must be one of {', '.join(sorted(CELLS))}, or a cell of your own registered with "
+                       "register_cell in a module named in model.imports (docs/cells.md)")
     return CELLS[name]
+
+
+def import_user_modules(modules: list[str], search: list[Path] = ()) -> None:
+    """Import model.imports, which may register cells and gates. A module is looked for where Python looks, then
+    in the working directory and the `search` folders (the config file's), so that `rpt` finds a module beside
+    the user as `python -m rpt` does."""
+    for folder in [Path.cwd(), *search]:
+        if str(folder) not in sys.path and str(folder.resolve()) not in sys.path:
+            sys.path.append(str(folder.resolve()))
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise RptError(f"model.imports: cannot import '{module}': {exc}",
+                           "put the module in the working directory or beside the config file, install it, "
+                           "or add its folder to PYTHONPATH") from None
 
 
 @dataclass(frozen=True)
@@ -66,8 +92,9 @@ def get_gate(name: str) -> GateFunction | None:
     if name == "exp":
         return None
     if name not in GATES:
-        raise RptError(f"unknown gate function '{name}'",
-                       f"model.gate must be one of exp, {', '.join(sorted(GATES))} (or one registered with register_gate)")
+        raise RptError(f"unknown gate function '{name}'", _did_you_mean(name, ["exp", *GATES]) +
+                       f"model.gate must be one of exp, {', '.join(sorted(GATES))}, or a gate of your own registered "
+                       "with register_gate in a module named in model.imports (docs/cells.md)")
     return GATES[name]
 
 

@@ -37,6 +37,11 @@ class Budget:
         spent = {"max_steps": step, "max_tokens": tokens, "max_time": elapsed}
         return max(spent[k] / v for k, v in self.limits().items())
 
+    def leading(self, step: int, tokens: int, elapsed: float) -> str:
+        """The budget nearest its end ('train.max_time'): the one that will end the run at this pace."""
+        spent = {"max_steps": step, "max_tokens": tokens, "max_time": elapsed}
+        return "train." + max(self.limits().items(), key=lambda kv: spent[kv[0]] / kv[1])[0]
+
     def ended_by(self, step: int, tokens: int, elapsed: float) -> str | None:
         """The budget that is spent ('train.max_steps = 20'), or None while the run goes on."""
         spent = {"max_steps": step, "max_tokens": tokens, "max_time": elapsed}

@@ -258,8 +258,10 @@ class Checkpointer:
             model.load_state_dict(state["model"])
         extras_path = f"{path}/extras/rank{self.rank}.pt"
         if not self.fs.exists(extras_path):
-            raise RptError(f"{path} has no state for rank {self.rank} (saved with another world size)",
-                           "resume with the world size the checkpoint was written with")
+            with self.fs.open(f"{path}/{MANIFEST}") as f:
+                saved = json.loads(f.read()).get("world_size")
+            raise RptError(f"{path} has no state for rank {self.rank} (saved with world size {saved}, now "
+                           f"{self.world_size})", f"resume with --nproc {saved} (or torchrun with {saved} ranks)")
         with self.fs.open(extras_path, "rb") as f:
             return torch.load(io.BytesIO(f.read()), weights_only=False)
 

@@ -126,7 +126,8 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
     dev = next(model.parameters()).device
     ids = [eot_id(tokenizer)] + tokenizer.encode(prompt, add_special_tokens=False).ids  # a document starts with EOT
     table = token_bytes(tokenizer)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")  # whole characters only: a sampled token
+    # may begin or end inside a character, and its lone bytes would print as U+FFFD
     generator = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     pieces = []
     tokens = model.generate(torch.tensor(ids, device=dev), max_new_tokens, temperature, top_k, top_p, generator)

@@ -234,6 +234,7 @@ class Trainer:
     def run(self) -> dict:
         t, ck = self.cfg.train, self.cfg.checkpoint
         started = time.perf_counter()
+        self.started, self.progress_at_start = started, self._progress(self.elapsed_before)
         self.window_first_step, self.window_began = self.step, started
         window_tokens, window_start = 0, time.perf_counter()
         # The bar counts per mille of the budget spent (steps, tokens or time, whichever ends the run first),
@@ -364,8 +365,21 @@ class Trainer:
         self._store_interval(record, my_loss, comm, pipe)
         if self.d.is_main:
             bar.set_postfix(step=self.step, loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}")
+            if bar.disable and self.progress:  # stdout is no terminal (tee, nohup, SLURM): a plain line instead
+                print(self._progress_line(loss, lr, tokens_per_s), flush=True)
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+    def _progress_line(self, loss: float, lr: float, tokens_per_s: float) -> str:
+        t = self.cfg.train
+        elapsed = self.elapsed_before + time.perf_counter() - self.started
+        spent = self._progress(elapsed)
+        step = f"step {self.step:,}/{t.max_steps:,}" if t.max_steps else f"step {self.step:,}"
+        ran = time.perf_counter() - self.started
+        eta = ran * (1 - spent) / (spent - self.progress_at_start) if spent > self.progress_at_start else math.nan
+        eta_text = "?" if not math.isfinite(eta) else f"{int(eta // 60)}:{int(eta % 60):02d}"
+        return (f"{step}  {100 * min(spent, 1.0):.0f}% of {self.budget.leading(self.step, self.tokens, elapsed)}  "
+                f"loss {loss:.4f}  lr {lr:.2e}  {tokens_per_s:,.0f} tokens/s  ETA {eta_text}")
 
     def _store_interval(self, record: dict, my_loss: float, comm: dict, pipe: dict) -> None:
         """Every rank's figures for this log interval, gathered in one collective; rank 0 writes them."""

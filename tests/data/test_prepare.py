@@ -103,7 +103,8 @@ def test_jsonl_gzip_and_document_markers(tmp_path, shakespeare_text):
     meta = prepare(PrepareOptions(out=tmp_path / "o", inputs=[str(tmp_path / "*.gz"), str(tmp_path / "marked.txt")],
                                   vocab_size=300, progress=False))
     assert meta["report"]["documents"] == 30 + 3
-    assert meta["report"]["bad_jsonl_lines"] == 2
+    assert meta["report"]["bad_jsonl_lines"] == 1 and meta["report"]["missing_field_lines"] == 1
+    assert meta["report"]["fields_seen"] == ["other"]
     data = PreparedData(tmp_path / "o")
     all_ids = np.concatenate([data.tokens("train"), data.tokens("val")])
     assert int((all_ids == data.eot_id).sum()) == 33

@@ -102,3 +102,58 @@ def test_extending_a_finished_run_continues_the_decay(tmp_path, finished, tiny_d
     assert max(rates[s] for s in range(25, 41, 5)) <= rates[20]  # no jump back up
     assert all(rates[s] >= rates[s + 5] for s in range(20, 40, 5))
     assert json.loads((run / "summary.json").read_text())["steps"] == 40
+
+
+def test_outside_a_terminal_progress_is_printed_as_plain_lines(tmp_path, tiny_data):
+    proc = rpt("train", "--run-dir", str(tmp_path / "run"), "--set", f"data.path={tiny_data}", *SMALL,
+               "--set", "train.max_steps=10", "--set", "train.eval_interval=0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()  # stdout is a pipe here, as under tee, nohup or SLURM
+    assert lines[0].startswith("training ") and "parameters" in lines[0]
+    progress = [line for line in lines if line.startswith("step ") and "tokens/s" in line]
+    assert [line.split()[1] for line in progress] == ["5/10", "10/10"]
+    assert all("of train.max_steps" in line and "loss " in line and "lr " in line and "ETA " in line
+               for line in progress)
+
+
+def test_generate_prints_whole_characters_only(finished):
+    for seed in ("0", "1"):
+        proc = rpt("generate", str(finished), "--max-new-tokens", "300", "--seed", seed, "--temperature", "1.5",
+                   "--top-k", "0", "--top-p", "1.0")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert len(proc.stdout) > 100 and "\ufffd" not in proc.stdout
+
+
+def test_debug_after_the_sub_command_and_a_closed_pipe(finished):
+    proc = rpt("config", "--set", "model.cell=lstmm", "--debug")
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "did you mean 'lstm'" in proc.stderr
+    shell = subprocess.run(f"'{sys.executable}' -m rpt generate '{finished}' --max-new-tokens 2000 | head -c 10",
+                           shell=True, capture_output=True, text=True, timeout=TIMEOUT)
+    assert len(shell.stdout) == 10
+    assert "Traceback" not in shell.stderr and "BrokenPipe" not in shell.stderr, shell.stderr
+
+
+def test_the_docs_custom_gate_runs_from_the_working_directory_with_either_program(tmp_path):
+    """docs/cells.md: a gate in a module beside the user, named in model.imports, works with `rpt` (the console
+    script, which does not put the working directory on the path) as with `python -m rpt`; a config file's
+    own folder is searched too."""
+    (tmp_path / "mygates.py").write_text(
+        "from rpt.models import register_gate\n"
+        "register_gate('softsign01', fn=lambda x: 0.5 + 0.5 * x / (1 + x.abs()),\n"
+        "              grad=lambda x, y: 0.5 / (1 + x.abs()) ** 2)\n")
+    console = Path(sys.executable).with_name("rpt")
+    args = ["config", "--set", "model.cell=modlstm", "--set", "model.gate=softsign01"]
+    for program in ([str(console)], [sys.executable, "-m", "rpt"]):
+        proc = subprocess.run([*program, *args, "--set", "model.imports=[\"mygates\"]"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=TIMEOUT)
+        assert proc.returncode == 0 and 'gate = "softsign01"' in proc.stdout, proc.stderr[-2000:]
+        missing = subprocess.run([*program, *args], cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
+        assert missing.returncode == 2 and "unknown gate function 'softsign01'" in missing.stderr
+        assert "model.imports" in missing.stderr
+    elsewhere = tmp_path / "configs"
+    elsewhere.mkdir()
+    (tmp_path / "mygates.py").rename(elsewhere / "mygates.py")
+    (elsewhere / "gates.toml").write_text('[model]\ncell = "modlstm"\ngate = "softsign01"\nimports = ["mygates"]\n')
+    proc = subprocess.run([str(console), "config", "--config", str(elsewhere / "gates.toml")], cwd=tmp_path.parent,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -93,11 +93,18 @@ def _compile_and_load():
         with open(out / "build.flock", "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
             (out / "lock").unlink(missing_ok=True)
-            if not (out / f"{NAME}.so").exists():
-                print(f"rpt: compiling the native recurrent loops into {out} (once, ~25 s)", file=sys.stderr,
-                      flush=True)
-            cpp_extension.load(NAME, [str(source) for source in SOURCES], extra_cflags=compile_flags(),
-                               build_directory=str(out), is_python_module=False, verbose=False)
+            sources = _copy_sources(out / "src")
+            say = lambda: print(f"rpt: compiling the native recurrent loops into {out} (once, ~25 s)",  # noqa: E731
+                                file=sys.stderr, flush=True)
+            # ninja decides whether anything is rebuilt: say so at once for a new folder, and after a moment
+            # otherwise (loading a finished build takes well under a second)
+            notice = threading.Timer(0.0 if not (out / f"{NAME}.so").exists() else 1.5, say)
+            notice.start()
+            try:
+                cpp_extension.load(NAME, sources, extra_cflags=compile_flags(), build_directory=str(out),
+                                   is_python_module=False, verbose=False)
+            finally:
+                notice.cancel()
         _register_shapes()
         _self_test(torch.ops.rpt_loops)
         return torch.ops.rpt_loops
@@ -106,6 +113,17 @@ def _compile_and_load():
                       "modlstm, gru, mingru and minlstm run their Python loops (slower). Install g++ and ninja to "
                       "build them.", stacklevel=3)
         return None
+
+
+def _copy_sources(folder: Path) -> list[str]:
+    """The sources, copied into the build folder: every checkout of one version then gives ninja the same paths,
+    so that a cache shared by two checkouts keeps one build instead of each rebuilding it for the other."""
+    folder.mkdir(exist_ok=True)
+    for source in SOURCES + HEADERS:
+        copy = folder / source.name
+        if not copy.exists() or copy.read_bytes() != source.read_bytes():
+            shutil.copyfile(source, copy)
+    return [str(folder / source.name) for source in SOURCES]
 
 
 def _register_shapes() -> None:
