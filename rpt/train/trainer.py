@@ -137,7 +137,8 @@ class Trainer:
         if self.store:
             self.store.set_meta(world_size=dist_info.world_size, n_layers=cfg.model.n_layers, params=self.params,
                                 pp=self.pipe.plan.pp if self.pipe else 1, dp=self.dp_size, config=cfg.to_toml(),
-                                tokens_per_rank_step=t.batch_size * t.seq_len)
+                                tokens_per_rank_step=t.batch_size * t.seq_len, budget=self.budget.describe(),
+                                eval_tokens=t.eval_tokens if t.eval_interval else 0)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,21 +366,29 @@ class Trainer:
         self._store_interval(record, my_loss, comm, pipe)
         if self.d.is_main:
             bar.set_postfix(step=self.step, loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}")
+            where = self._where()
             if bar.disable and self.progress:  # stdout is no terminal (tee, nohup, SLURM): a plain line instead
-                print(self._progress_line(loss, lr, tokens_per_s), flush=True)
+                print(self._progress_line(where, loss, lr, tokens_per_s), flush=True)
+            self.store.set_meta(progress=where)  # the dashboard's "step X of Y, ETA"
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    def _progress_line(self, loss: float, lr: float, tokens_per_s: float) -> str:
-        t = self.cfg.train
+    def _where(self) -> dict:
+        """How far the run is: step (of max_steps), the spent share of the budget nearest its end, the ETA."""
         elapsed = self.elapsed_before + time.perf_counter() - self.started
-        spent = self._progress(elapsed)
-        step = f"step {self.step:,}/{t.max_steps:,}" if t.max_steps else f"step {self.step:,}"
+        spent = min(1.0, self._progress(elapsed))
         ran = time.perf_counter() - self.started
-        eta = ran * (1 - spent) / (spent - self.progress_at_start) if spent > self.progress_at_start else math.nan
-        eta_text = "?" if not math.isfinite(eta) else f"{int(eta // 60)}:{int(eta % 60):02d}"
-        return (f"{step}  {100 * min(spent, 1.0):.0f}% of {self.budget.leading(self.step, self.tokens, elapsed)}  "
-                f"loss {loss:.4f}  lr {lr:.2e}  {tokens_per_s:,.0f} tokens/s  ETA {eta_text}")
+        eta = ran * (1 - spent) / (spent - self.progress_at_start) if spent > self.progress_at_start else None
+        return {"step": self.step, "max_steps": self.cfg.train.max_steps, "spent": spent, "eta_s": eta,
+                "budget": self.budget.leading(self.step, self.tokens, elapsed)}
+
+    @staticmethod
+    def _progress_line(where: dict, loss: float, lr: float, tokens_per_s: float) -> str:
+        step = f"step {where['step']:,}" + (f"/{where['max_steps']:,}" if where["max_steps"] else "")
+        eta = where["eta_s"]
+        eta_text = "?" if eta is None else f"{int(eta // 60)}:{int(eta % 60):02d}"
+        return (f"{step}  {100 * where['spent']:.0f}% of {where['budget']}  loss {loss:.4f}  lr {lr:.2e}  "
+                f"{tokens_per_s:,.0f} tokens/s  ETA {eta_text}")
 
     def _store_interval(self, record: dict, my_loss: float, comm: dict, pipe: dict) -> None:
         """Every rank's figures for this log interval, gathered in one collective; rank 0 writes them."""

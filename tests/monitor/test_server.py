@@ -3,6 +3,7 @@ live (headless Chromium driven by Selenium: the charts' series, and a live run's
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import threading
@@ -116,7 +117,8 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
     live.mkdir()
     (live / "config.toml").write_text((recorded / "config.toml").read_text())
     writer = MetricsWriter(live)
-    writer.set_meta(world_size=2, n_layers=2, tokens_per_rank_step=128)
+    writer.set_meta(world_size=2, n_layers=2, tokens_per_rank_step=128,
+                    progress={"step": 3, "max_steps": 10, "spent": 0.3, "eta_s": 42.0, "budget": "train.max_steps"})
     for step in (1, 2, 3):
         _write_step(writer, step)
     writer.write_profile(3, [{"steps": 2, "wall_s": 0.2, "compute_s": 0.12, "comm_s": 0.06, "overlap_s": 0.02,
@@ -126,7 +128,7 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 f"--user-data-dir={tmp_path / 'chrome'}"):
+                 "--window-size=1300,2200", f"--user-data-dir={tmp_path / 'chrome'}"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     try:
@@ -135,7 +137,30 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
         names = "return (document.getElementById(arguments[0]).data || []).map(t => t.name)"
         wait.until(lambda d: len(d.execute_script(names, "loss")) == 2)
         assert driver.execute_script(names, "loss") == ["recorded train", "live train"]
-        assert driver.execute_script(names, "val") == ["recorded val", "live val"]
+        # the periodic evaluations (first 1,024 tokens) and the final whole-split one are separate series
+        assert driver.execute_script(names, "val") == ["recorded val (first 1,024 tokens)", "recorded final (whole split)"]
+        # as a user sees them: the text rendered in the page, axis titles, legends and the runs' progress
+        text = "return [...document.querySelectorAll(arguments[0])].map(e => e.textContent)"
+        titles = {chart: (driver.execute_script(text, f"#{chart} .xtitle"), driver.execute_script(text, f"#{chart} .ytitle"))
+                  for chart in ("loss", "val", "lr", "gradnorm", "throughput", "breakdown", "state", "gates")}
+        assert titles == {"loss": (["step"], ["train loss (nats per token)"]), "val": (["step"], ["validation (bits per byte)"]),
+                          "lr": (["step"], ["learning rate"]), "gradnorm": (["step"], ["gradient norm (before clipping)"]),
+                          "throughput": (["step"], ["tokens per second"]), "breakdown": (["rank"], ["seconds per step"]),
+                          "state": (["step"], ["state RMS"]), "gates": (["step"], ["share of gate outputs saturated"])}
+        assert driver.execute_script(text, "#val .legendtext") == ["recorded val (first 1,024 tokens)",
+                                                                   "recorded final (whole split)"]
+        assert driver.execute_script(text, "#lr .legendtext") == ["recorded lr", "live lr"]
+        lines = driver.execute_script(text, "#runs .run")
+        assert lines[0].startswith("recorded: finished, step 8 (ended by train.max_steps = 8), val loss ")
+        assert lines[1] == "live: step 3 of 10, 30% of train.max_steps, ETA 0:42"
+        # the per-run panels name their run at the top; the empty ones say why they are empty
+        assert set(driver.execute_script(text, ".run-name")) == {"recorded"}
+        assert driver.execute_script(text, "#profile .annotation-text") == [
+            "no profiled steps: rpt train --profile START:END records them"]
+        assert driver.execute_script(text, "#heatmap .annotation-text") == ["one process: no gradient communication"]
+        shots = Path(os.environ.get("RPT_SCREENSHOTS", tmp_path))  # set it to keep the pictures
+        shots.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(shots / "dashboard-recorded.png"))
         recorded_steps = MetricsReader(recorded).rows("train")
         xs = "return document.getElementById('loss').data[arguments[0]].x"
         assert driver.execute_script(xs, 0) == [r["step"] for r in recorded_steps]
@@ -152,12 +177,16 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
         assert driver.execute_script(xs, 1) == [1, 2, 3, 4, 5]
         assert driver.execute_script("return window.__same_page") == 42
         hot = "return document.getElementById('hotspots').textContent"
-        assert driver.execute_script(hot) == "no communication recorded (one process)"  # the recorded run
+        assert driver.execute_script(hot) == ""  # the recorded run: its chart says why it is empty
         # choose the live run: its per-rank views, heat map and named hot spots
         driver.execute_script("const s = document.getElementById('config-run'); s.value = '1';"
                               "s.dispatchEvent(new Event('change'))")
         wait.until(lambda d: d.execute_script(hot).startswith("hot spots"))
         assert driver.execute_script(hot) == "hot spots: bucket 0 80% of bytes, bucket 1 20% of bytes"
+        assert set(driver.execute_script(text, ".run-name")) == {"live"}
+        assert driver.execute_script(text, "#heatmap .cbtitle") == ["bytes per step"]
+        assert driver.execute_script(text, "#heatmap .ytitle") == ["gradient bucket"]
+        driver.save_screenshot(str(shots / "dashboard-live.png"))
         z = driver.execute_script("return document.getElementById('heatmap').data[0].z")
         assert z == [[4096.0] * 5, [1024.0] * 5]
         # the same heat map in time: bucket 1 is the slow one although it sends less
