@@ -176,6 +176,8 @@ def _cmd_train(args) -> None:
     if first_look and not args.resume and (run_dir / "config.toml").exists():
         raise RptError(f"{run_dir} already holds a run", "continue it with --resume, or choose another --run-dir")
     summary = train(cfg, run_dir, args.resume, args.nproc, args.max_restarts, args.device)
+    if summary is not None and summary.get("interrupted"):  # stopped after a step, with a checkpoint (said)
+        sys.exit(130)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: rank 0 reports for the job
         return
     if summary is not None:

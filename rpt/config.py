@@ -67,7 +67,7 @@ class ModelConfig:
     gate: str = "sigmoid"  # sigmoid, hard_sigmoid, exp (xLSTM-style, stabilised), or one registered with register_gate
     gate_norm: bool = False
     coupled_gates: bool = False
-    forget_bias: float = 1.0
+    forget_bias: Union[float, Literal["auto"]] = "auto"  # "auto": the gate's own (+1 sigmoid-like, -1 for exp)
     peepholes: bool = False
     imports: list[str] = field(default_factory=list)  # modules to import first (they may register cells and gates)
 

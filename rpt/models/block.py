@@ -30,7 +30,7 @@ def build_cell(cfg: ModelConfig) -> Cell:
     import_user_modules(cfg.imports)
     cls = get_cell(cfg.cell)
     cell = cls(cfg.d_model, cfg.d_hidden, gate=cfg.gate, gate_norm=cfg.gate_norm, coupled_gates=cfg.coupled_gates,
-               forget_bias=cfg.forget_bias, peepholes=cfg.peepholes)
+               forget_bias=None if cfg.forget_bias == "auto" else cfg.forget_bias, peepholes=cfg.peepholes)
     if cfg.weight_norm:
         apply_weight_norm(cell)
     return cell

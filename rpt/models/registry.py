@@ -71,20 +71,35 @@ class GateFunction:
     """A gate nonlinearity for the modified LSTM.
 
     `fn(x)` maps a pre-activation to the gate value; `grad(x, y)` is dy/dx given x and y = fn(x),
-    used by the fused kernel's hand-written backward. Gates should map into [0, 1].
+    used by the fused kernel's hand-written backward. Gates should map into [0, 1]. `forget_bias` is the
+    forget gate's initial bias that suits this gate (`model.forget_bias = "auto"` takes it).
     """
 
     name: str
     fn: Callable[[torch.Tensor], torch.Tensor]
     grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    forget_bias: float = 1.0
 
 
-def register_gate(name: str, fn: Callable, grad: Callable) -> GateFunction:
+# The exponential gate's forget bias: f = exp(P_f) weighs the carried average against each new input, so
+# a positive bias (f > 1) makes the normalised state hold on to the first tokens and ignore new ones: with
+# the sigmoid's +1 the model did not learn (validation rose at every evaluation); from -1 to -3 it learned
+# as well as or better than the sigmoid gate (benchmarks/RESULTS.md). At -1 the state keeps 1/e of its past
+# per step at the start, as xLSTM's sLSTM starts its forget gate well below saturation.
+EXP_FORGET_BIAS = -1.0
+
+
+def register_gate(name: str, fn: Callable, grad: Callable, forget_bias: float = 1.0) -> GateFunction:
     if name == "exp":
         raise RptError("'exp' is the built-in stabilised exponential gate", "register your gate under another name")
-    gate = GateFunction(name, fn, grad)
+    gate = GateFunction(name, fn, grad, forget_bias)
     GATES[name] = gate
     return gate
+
+
+def default_forget_bias(gate: str) -> float:
+    """The forget gate's initial bias for a gate function by name (what model.forget_bias = "auto" means)."""
+    return EXP_FORGET_BIAS if gate == "exp" else get_gate(gate).forget_bias
 
 
 def get_gate(name: str) -> GateFunction | None:

@@ -129,19 +129,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> None:
-    """Run `entrypoint(*args)` in `nproc` local workers through torch's elastic launcher."""
+def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> str | None:
+    """Run `entrypoint(*args)` in `nproc` local workers through torch's elastic launcher. Returns the name of
+    the signal that interrupted them (they stopped after a step, with a checkpoint), or None."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from rpt.train.interrupt import AGENT_SIGNALS, forward_to_workers
+
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"rpt-{os.getpid()}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
-                          monitor_interval=0.5, start_method="spawn")
+                          monitor_interval=0.5, start_method="spawn", signals_to_handle=AGENT_SIGNALS)
     # torch's elastic agent logs every failed worker's traceback to stderr; rpt reports the failure itself
     # (a user error as its one message, anything else with the rank's log, which holds the traceback)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ["RPT_NPROC"] = str(nproc)  # the workers' resume hint names it
     try:
-        elastic_launch(config, entrypoint)(*args)
+        with forward_to_workers() as stop:
+            elastic_launch(config, entrypoint)(*args)
+        return stop["requested"]
     except ChildFailedError as exc:
         from rpt.train.watchdog import STALL_EXIT
 

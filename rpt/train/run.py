@@ -68,7 +68,9 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, pr
 def train(cfg: Config, run_dir: Path, resume: bool, nproc: int, max_restarts: int, device: str | None) -> dict | None:
     """Run training here (one process, or this rank under torchrun) or launch `nproc` local workers."""
     if nproc > 1:
-        launch.launch_local(nproc, max_restarts, train_worker, cfg, str(run_dir), resume, device)
+        interrupted = launch.launch_local(nproc, max_restarts, train_worker, cfg, str(run_dir), resume, device)
+        if interrupted:
+            return {"interrupted": True, "signal": interrupted}
         summary_path = run_dir / "summary.json"
         return json.loads(summary_path.read_text()) if summary_path.exists() else None
     return train_worker(cfg, str(run_dir), resume, device)

@@ -53,6 +53,7 @@ from rpt.train import faults
 from rpt.train.budget import Budget
 from rpt.train.checkpoint import Checkpointer
 from rpt.train.evaluate import evaluate
+from rpt.train.interrupt import StopRequest
 from rpt.train.optim import build_optimizer, step_unless
 from rpt.train.watchdog import Watchdog
 
@@ -248,11 +249,16 @@ class Trainer:
             for line in [f"training {self.params:,} parameters on {self.device}, world size {self.d.world_size}",
                          *self.cfg.notes, self.budget.describe()]:
                 tqdm.write(line)
+        stop = StopRequest(in_worker="TORCHELASTIC_RUN_ID" in os.environ)
         try:
+            stop.__enter__()
             while True:
                 self.watchdog.mark(self.step + 1, "data")
                 elapsed = self._agreed_elapsed(self.elapsed_before + time.perf_counter() - started)
                 self.ended_by = self.budget.ended_by(self.step, self.tokens, elapsed)
+                if self._agreed_stop(stop):
+                    self.ended_by = stop.requested or "an interrupt on another rank"
+                    return self._stop_interrupted(time.perf_counter() - started, stop, bar)
                 if self.ended_by:
                     break
                 faults.maybe_kill(self.fault, self.step, self.d.rank)
@@ -291,6 +297,7 @@ class Trainer:
                         self._save(time.perf_counter() - started)
         finally:
             bar.close()
+            stop.__exit__()
         if self.d.is_main:
             tqdm.write(f"ended by {self.ended_by} at step {self.step:,} ({self.tokens:,} tokens)")
         self._settle_pending_skip()
@@ -314,6 +321,36 @@ class Trainer:
         if self.store:  # the last connection closing folds the WAL into metrics.sqlite: one file to copy
             self.store.close()
         return summary
+
+    def _agreed_stop(self, stop: StopRequest) -> bool:
+        """Whether any rank was asked to stop: every rank then stops after the same step."""
+        if not self.d.enabled:
+            return stop.requested is not None
+        flag = torch.tensor([float(stop.requested is not None)])  # a CPU tensor: gloo, no device sync
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _stop_interrupted(self, seconds: float, stop: StopRequest, bar) -> dict:
+        """After an interrupt: a checkpoint of this step (no final evaluation, no summary: the run goes on
+        with --resume), and the command that continues it."""
+        bar.close()
+        if self.d.is_main:
+            tqdm.write(f"stopping after step {self.step:,} ({self.ended_by}): writing a checkpoint; "
+                       "Ctrl-C again stops at once")
+        self._settle_pending_skip()
+        if self.last_saved_step != self.step and self.step > 0:
+            self._save(seconds)
+        self.checkpointer.finish_pending()
+        self.watchdog.stop()
+        if self.store:
+            self.store.close()
+        if self.d.is_main:
+            saved = self.checkpointer.latest()
+            tqdm.write(f"interrupted at step {self.step:,}; " + (f"the checkpoint {saved} holds it. " if saved else "")
+                       + f"Continue with: rpt train --run-dir {self.run_dir} --resume"
+                       + (f" --nproc {os.environ['RPT_NPROC']}" if "RPT_NPROC" in os.environ else
+                          " (launched as before)" if self.d.enabled else ""))
+        return {"interrupted": True, "steps": self.step, "signal": stop.requested}
 
     # ------------------------------------------------------------------ pieces
     def _autocast(self):

@@ -54,7 +54,10 @@ def test_accumulating_two_halves_equals_one_batch(make_cfg, tmp_path, solo):
         for _ in range(3):  # the state carries across steps as well
             trainer.train_step(batch)
         params.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
-    torch.testing.assert_close(params[0], params[1], rtol=1e-5, atol=1e-6)
+    # AdamW divides by the gradient's own size: summation-order noise in a near-zero gradient entry moves it
+    # by up to ~lr x 1e-2 (seen: 5e-5 in 2 of 26,656 entries), while a wrong accumulation moves them by ~lr = 3e-3
+    torch.testing.assert_close(params[0], params[1], rtol=0, atol=1e-4)
+    assert (params[0] - params[1]).abs().median() < 1e-7
 
 
 def _norm_at_step(trainer):
@@ -146,9 +149,9 @@ def test_checkpoints_keep_last_and_best(make_cfg, tmp_path, solo):
     trainer.run()
     complete = trainer.checkpointer.complete(verify=True)
     steps = [m["step"] for _, m in complete]
-    evals = {}  # the validation loss of every step that was checkpointed, the final one last
+    evals = {}  # the periodic validation loss of every checkpointed step: the measure that ranks them all
     for record in map(json.loads, (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()):
-        if record["kind"] == "eval":
+        if record["kind"] == "eval" and not record["final"]:
             evals[record["step"]] = record["loss"]
     best = min((loss, step) for step, loss in evals.items())[1]
     assert steps[-2:] == [6, 8] and best in steps and len(steps) <= 3
@@ -159,9 +162,15 @@ def test_retention_keeps_the_best_even_when_it_is_old(make_cfg, tmp_path, solo):
     trainer = Trainer(make_cfg(), tmp_path / "r", solo, progress=False)
     ck = Checkpointer(str(tmp_path / "ck"), keep_last=1, keep_best=1)
     for step, val in zip(range(1, 5), (3.0, 1.0, 2.0, 2.5)):
-        ck.save(step, trainer.model, trainer.optimizer, {"step": step}, val_loss=val)
+        ck.save(step, trainer.model, trainer.optimizer, {"step": step}, val=(val, 2048))
     assert [m["step"] for _, m in ck.complete()] == [2, 4]
     assert ck.best().endswith("step_00000002") and ck.latest().endswith("step_00000004")
+    # a loss over other tokens (a whole split) does not rank against these: the newest measure decides
+    ck.keep_last = 2
+    ck.set_val_loss(4, (0.5, 9999))
+    assert ck.best().endswith("step_00000004")
+    ck.set_val_loss(4, (2.9, 2048))
+    assert ck.best().endswith("step_00000002")
 
 
 def test_bad_data_path_and_small_vocabulary(make_cfg, tmp_path, solo):

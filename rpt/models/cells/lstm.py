@@ -17,7 +17,8 @@ from rpt.models.registry import register_cell
 class LSTM(GatedRNNCell):
     n_gates = 4
 
-    def __init__(self, d_model: int, d_hidden: int = 0, forget_bias: float = 1.0, **_):
+    def __init__(self, d_model: int, d_hidden: int = 0, forget_bias: float | None = None, **_):
+        forget_bias = 1.0 if forget_bias is None else forget_bias
         super().__init__(d_model, d_hidden)
         H = self.d_hidden
         with torch.no_grad():

@@ -39,7 +39,7 @@ from rpt.errors import RptError
 from rpt.models.cells.base import Cell, as_fp32, full_precision
 from rpt.models.cells.native import fuse_pointwise, loops
 from rpt.models.cells.packed_linear import PackedLinear, matmul, rows_linear
-from rpt.models.registry import GateFunction, get_gate, register_cell
+from rpt.models.registry import GateFunction, default_forget_bias, get_gate, register_cell
 
 LN_EPS = 1e-5
 # The gates the native loops know (their codes there); a user-registered gate runs the Python loops.
@@ -76,10 +76,11 @@ class Variant(NamedTuple):
 @register_cell("modlstm")
 class ModLSTM(Cell):
     def __init__(self, d_model: int, d_hidden: int = 0, gate: str = "sigmoid", gate_norm: bool = False,
-                 coupled_gates: bool = False, forget_bias: float = 1.0, peepholes: bool = False, **_):
+                 coupled_gates: bool = False, forget_bias: float | None = None, peepholes: bool = False, **_):
         super().__init__(d_model, d_hidden or d_model)
         H, D = self.d_hidden, d_model
         self.gate_fn: GateFunction | None = get_gate(gate)
+        forget_bias = default_forget_bias(gate) if forget_bias is None else forget_bias  # each gate's own
         self.exp = self.gate_fn is None
         if self.exp and coupled_gates:
             raise RptError("model.coupled_gates needs gates in [0, 1]; the exponential gate is not",
