@@ -254,9 +254,9 @@ class Trainer:
             stop.__enter__()
             while True:
                 self.watchdog.mark(self.step + 1, "data")
-                elapsed = self._agreed_elapsed(self.elapsed_before + time.perf_counter() - started)
+                elapsed, stopping = self._agreed(self.elapsed_before + time.perf_counter() - started, stop)
                 self.ended_by = self.budget.ended_by(self.step, self.tokens, elapsed)
-                if self._agreed_stop(stop):
+                if stopping:
                     self.ended_by = stop.requested or "an interrupt on another rank"
                     return self._stop_interrupted(time.perf_counter() - started, stop, bar)
                 if self.ended_by:
@@ -322,14 +322,6 @@ class Trainer:
             self.store.close()
         return summary
 
-    def _agreed_stop(self, stop: StopRequest) -> bool:
-        """Whether any rank was asked to stop: every rank then stops after the same step."""
-        if not self.d.enabled:
-            return stop.requested is not None
-        flag = torch.tensor([float(stop.requested is not None)])  # a CPU tensor: gloo, no device sync
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     def _stop_interrupted(self, seconds: float, stop: StopRequest, bar) -> dict:
         """After an interrupt: a checkpoint of this step (no final evaluation, no summary: the run goes on
         with --resume), and the command that continues it."""
@@ -358,14 +350,16 @@ class Trainer:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
-    def _agreed_elapsed(self, elapsed: float) -> float:
-        """Rank 0's clock for every rank: the time budget ends the run on all ranks at the same step, and the
-        learning rate (which follows the spent fraction of the budget) stays identical across replicas."""
-        if not (self.cfg.train.max_time and self.d.enabled):
-            return elapsed
-        clock = torch.tensor([elapsed], dtype=torch.float64, device=self.device)
-        dist.broadcast(clock, src=0)
-        return clock.item()
+    def _agreed(self, elapsed: float, stop: StopRequest) -> tuple[float, bool]:
+        """One clock and one stop decision for every rank, in one small collective (a CPU tensor: gloo, no
+        device sync). The slowest clock: the time budget ends the run on all ranks at the same step, and the
+        learning rate (which follows the spent fraction of the budget) stays identical across replicas; and
+        a stop asked of any rank stops them all after the same step."""
+        if not self.d.enabled:
+            return elapsed, stop.requested is not None
+        agreed = torch.tensor([elapsed, float(stop.requested is not None)], dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return agreed[0].item(), bool(agreed[1].item())
 
     def _progress(self, elapsed: float) -> float:
         return self.budget.progress(self.step, self.tokens, elapsed)
