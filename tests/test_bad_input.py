@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 TIMEOUT = 300
@@ -110,8 +111,8 @@ def test_every_entry_point_refuses_bad_input_clearly_and_writes_nothing(tmp_path
         ("plan for an impossible layout", ["plan", "--world-size", "6", *data, "--set", "model.n_layers=4",
          "--set", "parallel.pp=4"], "not divisible", []),
     ]
-    failures = []
-    for what, argv, expected, folders in cases:
+    def check(case) -> str | None:
+        what, argv, expected, folders = case
         before = {folder: snapshot(folder) for folder in folders}  # a new run's folder: None, and must stay absent
         proc = rpt(*argv)
         problems = []
@@ -124,7 +125,10 @@ def test_every_entry_point_refuses_bad_input_clearly_and_writes_nothing(tmp_path
         for folder in folders:
             if snapshot(folder) != before[folder]:
                 problems.append(f"{folder.name} was written to")
-        if problems:
-            failures.append(f"{what}: {', '.join(problems)}\n    {proc.stderr.strip()[-600:]}")
+        return f"{what}: {', '.join(problems)}\n    {proc.stderr.strip()[-600:]}" if problems else None
+
+    # two at a time: each case is mostly a fresh interpreter importing torch, on one core
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        failures = [f for f in pool.map(check, cases) if f]
     busy.close()
     assert not failures, "\n".join(failures)
