@@ -297,3 +297,30 @@ def test_the_portable_build_computes_what_this_one_does(tmp_path):
         for k, (a, b) in enumerate(zip(a_list, b_list)):  # float32 rounding apart (FMA or not): ~1e-6 of the scale
             error = ((a - b).abs().max() / b.abs().max()).item()
             assert error < 2e-5, f"case {case}, tensor {k}: {error:.1e} of its scale"
+
+
+def test_a_build_says_so_and_every_checkout_builds_the_same_paths(tmp_path, monkeypatch, capsys):
+    """Whenever ninja compiles, a line on stderr says so, even where a cache folder already holds a library (seen:
+    22 silent seconds when a shared cache held another checkout's build); and the sources are compiled from a
+    copy inside the build folder, so two checkouts of one version give ninja the same paths and share one build."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("RPT_NATIVE_DIR", str(tmp_path))
+    out = native.build_directory()
+    out.mkdir(parents=True)
+    (out / f"{native.NAME}.so").write_bytes(b"")  # an earlier build's library: no message up front
+    seen = {}
+
+    def slow_build(name, sources, **kwargs):  # ninja rebuilding: longer than a load of a finished build
+        seen["sources"] = sources
+        import time
+        time.sleep(2.0)
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(cpp_extension, "load", slow_build)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert native._compile_and_load() is None
+    assert "rpt: compiling the native recurrent loops" in capsys.readouterr().err
+    assert all(Path(s).parent == out / "src" for s in seen["sources"])
+    assert [Path(s).name for s in seen["sources"]] == [s.name for s in native.SOURCES]
+    assert all((out / "src" / h.name).read_bytes() == h.read_bytes() for h in native.HEADERS)
