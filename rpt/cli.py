@@ -149,7 +149,6 @@ def format_prepare_report(meta: dict, out: Path) -> str:
 
 
 def _cmd_train(args) -> None:
-    from rpt.config import Config
     from rpt.train.run import default_run_dir, train
 
     if args.resume and args.run_dir is None:
@@ -163,7 +162,7 @@ def _cmd_train(args) -> None:
     if args.resume and config_path is None:
         config_path = str(args.run_dir / "config.toml")
     overrides = args.overrides + ([f"monitor.profile={args.profile}"] if args.profile else [])
-    cfg = Config.load(config_path, overrides)
+    cfg = load_config(config_path, overrides)
     run_dir = args.run_dir or default_run_dir(args.config)
     _check_writable(run_dir)
     if args.nproc > 1:
@@ -199,6 +198,18 @@ def _runs_nearby(run_dir: Path) -> str:
     return (f"did you mean {parent / close[0]}? " if close else "") + f"runs in {parent}: {listed}"
 
 
+def load_config(path: str | None, overrides: list[str]):
+    """The configuration every command uses: Config.load, then the model's cell and gate names against the
+    registry (with model.imports found in the working directory or beside the config file), so that
+    `rpt config` refuses what `rpt train` would."""
+    from rpt.config import Config
+    from rpt.models.registry import check_names
+
+    cfg = Config.load(path, overrides)
+    check_names(cfg.model, [Path(path).parent] if path else [])
+    return cfg
+
+
 def _check_writable(run_dir: Path) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise RptError(f"the run directory {run_dir} is a file", "choose another --run-dir (a folder)")
@@ -216,7 +227,8 @@ def _cmd_eval(args) -> None:
     from rpt.train.run import eval_run
 
     r = eval_run(args.run_dir, args.checkpoint, args.device, args.data)
-    print(f"{r['checkpoint']} ({r['about']})\nwhole validation split: val loss {r['loss']:.4f}  ppl {r['ppl']:.2f}  bpb {r['bpb']:.4f}  "
+    print(f"{r['checkpoint']} ({r['about']})\n"
+          f"whole validation split: val loss {r['loss']:.4f}  ppl {r['ppl']:.2f}  bpb {r['bpb']:.4f}  "
           f"({r['tokens']:,} tokens, {r['bytes']:,} bytes)")
 
 
@@ -228,22 +240,20 @@ def _cmd_generate(args) -> None:
 
 
 def _cmd_topology(args) -> None:
-    from rpt.config import Config
     from rpt.parallel.topology_run import run_topology
 
-    run_topology(Config.load(args.config, args.overrides), args.nproc, args.message_mb, args.out)
+    run_topology(load_config(args.config, args.overrides), args.nproc, args.message_mb, args.out)
 
 
 def _cmd_plan(args) -> None:
     import json
 
-    from rpt.config import Config
     from rpt.parallel.plan import GiB, choose_plan, format_plan
     from rpt.parallel.topology_run import resolve_vocab_size
 
     if args.world_size < 1:
         raise RptError(f"--world-size {args.world_size} must be at least 1", "e.g. --world-size 8")
-    cfg = Config.load(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
     resolve_vocab_size(cfg)
     plan = choose_plan(cfg, args.world_size, int(args.device_memory_gb * GiB))
     print(json.dumps(plan.as_dict(), indent=1) if args.json else format_plan(plan))
@@ -256,9 +266,7 @@ def _cmd_monitor(args) -> None:
 
 
 def _cmd_config(args) -> None:
-    from rpt.config import Config
-
-    print(Config.load(args.config, args.overrides).to_toml(), end="")
+    print(load_config(args.config, args.overrides).to_toml(), end="")
 
 
 def main(argv: list[str] | None = None) -> None:

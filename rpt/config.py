@@ -172,7 +172,7 @@ class Config:
             cfg.set(key, value, origin="--set")
             given.append(key)
         cfg.notes = cfg._replace_budgets(given)
-        cfg.validate(search=[Path(path).parent] if path is not None else [])
+        cfg.validate()
         return cfg
 
     def _replace_budgets(self, given: list[str]) -> list[str]:
@@ -222,17 +222,10 @@ class Config:
         Path(path).write_text(self.to_toml())
 
     # ----------------------------------------------------------------- checks
-    def validate(self, search: list[Path] = ()) -> None:
-        """Refuse values and combinations that cannot work, naming the fix. `search`: folders where
-        model.imports may live besides the working directory (the config file's)."""
+    def validate(self) -> None:
+        """Refuse values and combinations that cannot work, naming the fix. (The names of cells and gates are
+        the registry's to check: rpt.models.registry.check_names, which every command runs after this.)"""
         d, m, t, p, c = self.data, self.model, self.train, self.parallel, self.comm
-        from rpt.models import registry  # the built-in cells register on import
-
-        import rpt.models  # noqa: F401
-        registry.import_user_modules(m.imports, list(search))
-        registry.get_cell(m.cell)
-        if m.cell == "modlstm":
-            registry.get_gate(m.gate)
         _positive("model.n_layers", m.n_layers)
         _positive("model.d_model", m.d_model)
         _positive("train.batch_size", t.batch_size)

@@ -22,7 +22,7 @@ The trainer drives every mode through the same five calls, in this order each st
   partitions the optimiser state as ZeRO-1 does). `comm.compression` fp16/bf16 sends the
   gradients at half width; parameters always travel in full precision, so replicas stay identical.
 - `auto` (`choose_mode`): the links are measured and each mode's traffic pattern timed at start
-  (rpt/parallel/topology.py); every rank gets the same numbers and takes the same mode.
+  (rpt/comm/topology.py); every rank gets the same numbers and takes the same mode.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from rpt.comm import compress
 from rpt.comm.adaptive import AdaptiveSchedule
 from rpt.comm.accounting import CommMeter
 from rpt.config import CommConfig
-from rpt.parallel import topology
+from rpt.comm import topology
 
 log = logging.getLogger("rpt.comm")
 

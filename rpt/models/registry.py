@@ -37,6 +37,17 @@ def register_cell(name: str):
     return add
 
 
+def check_names(cfg, search: list[Path] = ()) -> None:
+    """model.cell and model.gate name registered ones (after importing model.imports, which may register them),
+    or the error says which are, with a did-you-mean. `cfg` is a ModelConfig; `search`: the config file's folder."""
+    import rpt.models  # noqa: F401  (the built-in cells register on import)
+
+    import_user_modules(cfg.imports, list(search))
+    get_cell(cfg.cell)
+    if cfg.cell == "modlstm":
+        get_gate(cfg.gate)
+
+
 def _did_you_mean(name: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     return f"did you mean '{close[0]}'? " if close else ""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from rpt.errors import RptError
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+STALL_EXIT = 3  # the exit status of a rank that rpt.train.watchdog stopped: the launcher names the stall
 log = logging.getLogger("rpt.launch")
 
 
@@ -135,7 +136,7 @@ def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> str | None
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from rpt.train.interrupt import AGENT_SIGNALS, forward_to_workers
+    from rpt.parallel.interrupt import AGENT_SIGNALS, forward_to_workers
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"rpt-{os.getpid()}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
@@ -149,8 +150,6 @@ def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> str | None
             elastic_launch(config, entrypoint)(*args)
         return stop["requested"]
     except ChildFailedError as exc:
-        from rpt.train.watchdog import STALL_EXIT
-
         first = next(iter(exc.failures.values()), None)
         if first is not None and first.exitcode == STALL_EXIT:
             raise RptError("a rank stalled: the job stopped instead of waiting for it "

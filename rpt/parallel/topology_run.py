@@ -14,7 +14,8 @@ import torch
 
 from rpt.config import Config
 from rpt.errors import RptError
-from rpt.parallel import launch, topology
+from rpt.comm import topology
+from rpt.parallel import launch
 
 
 def resolve_vocab_size(cfg: Config) -> None:

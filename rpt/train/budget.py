@@ -9,11 +9,9 @@ with every checkpoint, so a later resume of the extended run continues it exactl
 
 from __future__ import annotations
 
-import math
-
 from rpt.config import TrainConfig
 from rpt.errors import RptError
-from rpt.train.optim import lr_at
+from rpt.train.optim import decay, lr_at
 
 KEYS = ("max_steps", "max_tokens", "max_time")
 
@@ -32,32 +30,34 @@ class Budget:
         parts = [units[k].format(v) + f" (train.{k})" for k, v in self.limits().items()]
         return "budget: " + " or ".join(parts) + ("; whichever comes first ends the run" if len(parts) > 1 else "")
 
+    def _shares(self, step: int, tokens: int, elapsed: float) -> dict[str, float]:
+        """The spent share of each budget set."""
+        spent = {"max_steps": step, "max_tokens": tokens, "max_time": elapsed}
+        return {k: spent[k] / v for k, v in self.limits().items()}
+
     def progress(self, step: int, tokens: int, elapsed: float) -> float:
         """The spent share of the budget: the largest over the budgets set."""
-        spent = {"max_steps": step, "max_tokens": tokens, "max_time": elapsed}
-        return max(spent[k] / v for k, v in self.limits().items())
+        return max(self._shares(step, tokens, elapsed).values())
 
     def leading(self, step: int, tokens: int, elapsed: float) -> str:
         """The budget nearest its end ('train.max_time'): the one that will end the run at this pace."""
-        spent = {"max_steps": step, "max_tokens": tokens, "max_time": elapsed}
-        return "train." + max(self.limits().items(), key=lambda kv: spent[kv[0]] / kv[1])[0]
+        shares = self._shares(step, tokens, elapsed)
+        return "train." + max(shares, key=shares.get)
 
     def ended_by(self, step: int, tokens: int, elapsed: float) -> str | None:
         """The budget that is spent ('train.max_steps = 20'), or None while the run goes on."""
-        spent = {"max_steps": step, "max_tokens": tokens, "max_time": elapsed}
-        for k, v in self.limits().items():
-            if spent[k] >= v:
-                return f"train.{k} = {v:g}" if k == "max_time" else f"train.{k} = {v}"
-        return None
+        spent = [k for k, share in self._shares(step, tokens, elapsed).items() if share >= 1.0]
+        if not spent:
+            return None
+        value = getattr(self.cfg, spent[0])
+        return f"train.{spent[0]} = {value:g}" if isinstance(value, float) else f"train.{spent[0]} = {value}"
 
     def lr(self, step: int, progress: float) -> float:
         if self.segment is None or self.cfg.schedule == "constant":
             return lr_at(step, progress, self.cfg)
-        start, lr0 = self.segment
-        q = min(1.0, max(0.0, (progress - start) / max(1e-12, 1.0 - start)))
+        start, lr0 = self.segment  # an extension: from the checkpoint's rate down to the floor over the rest
         floor = min(lr0, self.cfg.lr * self.cfg.min_lr_ratio)
-        shape = 1 - q if self.cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * q))
-        return floor + (lr0 - floor) * shape
+        return floor + (lr0 - floor) * decay((progress - start) / max(1e-12, 1.0 - start), self.cfg.schedule)
 
     def state_dict(self, lr: float) -> dict:
         return {"limits": self.limits(), "segment": self.segment, "lr": lr}

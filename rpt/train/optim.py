@@ -65,10 +65,15 @@ def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
     """
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return cfg.lr
-    progress = min(1.0, max(0.0, progress))
     floor = cfg.lr * cfg.min_lr_ratio
-    if cfg.schedule == "linear":
-        return floor + (cfg.lr - floor) * (1 - progress)
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return floor + (cfg.lr - floor) * decay(progress, cfg.schedule)
+
+
+def decay(progress: float, schedule: str) -> float:
+    """The schedule's shape: 1 at the start of the decay, 0 at its end (constant: always 1)."""
+    progress = min(1.0, max(0.0, progress))
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":
+        return 1 - progress
+    return 0.5 * (1 + math.cos(math.pi * progress))

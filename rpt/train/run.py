@@ -77,7 +77,7 @@ def train(cfg: Config, run_dir: Path, resume: bool, nproc: int, max_restarts: in
 
 
 def load_run(run_dir: str | Path, checkpoint: str = "best", device: str | None = None):
-    """(config, model with weights, tokenizer, data) of a finished or running run directory."""
+    """(config, model with weights, tokenizer, checkpoint path, its Checkpointer) of a finished or running run."""
     from rpt.data.tokenizer import load_tokenizer
     from rpt.models import RecurrentLM
     from rpt.train.checkpoint import Checkpointer
@@ -95,17 +95,16 @@ def load_run(run_dir: str | Path, checkpoint: str = "best", device: str | None =
     ck.load(path, model)
     model.eval()
     tokenizer = load_tokenizer(run_dir / "tokenizer.json")
-    return cfg, model, tokenizer, path
+    return cfg, model, tokenizer, path, ck
 
 
 def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str | None) -> dict:
     from rpt.data.dataset import PreparedData
     from rpt.data.tokenizer import token_byte_lengths
-    from rpt.train.checkpoint import Checkpointer
     from rpt.train.evaluate import evaluate
 
     keep_freed_memory()
-    cfg, model, tokenizer, path = load_run(run_dir, checkpoint, device)
+    cfg, model, tokenizer, path, ck = load_run(run_dir, checkpoint, device)
     data = PreparedData(data_path or cfg.data.path)
     if data.meta["tokenizer_sha256"] != json.loads((Path(run_dir) / "meta.json").read_text())["tokenizer_sha256"]:
         raise RptError(f"the data at {data.path} was tokenized with another tokenizer than the run's",
@@ -114,7 +113,6 @@ def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str |
     result = evaluate(model, data.tokens("val"), token_byte_lengths(tokenizer), batch_size=cfg.train.batch_size,
                       seq_len=cfg.train.seq_len, device=dev,
                       eot_id=data.eot_id if cfg.data.reset_at_documents else None)
-    ck = Checkpointer(cfg.checkpoint.path or str(Path(run_dir) / "checkpoints"))
     about = ck.describe(path)
     return {**result, "checkpoint": path, "about": f"{checkpoint}: {about}" if checkpoint in ("best", "latest") else about}
 
@@ -124,7 +122,7 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
     """Stream the prompt, then the generated text as it is sampled, to `out`; returns the generated text."""
     from rpt.data.tokenizer import eot_id, token_bytes
 
-    cfg, model, tokenizer, _ = load_run(run_dir, checkpoint, device)
+    cfg, model, tokenizer, _, _ = load_run(run_dir, checkpoint, device)
     dev = next(model.parameters()).device
     ids = [eot_id(tokenizer)] + tokenizer.encode(prompt, add_special_tokens=False).ids  # a document starts with EOT
     table = token_bytes(tokenizer)

@@ -23,7 +23,7 @@ import os
 import random
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +53,7 @@ from rpt.train import faults
 from rpt.train.budget import Budget
 from rpt.train.checkpoint import Checkpointer
 from rpt.train.evaluate import evaluate
-from rpt.train.interrupt import StopRequest
+from rpt.parallel.interrupt import StopRequest
 from rpt.train.optim import build_optimizer, step_unless
 from rpt.train.watchdog import Watchdog
 
@@ -249,16 +249,14 @@ class Trainer:
             for line in [f"training {self.params:,} parameters on {self.device}, world size {self.d.world_size}",
                          *self.cfg.notes, self.budget.describe()]:
                 tqdm.write(line)
-        stop = StopRequest(in_worker="TORCHELASTIC_RUN_ID" in os.environ)
-        try:
-            stop.__enter__()
+        with StopRequest(in_worker="TORCHELASTIC_RUN_ID" in os.environ) as stop, closing(bar):
             while True:
                 self.watchdog.mark(self.step + 1, "data")
                 elapsed, stopping = self._agreed(self.elapsed_before + time.perf_counter() - started, stop)
                 self.ended_by = self.budget.ended_by(self.step, self.tokens, elapsed)
                 if stopping:
                     self.ended_by = stop.requested or "an interrupt on another rank"
-                    return self._stop_interrupted(time.perf_counter() - started, stop, bar)
+                    return self._stop_interrupted(time.perf_counter() - started, stop)
                 if self.ended_by:
                     break
                 faults.maybe_kill(self.fault, self.step, self.d.rank)
@@ -295,9 +293,6 @@ class Trainer:
                     self._settle_pending_skip()
                     if self.bad_streak == 0:  # keep good ones good
                         self._save(time.perf_counter() - started)
-        finally:
-            bar.close()
-            stop.__exit__()
         if self.d.is_main:
             tqdm.write(f"ended by {self.ended_by} at step {self.step:,} ({self.tokens:,} tokens)")
         self._settle_pending_skip()
@@ -322,10 +317,9 @@ class Trainer:
             self.store.close()
         return summary
 
-    def _stop_interrupted(self, seconds: float, stop: StopRequest, bar) -> dict:
+    def _stop_interrupted(self, seconds: float, stop: StopRequest) -> dict:
         """After an interrupt: a checkpoint of this step (no final evaluation, no summary: the run goes on
-        with --resume), and the command that continues it."""
-        bar.close()
+        with --resume), and the command that continues it. A second signal meanwhile stops at once."""
         if self.d.is_main:
             tqdm.write(f"stopping after step {self.step:,} ({self.ended_by}): writing a checkpoint; "
                        "Ctrl-C again stops at once")
@@ -352,11 +346,14 @@ class Trainer:
 
     def _agreed(self, elapsed: float, stop: StopRequest) -> tuple[float, bool]:
         """One clock and one stop decision for every rank, in one small collective (a CPU tensor: gloo, no
-        device sync). The slowest clock: the time budget ends the run on all ranks at the same step, and the
+        device sync). The largest clock: the time budget ends the run on all ranks at the same step, and the
         learning rate (which follows the spent fraction of the budget) stays identical across replicas; and
-        a stop asked of any rank stops them all after the same step."""
+        a stop asked of any rank stops them all after the same step. Without a time budget the ranks agree
+        at each log interval only (whose loss is all-reduced anyway), so a stop waits for that step."""
         if not self.d.enabled:
             return elapsed, stop.requested is not None
+        if not self.cfg.train.max_time and self.step % self.cfg.monitor.log_interval:
+            return elapsed, False
         agreed = torch.tensor([elapsed, float(stop.requested is not None)], dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         return agreed[0].item(), bool(agreed[1].item())

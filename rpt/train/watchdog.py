@@ -29,8 +29,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from rpt.parallel.launch import STALL_EXIT
+
 log = logging.getLogger("rpt.watchdog")
-STALL_EXIT = 3
 DESCRIBE = {
     "data": "reading the next batch",
     "forward": "its own computation",

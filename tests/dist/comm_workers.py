@@ -50,7 +50,8 @@ def build_auto_with_timings(timed: dict) -> dict:
     """comm.mode = auto with the pattern timings replaced by `timed`: which sync it built, what this rank owns."""
     from rpt.comm.sync import build_sync
     from rpt.config import CommConfig
-    from rpt.parallel import launch, topology
+    from rpt.comm import topology
+    from rpt.parallel import launch
 
     d = launch.setup("cpu")
     try:

@@ -1,0 +1,44 @@
+"""Imports between rpt's packages run one way (../shared/DESIGN.md): cli -> train -> parallel -> comm; models
+import no parallel, comm or train; comm no parallel or train; parallel no train; and no cycles. Imports inside
+functions count too: they are the ones that creep in."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import rpt
+
+ROOT = Path(rpt.__file__).parent
+FORBIDDEN = {"models": {"parallel", "comm", "train"}, "comm": {"parallel", "train"}, "parallel": {"train"}}
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "rpt" and len(parts) > 1 else None
+
+
+def import_edges() -> dict[tuple[str, str], list[str]]:
+    """(importing package, imported package) -> the files where that happens."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        here = rel.parts[0].removesuffix(".py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            for name in names:
+                there = package_of(name)
+                if there and there != here:
+                    edges.setdefault((here, there), []).append(str(rel))
+    return edges
+
+
+def test_packages_import_one_way():
+    edges = import_edges()
+    assert ("train", "parallel") in edges and ("parallel", "comm") in edges  # the graph is really read
+    wrong = {f"{a} -> {b} ({', '.join(sorted(set(files)))})" for (a, b), files in edges.items()
+             if b in FORBIDDEN.get(a, ())}
+    assert not wrong, wrong
+    cycles = {f"{a} <-> {b}" for (a, b) in edges if (b, a) in edges and a < b}
+    assert not cycles, cycles
