@@ -24,6 +24,7 @@ from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
 from rpt.models.block import build_cell
 from rpt.models.cells import native
+from rpt.models.cells.packed_linear import generating
 from rpt.runtime import keep_freed_memory
 
 D = 512
@@ -147,7 +148,8 @@ def bench_generation(device, lengths):
                 torch.cuda.reset_peak_memory_stats(device)
             before = memory_bytes(device)
             t = time.perf_counter()
-            count = sum(1 for _ in model.generate(prompt, n, temperature=1.0, top_k=50))
+            tokens = model.generate(prompt, n, temperature=1.0, top_k=50)
+            count = sum(1 for _ in (generating(tokens) if device.type == "cpu" else tokens))
             dt = time.perf_counter() - t
             state = model(prompt[None])[1]
             numel = sum(t.numel() for block in state for part in block for t in part)

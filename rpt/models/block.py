@@ -16,7 +16,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from rpt.config import ModelConfig
 from rpt.errors import RptError
@@ -84,7 +83,6 @@ class Block(nn.Module):
             self.mlp_norm, self.mlp = make_norm(cfg), GatedMLP(D, cfg.mlp_ratio)
             self.mlp_gate = nn.Parameter(torch.full((D,), gain))
         self.dropout = nn.Dropout(cfg.dropout)
-        self.recompute = cfg.activation_checkpointing
 
     def init_state(self, batch, device=None, dtype=None):
         cell = self.cell.init_state(batch, device, dtype)
@@ -92,14 +90,6 @@ class Block(nn.Module):
         return (cell, attn)
 
     def forward(self, x, state, reset=None, step: bool = False):
-        if self.recompute and torch.is_grad_enabled() and not step:
-            # model.activation_checkpointing: keep only the inputs for backward and run the forward again there
-            # (non-reentrant: custom operators and dropout's random numbers replay). Here inside the block, so that
-            # a compiled block (train.compile) holds the checkpoint in its graph.
-            return checkpoint(self.sublayers, x, state, reset, use_reentrant=False)
-        return self.sublayers(x, state, reset, step)
-
-    def sublayers(self, x, state, reset=None, step: bool = False):
         cell_state, attn_state = state
         if step:  # one token, x: [B, D]
             y, cell_state = self.cell.step(self.cell_norm(x), cell_state)

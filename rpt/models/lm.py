@@ -2,75 +2,110 @@
 
     logits, state = model(tokens, state, reset_mask)   # training: the whole chunk, fast paths
     logits, state = model.step(token, state)           # generation: one token, constant memory
+    loss = next_token_loss(logits, targets)            # the one loss of rpt
 
-The state is a list with one entry per block (the cell's state, and the attention cache where
-a block has one). Training carries it from batch to batch, detached (truncated BPTT).
+The state is a list with one entry per block (the cell's state, and the attention cache where a block has
+one). Training carries it from batch to batch, detached (truncated BPTT).
+
+This is the only forward in rpt. A pipeline stage is this class built with the parts it owns (`parts`): blocks
+keep their global index as their name (`blocks.7`), and a missing embedding or head passes its input through.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Collection, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rpt.config import ModelConfig
 from rpt.errors import RptError
 from rpt.models.block import Block, make_norm
-from rpt.models.cells.packed_linear import drop_row_packs, generation_products, rows_linear
 from rpt.models.sampling import sample_next
 
 
-class RecurrentLM(nn.Module):
-    """`build(name)` says which parts ("embed", "blocks.<i>", "norm", "head") to allocate; the others are made
-    on the meta device (shapes only). Each part draws its initial values from its own seed, derived from one
-    draw of torch's global generator, so a part has the same values however many of the others are built:
-    a pipeline rank allocates its stage alone, with the values the whole model would have given it."""
+def part_names(cfg: ModelConfig) -> list[str]:
+    """Every part of the whole model, in the order their seeds are numbered."""
+    return ["embed", *(f"blocks.{i}" for i in range(cfg.n_layers)), "norm", "head"]
 
-    def __init__(self, cfg: ModelConfig, build: Callable[[str], bool] | None = None):
+
+@contextlib.contextmanager
+def own_seed(base: int, part: int):
+    """Build one part from its own seed (`base + part`), leaving torch's global generator as it was: a part then
+    has the values the whole model gives it, whichever of the others are built beside it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(base + part)
+        yield
+
+
+class RecurrentLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, parts: Collection[str] | None = None):
         super().__init__()
         if cfg.vocab_size <= 0:
             raise RptError("model.vocab_size is not set", "take it from the data (meta.json) or set model.vocab_size")
         self.cfg = cfg
-        base = int(torch.randint(0, 2**62, (1,), device="cpu"))
-        parts = iter(range(cfg.n_layers + 3))
+        keep = set(part_names(cfg) if parts is None else parts)
+        base = int(torch.randint(0, 2**62, (1,), device="cpu"))  # one draw of the global generator seeds every part
+        embed = None
+        if "embed" in keep or ("head" in keep and cfg.tie_embeddings):
+            with own_seed(base, 0):
+                embed = _embedding(cfg)
+        self.embed = embed if "embed" in keep else None
+        self.blocks = nn.ModuleDict()
+        for i in range(cfg.n_layers):
+            if f"blocks.{i}" in keep:
+                with own_seed(base, 1 + i):
+                    self.blocks[str(i)] = Block(cfg, i)
+        self.norm = self.head = None
+        if "norm" in keep:
+            with own_seed(base, cfg.n_layers + 1):
+                self.norm = make_norm(cfg)
+        if "head" in keep:
+            with own_seed(base, cfg.n_layers + 2):  # tied: the embedding's matrix (on a stage without it, its copy)
+                self.head = _head(cfg, embed.weight if cfg.tie_embeddings else None)
 
-        def part(name: str, make: Callable[[], nn.Module]) -> nn.Module:
-            seed = base + next(parts)
-            if build is not None and not build(name):
-                with torch.device("meta"):
-                    return make()
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                return make()
-
-        self.embed = part("embed", lambda: _embedding(cfg))
-        self.blocks = nn.ModuleList(part(f"blocks.{i}", lambda i=i: Block(cfg, i)) for i in range(cfg.n_layers))
-        self.norm = part("norm", lambda: make_norm(cfg))
-        self.head = part("head", lambda: _head(cfg))
-        if cfg.tie_embeddings:
-            self.head.weight = self.embed.weight
+    def view(self, parts: Collection[str]) -> "RecurrentLM":
+        """A RecurrentLM of some of this one's parts, sharing their modules (a virtual pipeline stage)."""
+        view = RecurrentLM.__new__(RecurrentLM)
+        nn.Module.__init__(view)
+        view.cfg = self.cfg
+        view.embed = self.embed if "embed" in parts else None
+        view.blocks = nn.ModuleDict({k: b for k, b in self.blocks.items() if f"blocks.{k}" in parts})
+        view.norm = self.norm if "norm" in parts else None
+        view.head = self.head if "head" in parts else None
+        return view
 
     def init_state(self, batch: int, device=None, dtype=None) -> list:
-        return [b.init_state(batch, device, dtype) for b in self.blocks]
+        return [b.init_state(batch, device, dtype) for b in self.blocks.values()]
 
-    def forward(self, tokens: torch.Tensor, state: list | None = None, reset_mask: torch.Tensor | None = None):
-        """tokens: [B, T] int64; reset_mask: [B, T] bool (reset the state before reading that token)."""
-        x = self.embed(tokens)
-        state = state if state is not None else self.init_state(tokens.shape[0], tokens.device)
-        x, new_state = run_blocks(self.blocks, x, state, reset_mask)
-        return self.head(self.norm(x)), new_state
+    def forward(self, x: torch.Tensor, state: list | None = None, reset_mask: torch.Tensor | None = None):
+        """x: [B, T] int64 tokens (activations [B, T, D] where the embedding is not built);
+        reset_mask: [B, T] bool (reset the state before reading that token)."""
+        if self.embed is not None:
+            x = self.embed(x)
+        state = state if state is not None else self.init_state(x.shape[0], x.device)
+        new_state = []
+        for block, s in zip(self.blocks.values(), state):
+            x, s = block(x, s, reset_mask)
+            new_state.append(s)
+        return self._out(x), new_state
 
     def step(self, token: torch.Tensor, state: list | None = None):
         """token: [B] int64. The single-step forms of every cell: what generation runs."""
-        x = self.embed(token)
-        state = state if state is not None else self.init_state(token.shape[0], token.device)
+        x = self.embed(token) if self.embed is not None else token
+        state = state if state is not None else self.init_state(x.shape[0], x.device)
         new_state = []
-        for block, s in zip(self.blocks, state):
+        for block, s in zip(self.blocks.values(), state):
             x, s = block(x, s, step=True)
             new_state.append(s)
-        return rows_linear(self.norm(x), self.head.weight, self.head.bias), new_state
+        return self._out(x), new_state
+
+    def _out(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.head(x) if self.head is not None else x
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
@@ -79,49 +114,31 @@ class RecurrentLM(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            # the one-row products of each step on the CPU: packed_linear.rows_linear (entered here once, so that a
-            # first use builds the native code before any token is out)
-            products = generation_products if prompt.device.type == "cpu" else contextlib.nullcontext
-            with products():
-                logits, state = self(prompt[None])
+            logits, state = self(prompt[None])
             logits = logits[:, -1]
             for _ in range(max_new_tokens):
                 token = sample_next(logits, temperature, top_k, top_p, generator)
                 yield int(token[0])
-                with products():
-                    logits, state = self.step(token, state)
+                logits, state = self.step(token, state)
         finally:
             self.train(was_training)
-            drop_row_packs()
 
     def num_params(self, embeddings: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
-        return n if embeddings else n - self.embed.weight.numel()
+        return n if embeddings or self.embed is None else n - self.embed.weight.numel()
 
     def flops_per_token(self, training: bool = True) -> int:
         """Matrix-product FLOPs per token: every block's cell (recurrent products included), attention,
         MLP and the output head; x3 for forward + backward when training. The embedding lookup is free."""
-        forward = sum(b.flops_per_token() for b in self.blocks) + 2 * self.cfg.d_model * self.cfg.vocab_size
+        forward = sum(b.flops_per_token() for b in self.blocks.values())
+        forward += 2 * self.cfg.d_model * self.cfg.vocab_size if self.head is not None else 0
         return 3 * forward if training else forward
 
 
-def run_blocks(blocks, x: torch.Tensor, state: list, reset: torch.Tensor | None):
-    """x through `blocks` in order, each with its entry of `state`; returns x and the new state."""
-    new = []
-    for block, s in zip(blocks, state):
-        x, s = block(x, s, reset)
-        new.append(s)
-    return x, new
-
-
-def compile_blocks(model: nn.Module, backend: str) -> None:
-    """torch.compile each block of `model` (a whole model or a pipeline stage) in place. Per block, as torchtitan
-    does: blocks of one shape share their compiled code, and the embedding, head and loss stay eager. In place, so
-    parameter names and checkpoints are the eager model's. Graph breaks are allowed: rpt's kernels trace whole,
-    but lstm (and gru on a GPU) runs torch's own kernel eagerly inside the block (cells/base.py, over_segments)."""
-    for module in model.modules():
-        if isinstance(module, Block):
-            module.compile(backend=backend)
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of each position's next token, in float32 whatever the autocast dtype: the one loss of rpt
+    (training, the pipeline's last stage, evaluation)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction=reduction)
 
 
 def _embedding(cfg: ModelConfig) -> nn.Embedding:
@@ -130,10 +147,12 @@ def _embedding(cfg: ModelConfig) -> nn.Embedding:
     return embed
 
 
-def _head(cfg: ModelConfig) -> nn.Linear:
-    if cfg.tie_embeddings:  # its weight will be the embedding's: nothing to allocate
+def _head(cfg: ModelConfig, tied: nn.Parameter | None) -> nn.Linear:
+    if tied is not None:  # the embedding's matrix: nothing to allocate
         with torch.device("meta"):
-            return nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        head.weight = tied
+        return head
     head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
     nn.init.normal_(head.weight, std=0.02)
     return head

@@ -159,14 +159,31 @@ class _GateRecorder(torch.overrides.TorchFunctionMode):
         return out
 
 
+class InputProbe:
+    """The first row's first tokens of each module's first input after `arm()` (a forward pre-hook): what the
+    gate-saturation probe re-runs, tokens or, on a later pipeline stage, the activations the stage received."""
+
+    def __init__(self, modules: list[torch.nn.Module], tokens: int = 8):
+        self.inputs: list[torch.Tensor | None] = [None] * len(modules)
+        self.armed, self.tokens = [False] * len(modules), tokens
+        for i, module in enumerate(modules):
+            module.register_forward_pre_hook(lambda _m, args, i=i: self._take(i, args[0]))
+
+    def arm(self) -> None:
+        self.armed = [True] * len(self.armed)
+
+    def _take(self, i: int, x: torch.Tensor) -> None:
+        if self.armed[i]:
+            self.inputs[i], self.armed[i] = x[:1, :self.tokens].detach().clone(), False
+
+
 @torch.no_grad()
 def gate_saturation(owner, inputs: torch.Tensor, state, n_layers: int, first_layer: int = 0) -> list[float]:
     """Share of saturated gate outputs per layer (NaN for layers `owner` does not hold), from the single-step
     forms run over `inputs` ([B, T]: a few rows of the last batch's tokens; on a later pipeline stage, of the
-    activations it received) from `state`. `owner` is the model or a pipeline stage: anything with `blocks`
-    and `step(x_t, state)`. The fast training paths (cuDNN/oneDNN LSTM, fused scans) do not expose their
-    gates, so this probe re-runs a few tokens through the readable step forms."""
-    blocks = owner.blocks.values() if isinstance(owner.blocks, torch.nn.ModuleDict) else owner.blocks
+    activations it received) from `state`. `owner` is the model or a pipeline stage's view of it. The fast
+    training paths (cuDNN/oneDNN LSTM, fused scans) do not expose their gates: this probe re-runs a few tokens through the readable step forms."""
+    blocks = owner.blocks.values()
     recorder = _GateRecorder(n_layers)
     hooks = [block.register_forward_pre_hook(lambda _m, _a, i=i: setattr(recorder, "layer", first_layer + i))
              for i, block in enumerate(blocks)]

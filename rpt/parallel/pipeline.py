@@ -1,18 +1,18 @@
 """Layer pipeline parallelism: torch.distributed.pipelining, with the recurrent state carried per micro-batch.
 
 The ranks form a 2-D mesh `pp x dp` (DeviceMesh; pipeline outermost as torchtitan lays it out, so the
-heavier data-parallel all-reduce runs among neighbouring ranks). Each rank holds one `Stage`: the
-blocks the plan (rpt/parallel/plan.py) cut for it from the `RecurrentLM`, the embedding on the
-first rank, the final norm and head on the last; it allocates those parts alone (the rest of the
-model stays on the meta device), with the values the whole model would have given them. Its blocks form one `Chunk` (a stage of the
-schedule), or `v` chunks under the interleaved schedule, where rank r runs stages r, r + pp, ... Parameter names stay those of
-the whole model (`blocks.7.cell.weight`), so checkpoints move between pipeline degrees and `rpt eval`
-and `rpt generate` read a pipelined run's checkpoint like any other.
+heavier data-parallel all-reduce runs among neighbouring ranks). Each rank builds the `RecurrentLM` with the
+parts the plan (rpt/parallel/plan.py) gives it: its blocks, the embedding on the first rank, the final norm and
+head on the last; the model's own forward runs them, and a part it builds has the values the whole model would
+have given it. Each stage of the schedule is a view of that model (one per rank, or `v` under the interleaved
+schedule, where rank r runs stages r, r + pp, ...). Parameter names stay those of the whole model
+(`blocks.7.cell.w_ih`), so checkpoints move between pipeline degrees and `rpt eval` and `rpt generate` read a
+pipelined run's checkpoint like any other.
 
 Training steps go through torch's GPipe, 1F1B or interleaved 1F1B schedule. What pipelining does not
 know about is the recurrent state: each rank keeps its blocks' state for the whole batch, and micro-batch
 k reads and writes rows [k b, (k+1) b) of it. Every schedule runs a stage's forwards in micro-batch order,
-so each chunk counts its forward calls to know which rows it has (and the count is checked after the step).
+so each stage counts its forward calls to know which rows it has (and the count is checked after the step).
 The state is detached between steps, as without a pipeline, so losses equal the unpipelined model's.
 
 Tied embeddings: the last stage holds its own copy of the embedding matrix as the head, and after
@@ -26,15 +26,16 @@ point-to-point calls, whole batch at a time (`PipelineEval`).
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from rpt.comm.sync import clip_global_norm
 from rpt.errors import RptError
-from rpt.models.lm import run_blocks
+from rpt.models.lm import next_token_loss
 from rpt.models.state import cat_rows, detach_state, rows
 from rpt.parallel.plan import Plan
 
@@ -77,189 +78,131 @@ class _BackwardClock(torch.autograd.Function):
         return grad, None
 
 
-class Stage(nn.Module):
-    """What one pipeline rank holds: its blocks (one contiguous run, or one per virtual stage under the
-    interleaved schedule), the embedding on rank 0, the final norm and head on the last rank, and the
-    recurrent state of its blocks for the whole batch. Parameter names are the whole model's."""
+class MicroBatchStage(nn.Module):
+    """One stage of the schedule: its `RecurrentLM` (a view of the rank's model holding that stage's parts), called
+    once per micro-batch. Every schedule runs a stage's forwards in micro-batch order, so the count of calls says
+    which rows of the carried state a call has; the new rows are kept for the next step and the work is timed."""
 
-    def __init__(self, model, pp_rank: int, pp: int, chunks: list[tuple[int, tuple[int, int]]], n_stages: int,
-                 batch_size: int, microbatches: int):
+    def __init__(self, lm, index: int, n_stages: int, pipe: "Pipeline"):
         super().__init__()
-        self.index, self.first, self.last = pp_rank, pp_rank == 0, pp_rank == pp - 1
-        self.cfg = model.cfg
-        self.embed = model.embed if self.first else None
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for _, (a, b) in chunks for i in range(a, b)})
-        self.layers = [int(k) for k in self.blocks]  # ascending: the order of the state list
-        self.norm = model.norm if self.last else None
-        self.head = None
-        if self.last:
-            self.head = model.head
-            if self.cfg.tie_embeddings and not self.first:  # its own copy of the (identically seeded) embedding
-                self.head.weight = nn.Parameter(model.embed.weight.detach().clone())
-        self.batch_size, self.micro = batch_size, batch_size // microbatches
-        self.state: list | None = None  # the whole batch's state of these blocks: the trainer hands it in each step
-        self.compute_seconds, self.marks = 0.0, []  # forward + backward seconds of this step; backward durations
-        self.chunks = [Chunk(self, j, blocks, n_stages) for j, blocks in chunks]  # a list: not submodules
+        self.lm = lm
+        self.__dict__["pipe"] = pipe  # not a submodule
+        self.index, self.first, self.last = index, index == 0, index == n_stages - 1
+        self.offset = pipe.layers.index(int(next(iter(lm.blocks))))  # where its blocks' entries start in the state
+        self.calls, self.new = 0, []
 
-    def init_state(self, batch: int, device=None) -> list:
-        return [b.init_state(batch, device) for b in self.blocks.values()]
-
-    def chunk_state(self, chunk: "Chunk", state: list) -> list:
-        return state[chunk.offset:chunk.offset + len(chunk.blocks)]
+    def state_of(self, state: list) -> list:
+        return state[self.offset:self.offset + len(self.lm.blocks)]
 
     def forward(self, x, reset=None):
-        """One micro-batch inside a schedule of one stage per rank (the module DDP wraps)."""
-        return self.chunks[0](x, reset)
+        pipe = self.pipe
+        began = time.perf_counter()
+        k, self.calls = self.calls, self.calls + 1
+        y, s = self.lm(x, rows(self.state_of(pipe.state), slice(k * pipe.micro, (k + 1) * pipe.micro)), reset)
+        self.new.append(detach_state(s))
+        pipe.compute_seconds += time.perf_counter() - began
+        return y.float() if self.last else _BackwardClock.apply(y, pipe.marks)  # on the last stage the loss has the clock
+
+
+def stage_parts(stage, n_stages: int) -> set[str]:
+    """The model parts of one stage of the schedule: its blocks, the embedding on the first, norm and head on the last."""
+    parts = {f"blocks.{i}" for i in range(*stage.blocks)}
+    parts |= {"embed"} if stage.index == 0 else set()
+    return parts | ({"norm", "head"} if stage.index == n_stages - 1 else set())
+
+
+def parts_of(plan: Plan, pp_rank: int) -> set[str]:
+    """The model parts pipeline rank `pp_rank` holds: those of its stages."""
+    return set().union(*(stage_parts(st, len(plan.stages)) for st in plan.rank_stages(pp_rank)))
+
+
+class Pipeline:
+    """One rank's stages of the schedule over its `RecurrentLM` (built with the parts it owns) and the recurrent
+    state of its blocks for the whole batch; the trainer calls `step` in place of forward + backward."""
+
+    def __init__(self, model, plan: Plan, mesh: Mesh, batch_size: int, seq_len: int, device: torch.device,
+                 schedule: str):
+        self.model, self.mesh, self.plan, self.device = model, mesh, plan, device
+        self.index = r = mesh.pp_rank
+        self.first, self.last = r == 0, r == plan.pp - 1
+        self.layers = [int(k) for k in model.blocks]  # ascending: the order of the state list
+        self.batch_size, self.micro, self.seq_len = batch_size, batch_size // plan.microbatches, seq_len
+        self.state: list | None = None  # the whole batch's state of these blocks: the trainer hands it in each step
+        self.compute_seconds, self.marks = 0.0, []  # forward + backward seconds of this step; backward durations
+        n = len(plan.stages)
+        self.stages = [MicroBatchStage(model.view(stage_parts(st, n)), st.index, n, self) for st in plan.rank_stages(r)]
+        self.schedule_name, self.schedule = schedule, None
+        self.history: list[tuple[float, float]] = []  # (this stage's compute seconds, step seconds) per step
+        self._bubble_taken = 0
+
+    def build_schedule(self, modules: list[nn.Module]) -> None:
+        """The schedule around this rank's stages, as they are or as data parallelism wrapped them (one DDP
+        each). Call once, after data parallelism."""
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
+
+        mb, T, D, V = self.micro, self.seq_len, self.model.cfg.d_model, self.model.cfg.vocab_size
+
+        def pipe_stage(module, stage: MicroBatchStage):
+            # static shapes (no trial forward): activations and logits carry gradients, tokens do not
+            x = torch.zeros(mb, T, dtype=torch.long) if stage.first else torch.zeros(mb, T, D, requires_grad=True)
+            y = torch.zeros(mb, T, V if stage.last else D, requires_grad=True)
+            return PipelineStage(module, stage.index, len(self.plan.stages), self.device,
+                                 input_args=x.to(self.device), output_args=y.to(self.device), group=self.mesh.pp_group)
+
+        m, stages = self.plan.microbatches, [pipe_stage(mod, st) for mod, st in zip(modules, self.stages)]
+        if self.schedule_name == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=self.loss)
+        else:
+            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule_name]
+            self.schedule = cls(stages[0], m, loss_fn=self.loss)
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function on the last stage: timed, and its backward marks the stage's start."""
         began = time.perf_counter()
-        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
+        loss = next_token_loss(logits, target)
         self.compute_seconds += time.perf_counter() - began
         return _BackwardClock.apply(loss, self.marks)
-
-    def begin_step(self) -> None:
-        self.marks, self.compute_seconds = [], 0.0
-        for c in self.chunks:
-            c.calls, c.new = 0, []
-
-    def end_step(self) -> None:
-        for c in self.chunks:
-            if c.calls * self.micro != self.batch_size:
-                raise RuntimeError(f"pipeline stage {c.index} ran {c.calls} micro-batch forwards, expected "
-                                   f"{self.batch_size // self.micro}")
-        self.state = [s for c in self.chunks for s in cat_rows(c.new)]
-        self.compute_seconds += sum(self.marks)  # the backward durations
-
-
-class Chunk(nn.Module):
-    """One stage of the schedule: a contiguous run of the rank's blocks (with the embedding when it is the
-    pipeline's first stage, the head when it is the last). Its forwards come in micro-batch order under
-    every schedule, so it counts them to know which rows of the carried state are its micro-batch's."""
-
-    def __init__(self, owner: Stage, index: int, blocks: tuple[int, int], n_stages: int):
-        super().__init__()
-        self.__dict__["owner"] = owner  # not a submodule: the owner holds the parameters
-        self.index, self.first, self.last = index, index == 0, index == n_stages - 1
-        self.embed = owner.embed if self.first else None
-        self.blocks = nn.ModuleDict({str(i): owner.blocks[str(i)] for i in range(*blocks)})
-        self.offset = owner.layers.index(blocks[0])
-        self.norm, self.head = (owner.norm, owner.head) if self.last else (None, None)
-        self.calls, self.new = 0, []
-        self.probe_input: torch.Tensor | None = None  # the gate-saturation probe's inputs (see forward)
-
-    def run(self, x, state=None, reset=None):
-        """x: tokens on the first stage, activations otherwise; returns activations, or logits on the last."""
-        if self.embed is not None:
-            x = self.embed(x)
-        state = state if state is not None else [b.init_state(x.shape[0], x.device) for b in self.blocks.values()]
-        x, new = run_blocks(self.blocks.values(), x, state, reset)
-        if self.head is not None:
-            x = self.head(self.norm(x)).float()
-        return x, new
-
-    def step(self, x_t, state):
-        """One token through these blocks' single-step forms (the gate-saturation probe): tokens on the first
-        stage, activations otherwise; returns activations and the new state."""
-        x = self.embed(x_t) if self.embed is not None else x_t
-        new = []
-        for block, s in zip(self.blocks.values(), state):
-            x, s = block(x, s, step=True)
-            new.append(s)
-        return x, new
-
-    def forward(self, x, reset=None):
-        """One micro-batch inside a schedule: rows of the carried state by the order of the calls."""
-        owner = self.owner
-        began = time.perf_counter()
-        k = self.calls
-        self.calls += 1
-        if k == 0:  # the probe's inputs: the first row's first tokens (activations, on a later stage)
-            self.probe_input = x[:1, :8].detach().clone()
-        part = slice(k * owner.micro, (k + 1) * owner.micro)
-        y, s = self.run(x, rows(owner.chunk_state(self, owner.state), part), reset)
-        self.new.append(detach_state(s))
-        owner.compute_seconds += time.perf_counter() - began
-        return y if self.last else _BackwardClock.apply(y, owner.marks)  # on the last stage the loss has the clock
-
-
-class Pipeline:
-    """One rank's stage and its schedule; the trainer calls `step` in place of forward + backward."""
-
-    def __init__(self, model, plan: Plan, mesh: Mesh, batch_size: int, seq_len: int, device: torch.device,
-                 schedule: str):
-        self.mesh, self.plan, self.device = mesh, plan, device
-        r = mesh.pp_rank
-        mine = [(st.index, st.blocks) for st in plan.rank_stages(r)]
-        self.stage = Stage(model, r, plan.pp, mine, len(plan.stages), batch_size, plan.microbatches).to(device)
-        self.module: nn.Module = self.stage  # replaced by the data-parallel wrapper (DDP) when dp > 1
-        self.batch_size, self.seq_len, self.schedule_name = batch_size, seq_len, schedule
-        self.schedule = None
-        self.history: list[tuple[float, float]] = []  # (this stage's compute seconds, step seconds) per step
-        self._bubble_taken = 0
-
-    def wrap(self, module: nn.Module | list[nn.Module]) -> None:
-        """Build the schedule around the stage, or around each of the rank's virtual stages under the interleaved
-        schedule: as they are, or as the data-parallel wrapper made them (DDP of the stage, or a list with one
-        DDP per virtual stage). Call once, after data parallelism."""
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
-
-        self.module = module
-        mb, T, D, V = self.stage.micro, self.seq_len, self.stage.cfg.d_model, self.stage.cfg.vocab_size
-
-        def pipe_stage(submodule, chunk: Chunk):
-            # static shapes (no trial forward): activations and logits carry gradients, tokens do not
-            x = torch.zeros(mb, T, dtype=torch.long) if chunk.first else torch.zeros(mb, T, D, requires_grad=True)
-            y = torch.zeros(mb, T, V if chunk.last else D, requires_grad=True)
-            return PipelineStage(submodule, chunk.index, len(self.plan.stages), self.device,
-                                 input_args=x.to(self.device), output_args=y.to(self.device), group=self.mesh.pp_group)
-
-        m, loss = self.plan.microbatches, self.stage.loss
-        if self.schedule_name == "interleaved":
-            chunks = self.stage.chunks
-            modules = module if isinstance(module, list) else chunks
-            self.schedule = ScheduleInterleaved1F1B([pipe_stage(s, c) for s, c in zip(modules, chunks)], m,
-                                                    loss_fn=loss)
-        else:
-            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule_name]
-            self.schedule = cls(pipe_stage(module, self.stage.chunks[0]), m, loss_fn=loss)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, reset: torch.Tensor | None) -> torch.Tensor:
         """Forward and backward of the whole batch through the pipeline; returns the mean loss on every stage."""
         began = time.perf_counter()
-        self.stage.begin_step()
+        self.marks, self.compute_seconds = [], 0.0
+        for st in self.stages:
+            st.calls, st.new = 0, []
         kwargs = {} if reset is None else {"reset": reset}
         losses: list[torch.Tensor] = []
-        args = (x,) if self.stage.first else ()
-        self.schedule.step(*args, target=y if self.stage.last else None, losses=losses, **kwargs)
-        self.stage.end_step()
+        self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None, losses=losses, **kwargs)
+        for st in self.stages:
+            if st.calls * self.micro != self.batch_size:
+                raise RuntimeError(f"pipeline stage {st.index} ran {st.calls} micro-batch forwards, expected "
+                                   f"{self.batch_size // self.micro}")
+        self.state = [s for st in self.stages for s in cat_rows(st.new)]
+        self.compute_seconds += sum(self.marks)  # the backward durations
         self._sync_tied_gradients()
-        wall = time.perf_counter() - began
-        self.history.append((self.stage.compute_seconds, wall))
+        self.history.append((self.compute_seconds, time.perf_counter() - began))
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
         dist.broadcast(loss, group=self.mesh.pp_group, group_src=self.plan.pp - 1)
         return loss
 
     def _sync_tied_gradients(self) -> None:
-        st = self.stage
-        if not st.cfg.tie_embeddings or self.mesh.tie_group is None:
+        if not self.model.cfg.tie_embeddings or self.mesh.tie_group is None:
             return
-        weight = st.embed.weight if st.first else st.head.weight
+        weight = self.model.embed.weight if self.first else self.model.head.weight
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         dist.all_reduce(weight.grad, group=self.mesh.tie_group)
 
     def counted_params(self) -> list[nn.Parameter]:
         """This stage's parameters for the global norm, the tied head copy left out (the embedding counts it)."""
-        st = self.stage
-        skip = {id(st.head.weight)} if st.last and not st.first and st.cfg.tie_embeddings else set()
-        return [p for p in st.parameters() if id(p) not in skip]
+        m = self.model
+        skip = {id(m.head.weight)} if self.last and not self.first and m.cfg.tie_embeddings else set()
+        return [p for p in m.parameters() if id(p) not in skip]
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The norm of the whole model's gradient (every stage's share added once), clipped on every stage."""
         return clip_global_norm(self.counted_params(), max_norm, device=self.device, reduce=True,
-                                group=self.mesh.pp_group, scale=list(self.stage.parameters()))
+                                group=self.mesh.pp_group, scale=list(self.model.parameters()))
 
     def take_bubble(self) -> float | None:
         """Mean idle share of this stage over the steps since the last call."""
@@ -273,23 +216,23 @@ class PipelineEval(nn.Module):
 
     def __init__(self, pipeline: Pipeline):
         super().__init__()
-        self.pipe = pipeline
-        self.stage = pipeline.stage
+        self.__dict__["pipe"] = pipeline
+        self.model = pipeline.model
 
     def forward(self, x, state=None, reset=None):
-        st, mesh = self.stage, self.pipe.mesh
-        state = state if state is not None else st.init_state(x.shape[0], x.device)
+        pipe, mesh = self.pipe, self.pipe.mesh
+        state = state if state is not None else self.model.init_state(x.shape[0], x.device)
         new, out = [], None
-        for chunk in st.chunks:  # in stage order; stage j runs on pipeline rank j % pp
+        for st in pipe.stages:  # in stage order; stage j runs on pipeline rank j % pp
             h = x
-            if not chunk.first:
-                h = torch.empty(x.shape[0], x.shape[1], st.cfg.d_model, device=x.device)
-                dist.recv(h, group=mesh.pp_group, group_src=(chunk.index - 1) % mesh.pp)
-            out, s = chunk.run(h, st.chunk_state(chunk, state), reset)
+            if not st.first:
+                h = torch.empty(x.shape[0], x.shape[1], self.model.cfg.d_model, device=x.device)
+                dist.recv(h, group=mesh.pp_group, group_src=(st.index - 1) % mesh.pp)
+            out, s = st.lm(h, st.state_of(state), reset)
             new.extend(s)
-            if not chunk.last:
-                dist.send(out.float().contiguous(), group=mesh.pp_group, group_dst=(chunk.index + 1) % mesh.pp)
-        return (out if st.last else None), new
+            if not st.last:
+                dist.send(out.float().contiguous(), group=mesh.pp_group, group_dst=(st.index + 1) % mesh.pp)
+        return (out if pipe.last else None), new
 
 
 def check_layout(cfg, world_size: int) -> None:
@@ -301,38 +244,19 @@ def check_layout(cfg, world_size: int) -> None:
                        "or choose a parallel.pp that divides the world size")
 
 
-def setup(cfg, rank: int, world_size: int, device: torch.device, local_world: int = 1,
-          seed: int = 0) -> Pipeline | None:
-    """The plan for this job (printed by rank 0), and this rank's pipeline when it has more than one stage.
-    The rank allocates the parts of the model its stages hold, and nothing else: with `seed` their initial
-    values are the ones `torch.manual_seed(seed); RecurrentLM(cfg.model)` gives the whole model."""
-    from rpt.models import RecurrentLM
+def plan_for(cfg, rank: int, world_size: int, device: torch.device,
+             local_world: int = 1) -> tuple[Plan | None, Mesh | None]:
+    """The plan for this job (printed by rank 0) and this rank's place in the mesh, when it has more than one
+    pipeline stage; (None, None) otherwise."""
     from rpt.parallel.plan import choose_plan, device_memory_bytes, format_plan
 
     if cfg.parallel.pp == 1:
-        return None
+        return None, None
     costs = measure_costs(cfg, device)
     plan = choose_plan(cfg, world_size, device_memory_bytes(device, local_world), costs)
     if rank == 0:
         print(format_plan(plan), flush=True)
-    if plan.pp == 1:
-        return None
-    mesh = Mesh(device, world_size, plan.pp)
-    torch.manual_seed(seed)
-    model = RecurrentLM(cfg.model, build=parts_of(plan, mesh.pp_rank, cfg.model.tie_embeddings).__contains__)
-    return Pipeline(model, plan, mesh, cfg.train.batch_size, cfg.train.seq_len, device, cfg.parallel.schedule)
-
-
-def parts_of(plan: Plan, pp_rank: int, tied: bool) -> set[str]:
-    """Names of the model parts pipeline rank `pp_rank` holds: its blocks, the embedding on the first rank, the
-    final norm and head on the last (and the embedding there too when tied: the head starts as its copy)."""
-    parts = {f"blocks.{i}" for st in plan.rank_stages(pp_rank) for i in range(*st.blocks)}
-    first, last = pp_rank == 0, pp_rank == plan.pp - 1
-    if first or (last and tied):
-        parts.add("embed")
-    if last:
-        parts |= {"norm", "head"}
-    return parts
+    return (plan, Mesh(device, world_size, plan.pp)) if plan.pp > 1 else (None, None)
 
 
 def measure_costs(cfg, device: torch.device, repeats: int = 3):
@@ -366,11 +290,12 @@ def measure_costs(cfg, device: torch.device, repeats: int = 3):
             kind = has_attention(m, i)
             if kind not in kinds:
                 sample = Block(m, i).to(device)
-                kinds[kind] = best_time(lambda: sample(x, sample.init_state(B, device), None)[0].sum().backward())
+                run = partial(checkpoint, sample, use_reentrant=False) if m.activation_checkpointing else sample
+                kinds[kind] = best_time(lambda: run(x, sample.init_state(B, device), None)[0].sum().backward())
         embed = nn.Embedding(m.vocab_size, D).to(device)
         embed_cost = best_time(lambda: embed(ids).sum().backward())
         norm, head = make_norm(m).to(device), nn.Linear(D, m.vocab_size, bias=False).to(device)
-        head_cost = best_time(lambda: F.cross_entropy(head(norm(x)).float().flatten(0, 1), ids.flatten()).backward())
+        head_cost = best_time(lambda: next_token_loss(head(norm(x)), ids).backward())
     figures = torch.tensor([kinds.get(False, 0.0), kinds.get(True, 0.0), embed_cost, head_cost],
                            dtype=torch.float64, device=device)
     if dist.is_initialized():

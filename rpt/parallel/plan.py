@@ -154,7 +154,7 @@ def counted_costs(cfg: Config, model=None) -> Costs:
     """Training FLOPs per token from the model's own count (rpt plan: nothing runs)."""
     model = model if model is not None else _meta_model(cfg)
     block = {}
-    for b in model.blocks:
+    for b in model.blocks.values():
         block.setdefault(b.attn is not None, 3.0 * b.flops_per_token())
     m = cfg.model
     return Costs(block, embed=3.0 * m.d_model, head=3.0 * 2 * m.d_model * m.vocab_size)
@@ -169,7 +169,7 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
     m, t, p = cfg.model, cfg.train, cfg.parallel
     dp, micro = world_size // pp, p.microbatches
     costs = costs or counted_costs(cfg, model)
-    block_costs = [costs.block[b.attn is not None] for b in model.blocks]
+    block_costs = [costs.block[b.attn is not None] for b in model.blocks.values()]
     head_cost, embed_cost = costs.head, costs.embed
     v = p.stages_per_rank if p.schedule == "interleaved" else 1
     n = pp * v  # stages of the pipeline; rank r runs stages r, r + pp, ...
@@ -178,14 +178,14 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
     embed_params = model.embed.weight.numel()
     stages, start = [], 0
     for s, count in enumerate(counts):
-        blocks = model.blocks[start:start + count]
+        blocks = list(model.blocks.values())[start:start + count]
         params = sum(q.numel() for b in blocks for q in b.parameters())
         params += sum(q.numel() for q in model.norm.parameters()) if s == n - 1 else 0
         params += embed_params if s == 0 else 0
         params += model.head.weight.numel() if s == n - 1 and (pp > 1 or not m.tie_embeddings) else 0
         act = recompute = 0.0  # bytes per token kept per micro-batch in flight; one block's, while it recomputes
         for b in range(start, start + count):
-            key = (repr(m), t.seq_len, model.blocks[b].attn is not None)  # blocks differ only by attention
+            key = (repr(m), t.seq_len, model.blocks[str(b)].attn is not None)  # blocks differ only by attention
             if key not in _ACTIVATIONS:
                 _ACTIVATIONS[key] = activation_bytes_per_token(cfg, b)
             if m.activation_checkpointing:  # a block keeps its input; backward rebuilds the rest, one at a time

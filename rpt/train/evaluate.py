@@ -14,9 +14,8 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-
 from rpt.errors import RptError
+from rpt.models.lm import next_token_loss
 
 
 @torch.no_grad()
@@ -48,8 +47,7 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
             logits, state = model(x.to(device), state, None if reset is None else reset.to(device))
         if logits is None:  # a pipeline stage before the last: it passed its activations on
             continue
-        nats += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.to(device).reshape(-1),
-                                reduction="sum").double()
+        nats += next_token_loss(logits, y.to(device), reduction="sum").double()
         n_bytes += lengths[y].sum().double().to(device)
         n_tokens += y.numel()
     counts = torch.stack([nats, n_bytes, n_tokens])

@@ -29,7 +29,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from rpt.comm.sync import build_sync
@@ -39,14 +38,14 @@ from rpt.data.stream import TokenStream
 from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
-from rpt.models.lm import compile_blocks
-from rpt.monitor.metrics import (PhaseClock, gate_saturation, gather_rows, memory_bytes, pack, state_rms,
+from rpt.models.lm import next_token_loss
+from rpt.monitor.metrics import (InputProbe, PhaseClock, gate_saturation, gather_rows, memory_bytes, pack, state_rms,
                                  stragglers, unpack)
 from rpt.monitor.profile import StepProfiler
 from rpt.monitor.store import MetricsWriter
 from rpt.monitor import sinks
 from rpt.models.state import all_finite, cat_rows, detach_state, map_state, rows
-from rpt.parallel import pipeline
+from rpt.parallel.apply import parallelize
 from rpt.parallel.launch import Dist, restart_count
 from rpt.parallel.pipeline import PipelineEval, check_layout
 from rpt.train import faults
@@ -81,26 +80,12 @@ class Trainer:
         with torch.device("meta"):  # shapes only: what the run counts
             shape = RecurrentLM(cfg.model)
         self.params, self.flops_per_token = shape.num_params(), shape.flops_per_token()
-        # parallel.pp > 1: this rank builds its stage of the model alone; the data-parallel ranks are the pipeline
-        # replicas. Either way the seed gives every rank the same initial values.
-        self.pipe = pipeline.setup(cfg, dist_info.rank, dist_info.world_size, self.device,
-                                   int(os.environ.get("LOCAL_WORLD_SIZE", "1")), seed=t.seed)
-        if self.pipe:
-            self.model = self.pipe.stage
-        else:
-            torch.manual_seed(t.seed)
-            self.model = RecurrentLM(cfg.model).to(self.device)
-        if t.compile:
-            compile_blocks(self.model, t.compile)
-        mesh = self.pipe.mesh if self.pipe else None
-        self.dp_rank, self.dp_size = (mesh.dp_rank, mesh.dp) if mesh else (dist_info.rank, dist_info.world_size)
-        # the interleaved schedule runs each virtual stage's forward and backward on its own: one DDP each
-        parts = self.pipe.stage.chunks if self.pipe and cfg.parallel.schedule == "interleaved" else None
-        self.sync = build_sync(self.model, cfg.comm, rank=self.dp_rank, world_size=self.dp_size,
-                               distributed=dist_info.enabled, powersgd_start=t.warmup_steps, seed=t.seed,
-                               precision=t.precision, group=mesh.dp_group if mesh else None, parts=parts)
-        if self.pipe:
-            self.pipe.wrap(self.sync.module)
+        par = parallelize(cfg, dist_info.rank, dist_info.world_size, self.device, dist_info.enabled)
+        self.model, self.sync, self.pipe, self.dp_rank, self.dp_size = (par.model, par.sync, par.pipe, par.dp_rank,
+                                                                        par.dp_size)
+        # the gate-saturation probe's inputs: each stage's first input of a logged step
+        self.probed = [(st.lm, st.state_of) for st in self.pipe.stages] if self.pipe else [(self.model, lambda s: s)]
+        self.probe = InputProbe([lm for lm, _ in self.probed])
         self.optimizer = build_optimizer(self.model, t, self.sync.owned)  # None where a rank owns nothing
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
@@ -148,15 +133,14 @@ class Trainer:
         model = self.sync.module
         pin = self.device.type == "cuda"  # a copy from pageable memory would wait for the queued kernels
         x, y, reset = ((v.pin_memory() if pin else v).to(self.device, non_blocking=True) for v in batch)
-        self.last_tokens = x
         reset = reset if self.cfg.data.reset_at_documents else None
         if self.pipe is not None:  # forward and backward of every micro-batch, through the pipeline schedule
-            self.pipe.stage.state = self.state
+            self.pipe.state = self.state
             with self._autocast():
                 loss_mean = self.pipe.step(x, y, reset)
-            self.state = self.pipe.stage.state
-            backward = sum(self.pipe.stage.marks)
-            self.clock.add("forward", self.pipe.stage.compute_seconds - backward)
+            self.state = self.pipe.state
+            backward = sum(self.pipe.marks)
+            self.clock.add("forward", self.pipe.compute_seconds - backward)
             self.clock.add("backward", backward)
             return self._optimizer_step(loss_mean)
         micro = t.batch_size // t.grad_accum
@@ -167,7 +151,7 @@ class Trainer:
             with nullcontext() if last else self.sync.no_sync():  # forward and backward both inside
                 with self._autocast(), self.clock("forward"):
                     logits, state = model(x[part], rows(self.state, part), None if reset is None else reset[part])
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), y[part].flatten())
+                    loss = next_token_loss(logits, y[part])
                     if faults.poisons_loss(self.fault, self.step, self.d.rank):
                         loss = loss * float("nan")
                     faults.maybe_stall(self.fault, self.step + 1, self.d.rank)  # numbered as in the logs
@@ -270,6 +254,8 @@ class Trainer:
                         raise_bad_id(largest, None, f"the training batch of step {self.step + 1}",
                                      self.cfg.model.vocab_size)
                 self.profiler.before_step(self.step + 1)
+                if (self.step + 1) % self.cfg.monitor.log_interval == 0:
+                    self.probe.arm()
                 loss, grad_norm = self.train_step(batch)
                 self.step += 1
                 self.profiler.after_step(self.step)
@@ -429,21 +415,17 @@ class Trainer:
                 "step_s": wall / steps, **per_step, "exposed_comm_s": exposed,
                 "comm_s": comm.get("comm_seconds_per_step", 0.0), "comm_bytes": comm.get("comm_bytes_per_step", 0.0),
                 "compute_s": max(0.0, per_step["forward_s"] + per_step["backward_s"] + per_step["optimizer_s"] - exposed),
-                "memory_bytes": memory_bytes(self.device), "stage": self.pipe.stage.index if self.pipe else 0,
+                "memory_bytes": memory_bytes(self.device), "stage": self.pipe.index if self.pipe else 0,
                 "bubble": pipe.get("pipeline_bubble") if pipe.get("pipeline_bubble") is not None else math.nan}
         n = self.cfg.model.n_layers
-        norms = state_rms(self.state, self.pipe.stage.layers if self.pipe else range(n), n)
+        norms = state_rms(self.state, self.pipe.layers if self.pipe else range(n), n)
         # gate saturation: a few tokens of the last batch through the step forms (~5 ms per log line); each
         # pipeline stage probes its own blocks with the activations it received
         first_row = rows(self.state, slice(0, 1))
-        if self.pipe is None:
-            saturated = gate_saturation(self.model, self.last_tokens[:1, :8], first_row, n)
-        else:
-            saturated = [math.nan] * n
-            for chunk in self.pipe.stage.chunks:
-                shares = gate_saturation(chunk, chunk.probe_input[:1, :8], self.pipe.stage.chunk_state(chunk, first_row),
-                                         n, int(next(iter(chunk.blocks))))
-                saturated = [b if math.isnan(a) else a for a, b in zip(shares, saturated)]
+        saturated = [math.nan] * n
+        for (lm, state_of), inputs in zip(self.probed, self.probe.inputs):
+            shares = gate_saturation(lm, inputs, state_of(first_row), n, int(next(iter(lm.blocks))))
+            saturated = [b if math.isnan(a) else a for a, b in zip(shares, saturated)]
         every = gather_rows(pack(mine, norms + saturated), self.d.world_size, self.d.enabled)
         if self.store is None:
             return

@@ -174,8 +174,8 @@ def test_rows_linear_follows_its_weight_and_keeps_autograd():
 @pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm"])
 def test_generation_steps_on_the_small_batch_product_equal_the_forward(cell, monkeypatch):
     """In float32 without gradients (generation) every matrix of a step, the head, attention and MLP included,
-    runs rpt's small-batch product; the step-by-step logits still equal the whole-sequence forward's. generate()
-    uses it and drops the packings when it ends."""
+    runs rpt's small-batch product; the step-by-step logits still equal the whole-sequence forward's. generating()
+    (around model.generate) uses it and drops the packings when it ends."""
     from rpt.config import ModelConfig
     from rpt.models import RecurrentLM
     from rpt.models.cells import native
@@ -200,6 +200,6 @@ def test_generation_steps_on_the_small_batch_product_equal_the_forward(cell, mon
     seen = []
     monkeypatch.setattr(packed_linear, "_row_packs", type("Spy", (dict,), {
         "__setitem__": lambda self, k, v: seen.append(k) or dict.__setitem__(self, k, v)})())
-    tokens = list(model.generate(x[0, :3], 5, temperature=0))
-    assert len(tokens) == 5 and seen, "generate() did not run the small-batch product"
-    assert not packed_linear._row_packs, "generate() left its packings behind"
+    tokens = list(packed_linear.generating(model.generate(x[0, :3], 5, temperature=0)))
+    assert len(tokens) == 5 and seen, "generating() did not run the small-batch product"
+    assert not packed_linear._row_packs, "generating() left its packings behind"

@@ -21,7 +21,7 @@ def test_fresh_cells_have_few_saturated_gates(cell):
 def test_a_forget_gate_pinned_open_shows_as_saturated_in_its_layer_only():
     torch.manual_seed(0)
     model = RecurrentLM(ModelConfig(cell="lstm", n_layers=2, d_model=32, vocab_size=50))
-    cell = model.blocks[1].cell
+    cell = model.blocks["1"].cell
     H = cell.w_hh.shape[1]
     with torch.no_grad():
         cell.b_ih[H:2 * H] = 30.0  # sigmoid(f) = 1: one of the five gate outputs (i, f, o, tanh g, tanh c)

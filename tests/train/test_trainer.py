@@ -235,7 +235,7 @@ def test_compiled_blocks_train_as_eager_ones(make_cfg, tmp_path, solo, cell, rec
         trainer.losses = [trainer.train_step(batch)[0].item() for _ in range(3)]
         trainers.append(trainer)
     eager, compiled = trainers
-    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled.model.blocks)
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled.model.blocks.values())
     assert list(eager.model.state_dict()) == list(compiled.model.state_dict())
     torch.testing.assert_close(torch.tensor(compiled.losses), torch.tensor(eager.losses), rtol=1e-5, atol=0)
     for (name, a), b in zip(eager.model.named_parameters(), compiled.model.parameters()):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -110,8 +111,8 @@ _row_ops = None  # the native ops inside generation_products()
 @contextlib.contextmanager
 def generation_products():
     """Inside this block rows_linear runs rpt's small-batch product, on a packing of each weight made at its first
-    use and kept for the next blocks until drop_row_packs(). RecurrentLM.generate holds it around each step and
-    drops the packings when it ends, so that no copy of the weights outlives a generation; outside it (training's
+    use and kept for the next blocks until drop_row_packs(). `generating` holds it around each step of a generation
+    and drops the packings when it ends, so that no copy of the weights outlives a generation; outside it (training's
     one-row calls, such as the gate probe) rows_linear is F.linear."""
     global _row_ops
     before, _row_ops = _row_ops, native.loops()  # built on first use, once per machine
@@ -123,6 +124,20 @@ def generation_products():
 
 def drop_row_packs() -> None:
     _row_packs.clear()
+
+
+def generating(tokens: Iterator[int]) -> Iterator[int]:
+    """`model.generate(...)` with every step inside generation_products() (the first `next` builds the native code,
+    before any token is out), and the packings dropped when it ends: no copy of the weights outlives it."""
+    try:
+        while True:
+            with generation_products():
+                token = next(tokens, None)
+            if token is None:
+                return
+            yield token
+    finally:
+        drop_row_packs()
 
 
 def rows_linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:

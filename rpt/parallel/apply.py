@@ -1,0 +1,73 @@
+"""What a run asks for, applied from outside the model, in order: the pipeline stage (the model built with the
+parts this rank owns), activation checkpointing, compile, then data parallelism (DDP or a comm mode of rpt.comm)
+and the pipeline's schedule around what it wrapped. The model code has no branch for any of them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from rpt.comm.sync import LocalSync, build_sync
+from rpt.models import RecurrentLM
+from rpt.models.block import Block
+from rpt.parallel import pipeline
+
+
+@dataclass
+class Parallel:
+    """This rank's model and how it runs: `model` holds its parameters (checkpoints and the optimiser read it),
+    `sync.module` is what a step's forward goes through, `pipe` the pipeline where there is one."""
+    model: RecurrentLM
+    sync: LocalSync
+    pipe: pipeline.Pipeline | None
+    dp_rank: int
+    dp_size: int
+
+
+def parallelize(cfg, rank: int, world_size: int, device: torch.device, distributed: bool) -> Parallel:
+    t = cfg.train
+    plan, mesh = pipeline.plan_for(cfg, rank, world_size, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.manual_seed(t.seed)  # every rank the same initial values; a stage's parts the whole model's
+    model = RecurrentLM(cfg.model, pipeline.parts_of(plan, mesh.pp_rank) if plan else None).to(device)
+    if cfg.model.activation_checkpointing:
+        checkpoint_blocks(model)
+    if t.compile:
+        compile_blocks(model, t.compile)
+    pipe = pipeline.Pipeline(model, plan, mesh, t.batch_size, t.seq_len, device, cfg.parallel.schedule) if plan else None
+    dp_rank, dp_size = (mesh.dp_rank, mesh.dp) if mesh else (rank, world_size)
+    sync = build_sync(model, cfg.comm, rank=dp_rank, world_size=dp_size, distributed=distributed,
+                      powersgd_start=t.warmup_steps, seed=t.seed, precision=t.precision,
+                      group=mesh.dp_group if mesh else None, parts=pipe.stages if pipe else None)
+    if pipe:  # the schedule runs each stage as data parallelism wrapped it (one DDP each), or as it is
+        pipe.build_schedule(sync.module if isinstance(sync.module, list) else pipe.stages)
+    return Parallel(model, sync, pipe, dp_rank, dp_size)
+
+
+def checkpoint_blocks(model: nn.Module) -> None:
+    """model.activation_checkpointing: each block keeps only its inputs for backward and runs its forward again
+    there (non-reentrant: custom operators and dropout's random numbers replay). Set on the block itself, so that
+    a compiled block (train.compile, applied after this) holds the checkpoint in its graph."""
+    for block in model.modules():
+        if isinstance(block, Block):
+            block.forward = partial(_recomputed, block.forward)
+
+
+def _recomputed(forward, x, state, reset=None, step: bool = False):
+    if step or not torch.is_grad_enabled():
+        return forward(x, state, reset, step)
+    return checkpoint(forward, x, state, reset, use_reentrant=False)
+
+
+def compile_blocks(model: nn.Module, backend: str) -> None:
+    """torch.compile each block in place, as torchtitan does: blocks of one shape share their compiled code, and
+    the embedding, head and loss stay eager; in place, so parameter names and checkpoints are the eager model's.
+    Graph breaks are allowed: rpt's kernels trace whole, but lstm (and gru on a GPU) runs torch's own kernel
+    eagerly inside the block (cells/base.py, over_segments)."""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.compile(backend=backend)
