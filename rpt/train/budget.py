@@ -20,6 +20,8 @@ class Budget:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.segment: tuple[float, float] | None = None  # (progress, lr) where an extension began
+        self.current_lr = cfg.lr  # the rate of the last step
+        self.saved: dict | None = None  # a checkpoint's budget state, until resume() continues from it
 
     def limits(self) -> dict:
         return {k: getattr(self.cfg, k) for k in KEYS if getattr(self.cfg, k)}
@@ -53,24 +55,32 @@ class Budget:
         return f"train.{spent[0]} = {value:g}" if isinstance(value, float) else f"train.{spent[0]} = {value}"
 
     def lr(self, step: int, progress: float) -> float:
+        self.current_lr = self._lr(step, progress)
+        return self.current_lr
+
+    def _lr(self, step: int, progress: float) -> float:
         if self.segment is None or self.cfg.schedule == "constant":
             return lr_at(step, progress, self.cfg)
         start, lr0 = self.segment  # an extension: from the checkpoint's rate down to the floor over the rest
         floor = min(lr0, self.cfg.lr * self.cfg.min_lr_ratio)
         return floor + (lr0 - floor) * decay((progress - start) / max(1e-12, 1.0 - start), self.cfg.schedule)
 
-    def state_dict(self, lr: float) -> dict:
-        return {"limits": self.limits(), "segment": self.segment, "lr": lr}
+    def state_dict(self) -> dict:
+        return {"limits": self.limits(), "segment": self.segment, "lr": self.current_lr}
 
-    def resume(self, saved: dict | None, step: int, tokens: int, elapsed: float, refuse_spent: bool) -> str | None:
-        """Continue from a checkpoint's budget state; returns a line to print when the run is being extended.
+    def load_state_dict(self, state: dict) -> None:
+        self.saved = state
+
+    def resume(self, step: int, tokens: int, elapsed: float, refuse_spent: bool) -> str | None:
+        """Continue from the loaded budget state; returns a line to print when the run is being extended.
         `refuse_spent`: a run whose budget is already spent is refused (resuming it would only re-evaluate)."""
+        saved = self.saved
         ended = self.ended_by(step, tokens, elapsed)
         if ended and refuse_spent:
             raise RptError(f"this run already spent its budget ({ended}; it is at step {step:,}, {tokens:,} tokens, "
                            f"{elapsed:.0f} s)", "extend it with a larger budget, e.g. --set "
                            f"train.max_steps={2 * step} or --set train.max_time={max(60, round(2 * elapsed))}")
-        if saved is None:  # a checkpoint from before budgets were saved: the schedule as configured
+        if saved is None:  # nothing loaded: the schedule as configured
             return None
         self.segment = saved["segment"]
         if saved["limits"] == self.limits() or step < self.cfg.warmup_steps:

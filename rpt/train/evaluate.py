@@ -58,3 +58,39 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
     loss = total_nats / total_tokens
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bpb": total_nats / max(total_bytes, 1.0) / math.log(2),
             "tokens": int(total_tokens), "bytes": int(total_bytes)}
+
+
+class Evaluation:
+    """The train section's evaluations: periodic ones every `eval_interval` steps over the first `eval_tokens`
+    of the split (what checkpoints are ranked by), and the final one over the whole split. Holds the last
+    periodic result, which a checkpoint keeps."""
+
+    def __init__(self, cfg, data, byte_lengths: np.ndarray, device: torch.device, rank: int, world_size: int,
+                 reset_at_documents: bool, autocast):
+        self.cfg, self.data, self.byte_lengths, self.device = cfg, data, byte_lengths, device
+        self.rank, self.world_size, self.autocast = rank, world_size, autocast
+        self.eot_id = data.eot_id if reset_at_documents else None
+        self.last: dict | None = None  # the last periodic evaluation, with its step
+        self.periodic = bool(cfg.eval_interval and cfg.eval_tokens)  # they cover fewer tokens than the final
+
+    def should_evaluate(self, step: int) -> bool:
+        return bool(self.cfg.eval_interval) and step % self.cfg.eval_interval == 0
+
+    def run(self, model, step: int, final: bool) -> dict:
+        result = evaluate(model, self.data.tokens("val"), self.byte_lengths, batch_size=self.cfg.batch_size,
+                          seq_len=self.cfg.seq_len, device=self.device, rank=self.rank, world_size=self.world_size,
+                          max_tokens=0 if final else self.cfg.eval_tokens, eot_id=self.eot_id,
+                          autocast=self.autocast)
+        if not final:
+            self.last = {**result, "step": step}
+        return result
+
+    def ranking(self, step: int) -> tuple[float, int] | None:
+        """(loss, tokens) of the periodic evaluation of `step`, what its checkpoint is ranked by; None if none."""
+        return (self.last["loss"], self.last["tokens"]) if self.last and self.last["step"] == step else None
+
+    def state_dict(self) -> dict:
+        return {"last": self.last}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last = state["last"]

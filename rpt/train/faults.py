@@ -1,4 +1,5 @@
-"""Fault injection for tests: make a chosen rank fail at a chosen step, as real faults do.
+"""Fault injection for tests: make a chosen rank fail at a chosen step, as real faults do. The faults are hooks
+(`StepHooks`) the trainer calls at fixed points; RPT_FAULT installs them, a test may install its own.
 
     RPT_FAULT="kill@5"            rank 0 kills itself (SIGKILL) when step 5 begins
     RPT_FAULT="kill@5:rank=1"     rank 1 does
@@ -10,7 +11,7 @@
     RPT_FAULT="stall@4:rank=1:seconds=120"      rank 1 hangs for 120 s in the forward of step 4
 
 A worker that the elastic launcher restarted (TORCHELASTIC_RESTART_COUNT > 0) does not kill
-itself again, so a restarted run can finish. Unset, this costs one dictionary lookup per step.
+itself again, so a restarted run can finish. Unset, the hooks are empty methods.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -45,27 +49,59 @@ def from_env() -> Fault | None:
     return Fault(kind, int(first), int(last or first), rank, float(opts.get("seconds", 0.0)))
 
 
-def maybe_kill(fault: Fault | None, step: int, rank: int, kind: str = "kill") -> None:
-    if fault and fault.kind == kind and fault.active(step, rank) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
+class StepHooks:
+    """Where a test or RPT_FAULT may act inside the loop; the trainer calls each at its point, no-ops here."""
+
+    def step_begins(self, step: int) -> None:
+        """Before the batch of step `step + 1` is read (`step` steps are done)."""
+
+    def in_forward(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """Inside the forward of step `step + 1`, with its loss; returns the loss the step goes on with."""
+        return loss
+
+    def checkpoint_written(self, step: int) -> None:
+        """Every shard of the checkpoint of `step` written, the manifest not yet."""
+
+    def checkpoint_complete(self, step: int, path: str | None) -> None:
+        """The checkpoint of `step` complete (path None while an asynchronous save is still writing)."""
 
 
-def poisons_loss(fault: Fault | None, step: int, rank: int) -> bool:
-    return bool(fault and fault.kind == "nan" and fault.active(step, rank))
+class FaultHooks(StepHooks):
+    """The hooks that act out one `Fault` on this rank."""
+
+    def __init__(self, fault: Fault, rank: int):
+        self.fault, self.rank = fault, rank
+        self.first_run = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0  # a restarted worker goes on
+
+    def _on(self, kind: str, step: int) -> bool:
+        return self.fault.kind == kind and self.fault.active(step, self.rank)
+
+    def step_begins(self, step: int) -> None:
+        if self._on("kill", step) and self.first_run:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def in_forward(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        if self._on("slow", step + 1) or self._on("stall", step + 1):  # numbered as in the logs
+            time.sleep(self.fault.seconds)
+        return loss * float("nan") if self._on("nan", step) else loss
+
+    def checkpoint_written(self, step: int) -> None:
+        if self._on("killsave", step) and self.first_run:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def checkpoint_complete(self, step: int, path: str | None) -> None:
+        if self._on("corrupt", step) and path:
+            corrupt(path, self.rank)
 
 
-def maybe_stall(fault: Fault | None, step: int, rank: int) -> None:
-    if fault and fault.kind in ("slow", "stall") and fault.active(step, rank):
-        time.sleep(fault.seconds)
+def hooks_from_env(rank: int) -> StepHooks:
+    fault = from_env()
+    return FaultHooks(fault, rank) if fault else StepHooks()
 
 
-def maybe_corrupt(fault: Fault | None, step: int, rank: int, checkpoint: str | None) -> None:
+def corrupt(checkpoint: str, rank: int) -> None:
     """Flip one byte in the middle of this rank's largest shard of a complete (local) checkpoint: same size,
     wrong checksum, as a bad disk or an interrupted copy leaves it."""
-    if not (fault and fault.kind == "corrupt" and fault.active(step, rank) and checkpoint):
-        return
-    from pathlib import Path
-
     shards = sorted(Path(checkpoint).glob(f"__{rank}_*.distcp")) or sorted(Path(checkpoint).glob("*.distcp"))
     if not shards:  # not a local folder (an fsspec URL): nothing to corrupt here
         return

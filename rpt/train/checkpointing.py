@@ -1,0 +1,91 @@
+"""The checkpoint section as a component of the trainer: when to save, and what.
+
+A checkpoint holds the model, the optimiser, and every part of the run that has state, as one registry
+(name -> object with `state_dict()` / `load_state_dict()`): saving writes each part's state under its name,
+resuming hands each part its own back, so what is saved and what is restored cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from rpt.errors import RptError
+from rpt.train.checkpoint import Checkpointer
+from rpt.train.faults import StepHooks
+
+log = logging.getLogger("rpt.train")
+
+
+class Checkpointing:
+    def __init__(self, cfg, default_root: str, rank: int, world_size: int, is_main: bool, hooks: StepHooks):
+        self.cfg, self.is_main, self.hooks = cfg, is_main, hooks
+        self.checkpointer = Checkpointer(cfg.path or default_root, rank, world_size, cfg.keep_last, cfg.keep_best,
+                                         cfg.async_save)
+        self.last_saved_step = -1
+
+    def should_save(self, step: int) -> bool:
+        return bool(self.cfg.interval) and step % self.cfg.interval == 0
+
+    def save(self, step: int, model, optimizer, parts: dict, val: tuple[float, int] | None) -> None:
+        """A checkpoint of `step`, ranked by `val` (loss, validation tokens) when it has one."""
+        extras = {name: part.state_dict() for name, part in parts.items()}
+        path = self.checkpointer.save(step, model, optimizer, extras, val=val,
+                                      before_commit=lambda: self.hooks.checkpoint_written(step))
+        self.hooks.checkpoint_complete(step, None if self.cfg.async_save else path)
+        self.last_saved_step = step
+
+    def finish(self, step: int, model, optimizer, parts: dict, val: tuple[float, int]) -> None:
+        """The end of a run: its last step saved (or, saved by the interval at this very step, given its loss)."""
+        if self.last_saved_step == step:
+            self.checkpointer.finish_pending()
+            self.checkpointer.set_val_loss(step, val)
+        else:
+            self.save(step, model, optimizer, parts, val)
+        self.checkpointer.finish_pending()
+
+    def resume(self, model, optimizer, parts: dict, partial: bool) -> str | None:
+        """Load the newest complete checkpoint into the model, the optimiser and every part; its path, or None
+        (a run with no complete checkpoint starts from step 0, and says so)."""
+        path = self.checkpointer.latest()
+        for damaged, problem in self.checkpointer.damaged.items():
+            self._say(f"skipping the damaged checkpoint {damaged}: {problem}")
+        if path is None:
+            log.info("no complete checkpoint to resume from; starting fresh")
+            self._say(f"no complete checkpoint in {self.checkpointer.root}: this run starts fresh from step 0")
+            return None
+        extras = self.checkpointer.load(path, model, optimizer, partial=partial)
+        missing = [name for name in parts if name not in extras]
+        if missing:
+            raise RptError(f"{path} holds no state for {', '.join(missing)}: it was written by an older rpt",
+                           "resume it with the rpt that wrote it, or start a new run from its weights")
+        for name, part in parts.items():
+            part.load_state_dict(extras[name])
+        log.info("resumed from %s", path)
+        return path
+
+    def _say(self, line: str) -> None:
+        if self.is_main:
+            tqdm.write(line)
+
+
+class RandomState:
+    """The generators a step draws from (dropout, data order), as one stateful part."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def state_dict(self) -> dict:
+        return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(state["numpy"])
+        random.setstate(state["python"])
+        if state["cuda"] is not None:
+            torch.cuda.set_rng_state(state["cuda"], self.device)
