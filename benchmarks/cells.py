@@ -4,7 +4,7 @@ Hardware efficiency is the honest measure (issue 3): achieved FLOP/s, from `flop
 and tokens/s, over the fp32 matmul peak measured in the same run (the best of a few GEMM shapes).
 nn.LSTM with hidden 512 (2.1M parameters) is the reference; each cell's width is chosen to
 match its parameter count. Two shapes: B=16 x T=256 and B=2 x T=2048. Prints markdown rows; for the
-cells whose time loops run in C++ (rpt.models.cells.native), also the speed-up over their Python loops.
+cells whose time loops run in C++ (rpt.kernels.cpu), also the speed-up over their Python loops.
 
     .venv/bin/python benchmarks/cells.py [--repeats 3] [--device cpu|cuda] [--gen-tokens 100,10000]
 """
@@ -23,8 +23,8 @@ import torch
 from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
 from rpt.models.block import build_cell
-from rpt.models.cells import native
-from rpt.models.cells.packed_linear import generating
+from rpt import kernels
+from rpt.kernels.cpu.products import generating
 from rpt.runtime import keep_freed_memory
 
 D = 512
@@ -102,8 +102,8 @@ def bench_cells(device, repeats, peak, peak_by):
             cell = build_cell(ModelConfig(d_model=D, **over)).to(device)
             tps = B * T / timed(fwd_bwd(cell, x, grad_y), device, repeats)
             ref_speed = loop_speed = None
-            if name.startswith(("modlstm", "gru", "min")) and native.loops() is not None:  # its time loops run in C++
-                with native.python_loops():
+            if name.startswith(("modlstm", "gru", "min")) and kernels.current().loops() is not None:  # its time loops run in C++
+                with kernels.use(native=False):
                     loop_speed = B * T / timed(fwd_bwd(cell, x, grad_y), device, repeats)
             if name.startswith("modlstm"):  # its own sequential reference, on a quarter of the sequence
                 xs = x[:, : T // 4].detach().requires_grad_()
@@ -149,7 +149,7 @@ def bench_generation(device, lengths):
             before = memory_bytes(device)
             t = time.perf_counter()
             tokens = model.generate(prompt, n, temperature=1.0, top_k=50)
-            count = sum(1 for _ in (generating(tokens) if device.type == "cpu" else tokens))
+            count = sum(1 for _ in (generating(tokens, kernels.current()) if device.type == "cpu" else tokens))
             dt = time.perf_counter() - t
             state = model(prompt[None])[1]
             numel = sum(t.numel() for block in state for part in block for t in part)

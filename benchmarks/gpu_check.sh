@@ -63,9 +63,10 @@ def peak(dtype, n, tf32=False):
 n = 8192 if dev.type == "cuda" else 512
 print(f"PEAK fp32 {peak(torch.float32, n):.1f} tf32 {peak(torch.float32, n, True):.1f} "
       f"bf16 {peak(torch.bfloat16, n):.1f} TFLOP/s (n={n}, random data, mean of 10 after 3 warm-ups)")
-from rpt.models.cells import native  # gru/modlstm time loops in C++: needs g++ and ninja (carry ninja's wheel)
+import rpt.models  # noqa: F401  (registers the loops' check)
+from rpt import kernels  # gru/modlstm time loops in C++: needs g++ and ninja (carry ninja's wheel)
 t = time.perf_counter()
-print(f"NATIVE loops built: {native.loops() is not None} ({time.perf_counter() - t:.0f} s)")
+print(f"NATIVE loops built: {kernels.current().loops() is not None} ({time.perf_counter() - t:.0f} s)")
 EOF
 if [ -f "$WORK/probe.log" ]; then  # PEAK_BF16=797 stands in when the probe is not among ONLY's parts
     note "$(grep -E "^torch|PEAK|NATIVE" "$WORK/probe.log")"

@@ -42,6 +42,10 @@ class DataConfig:
     # Reset the recurrent state where a document starts (the end-of-document token).
     reset_at_documents: bool = True
 
+    def check(self) -> None:
+        if not self.path:
+            raise RptError("data.path is empty", "point it at a folder written by `rpt prepare --out FOLDER`")
+
 
 @dataclass
 class ModelConfig:
@@ -71,6 +75,21 @@ class ModelConfig:
     peepholes: bool = False
     imports: list[str] = field(default_factory=list)  # modules to import first (they may register cells and gates)
 
+    def check(self) -> None:
+        """This section's own values (the cell's options are the registry's: rpt.models.registry.check_names)."""
+        _positive("model.n_layers", self.n_layers)
+        _positive("model.d_model", self.d_model)
+        for name in ("vocab_size", "d_hidden", "mlp_ratio", "attention_every"):
+            _non_negative(f"model.{name}", getattr(self, name))
+        if self.attention_every:
+            _positive("model.attention_window", self.attention_window)
+            _positive("model.attention_heads", self.attention_heads)
+            if self.d_model % self.attention_heads:
+                raise RptError(f"model.d_model = {self.d_model} is not divisible by model.attention_heads = "
+                               f"{self.attention_heads}", "choose a head count that divides d_model")
+        if not 0.0 <= self.dropout < 1.0:
+            raise RptError(f"model.dropout = {self.dropout} is outside [0, 1)", "use a value such as 0.1, or 0 for none")
+
 
 @dataclass
 class TrainConfig:
@@ -97,6 +116,33 @@ class TrainConfig:
     stall_timeout: float = 300.0  # seconds a rank may wait in one phase while others are elsewhere; 0: off
     compile: str = ""  # torch.compile backend for each block ("inductor", ...); "": eager
 
+    def check(self) -> None:
+        for name in ("batch_size", "seq_len", "grad_accum", "max_bad_steps"):
+            _positive(f"train.{name}", getattr(self, name))
+        for name in ("max_steps", "max_tokens", "max_time", "warmup_steps", "stall_timeout", "eval_interval",
+                     "eval_tokens", "grad_clip", "weight_decay"):
+            _non_negative(f"train.{name}", getattr(self, name))
+        if self.batch_size % self.grad_accum:
+            raise RptError(f"train.batch_size = {self.batch_size} is not divisible by train.grad_accum = "
+                           f"{self.grad_accum}", "the batch is split into grad_accum equal micro-batches; choose a divisor")
+        if self.lr <= 0:
+            raise RptError(f"train.lr = {self.lr} must be positive", "a typical value is 3e-3 for small recurrent models")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise RptError(f"train.min_lr_ratio = {self.min_lr_ratio} is outside [0, 1]", "use e.g. 0.1")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise RptError(f"train.betas = {self.betas} must be two numbers in [0, 1)",
+                           "e.g. --set train.betas=[0.9,0.95]")
+        if self.compile:
+            import torch._dynamo
+
+            if self.compile not in torch._dynamo.list_backends(exclude_tags=()):  # debug backends included
+                raise RptError(f"train.compile = '{self.compile}' is not a torch.compile backend",
+                               f"use 'inductor' (or one of {', '.join(torch._dynamo.list_backends())}), 'aot_eager' "
+                               "to trace without generating code, or '' to run eagerly")
+        if self.max_steps == 0 and self.max_tokens == 0 and self.max_time == 0:
+            raise RptError("train.max_steps, train.max_tokens and train.max_time are all 0: the run would never end",
+                           "set at least one budget, e.g. --set train.max_steps=1000")
+
 
 @dataclass
 class ParallelConfig:
@@ -106,6 +152,21 @@ class ParallelConfig:
     microbatches: int = 1                 # micro-batches per step through the pipeline (batch_size divisible)
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     stages_per_rank: int = 2              # schedule "interleaved": virtual stages (block chunks) on each rank
+
+    def check(self) -> None:
+        _positive("parallel.microbatches", self.microbatches)
+        if isinstance(self.pp, int):
+            _positive("parallel.pp", self.pp)
+        if self.schedule == "interleaved":
+            if self.stages_per_rank < 2:
+                raise RptError(f"parallel.stages_per_rank = {self.stages_per_rank} with the interleaved schedule",
+                               "use 2 or more virtual stages per rank, or parallel.schedule = '1f1b'")
+            if not isinstance(self.pp, int) or self.pp < 2:
+                raise RptError(f"parallel.schedule = 'interleaved' with parallel.pp = {self.pp!r}",
+                               "give parallel.pp >= 2 as a number: the interleaved schedule has no 'auto' plan")
+            if self.microbatches % self.pp:
+                raise RptError(f"parallel.microbatches = {self.microbatches} is not a multiple of parallel.pp = "
+                               f"{self.pp}, which the interleaved schedule needs", f"use e.g. {2 * self.pp} micro-batches")
 
 
 @dataclass
@@ -123,6 +184,27 @@ class CommConfig:
     adaptive_pin: list[str] = field(default_factory=lambda: ["embed", "head"])  # always important (name prefixes)
     bucket_mb: float = 25.0
 
+    def check(self) -> None:
+        if self.compression == "powersgd":
+            _positive("comm.powersgd_rank", self.powersgd_rank)
+        if self.compression == "topk" and not 0.0 < self.topk_fraction <= 1.0:
+            raise RptError(f"comm.topk_fraction = {self.topk_fraction} is outside (0, 1]",
+                           "e.g. 0.01 keeps 1% of entries")
+        if self.compression in ("powersgd", "topk") and self.mode in ("ps", "ps-sharded"):
+            raise RptError(f"comm.compression = '{self.compression}' needs a low-rank or sparse all-reduce, "
+                           f"which comm.mode = '{self.mode}' does not do",
+                           "use comm.mode = 'allreduce' with it, or fp16/bf16 compression with a parameter server")
+        if self.adaptive:
+            _positive("comm.adaptive_period", self.adaptive_period)
+            _positive("comm.adaptive_interval", self.adaptive_interval)
+            if not 0.0 < self.adaptive_keep <= 1.0:
+                raise RptError(f"comm.adaptive_keep = {self.adaptive_keep} is outside (0, 1]", "e.g. 0.5")
+            if self.mode in ("ps", "ps-sharded") or self.compression != "none":
+                raise RptError(f"comm.adaptive with comm.mode = '{self.mode}' and comm.compression = "
+                               f"'{self.compression}': adaptive synchronisation runs on the all-reduce path without "
+                               "a codec in this version",
+                               "use comm.mode = 'allreduce' (or 'auto') and comm.compression = 'none' with it")
+
 
 @dataclass
 class CheckpointConfig:
@@ -134,6 +216,10 @@ class CheckpointConfig:
     async_save: bool = False
     path: str = ""  # empty: RUN_DIR/checkpoints; may be a shared path or an fsspec URL
 
+    def check(self) -> None:
+        for name in ("interval", "keep_last", "keep_best"):
+            _non_negative(f"checkpoint.{name}", getattr(self, name))
+
 
 @dataclass
 class MonitorConfig:
@@ -143,6 +229,14 @@ class MonitorConfig:
     tensorboard: Union[bool, Literal["auto"]] = "auto"  # "auto": event files in RUN_DIR/tb when tensorboard is installed
     wandb: bool = False  # a W&B run (needs wandb; WANDB_PROJECT, WANDB_MODE=offline, ... apply)
     profile: str = ""  # "START:END": torch.profiler traces of those steps on every rank (rpt train --profile)
+
+    def check(self) -> None:
+        _positive("monitor.log_interval", self.log_interval)
+        if self.profile:
+            first, sep, last = self.profile.partition(":")
+            if not (first.isdigit() and (not sep or last.isdigit()) and 1 <= int(first) <= int(last or first)):
+                raise RptError(f"monitor.profile = '{self.profile}' is not a step range START:END",
+                               "e.g. --profile 10:12 profiles steps 10, 11 and 12")
 
 
 BUDGETS = ("train.max_steps", "train.max_tokens", "train.max_time")
@@ -223,78 +317,19 @@ class Config:
 
     # ----------------------------------------------------------------- checks
     def validate(self) -> None:
-        """Refuse values and combinations that cannot work, naming the fix. (The names of cells and gates are
-        the registry's to check: rpt.models.registry.check_names, which every command runs after this.)"""
-        d, m, t, p, c = self.data, self.model, self.train, self.parallel, self.comm
-        _positive("model.n_layers", m.n_layers)
-        _positive("model.d_model", m.d_model)
-        _positive("train.batch_size", t.batch_size)
-        _positive("train.seq_len", t.seq_len)
-        _positive("train.grad_accum", t.grad_accum)
-        _positive("parallel.microbatches", p.microbatches)
-        _positive("monitor.log_interval", self.monitor.log_interval)
-        _positive("train.max_bad_steps", t.max_bad_steps)
-        if t.batch_size % t.grad_accum:
-            raise RptError(f"train.batch_size = {t.batch_size} is not divisible by train.grad_accum = {t.grad_accum}",
-                           "the batch is split into grad_accum equal micro-batches; choose a divisor")
-        for name in ("train.max_steps", "train.max_tokens", "train.max_time", "train.warmup_steps", "train.stall_timeout",
-                     "train.eval_interval", "train.eval_tokens", "train.grad_clip", "train.weight_decay",
-                     "checkpoint.interval", "checkpoint.keep_last", "checkpoint.keep_best", "model.vocab_size"):
-            _non_negative(name, self.get(name))
-        _non_negative("model.d_hidden", m.d_hidden)
-        _non_negative("model.mlp_ratio", m.mlp_ratio)
-        _non_negative("model.attention_every", m.attention_every)
-        if m.attention_every:
-            _positive("model.attention_window", m.attention_window)
-            _positive("model.attention_heads", m.attention_heads)
-            if m.d_model % m.attention_heads:
-                raise RptError(f"model.d_model = {m.d_model} is not divisible by model.attention_heads = {m.attention_heads}",
-                               "choose a head count that divides d_model")
-        modlstm_only = {k: v for k, v in (("gate", "sigmoid"), ("gate_norm", False), ("coupled_gates", False),
-                                         ("peepholes", False)) if getattr(m, k) != v}
-        if modlstm_only and m.cell in ("lstm", "gru", "mingru", "minlstm"):
-            keys = ", ".join(f"model.{k}" for k in modlstm_only)
-            verb = "applies" if len(modlstm_only) == 1 else "apply"
-            raise RptError(f"{keys} only {verb} to model.cell = 'modlstm' (the cell is '{m.cell}')",
-                           f"set model.cell = 'modlstm', or leave {keys} at the default")
-        if not 0.0 <= m.dropout < 1.0:
-            raise RptError(f"model.dropout = {m.dropout} is outside [0, 1)", "use a value such as 0.1, or 0 for none")
-        if t.lr <= 0:
-            raise RptError(f"train.lr = {t.lr} must be positive", "a typical value is 3e-3 for small recurrent models")
-        if not 0.0 <= t.min_lr_ratio <= 1.0:
-            raise RptError(f"train.min_lr_ratio = {t.min_lr_ratio} is outside [0, 1]", "use e.g. 0.1")
-        if len(t.betas) != 2 or not all(0.0 <= b < 1.0 for b in t.betas):
-            raise RptError(f"train.betas = {t.betas} must be two numbers in [0, 1)", "e.g. --set train.betas=[0.9,0.95]")
-        if t.compile:
-            import torch._dynamo
-
-            if t.compile not in torch._dynamo.list_backends(exclude_tags=()):  # debug backends included
-                raise RptError(f"train.compile = '{t.compile}' is not a torch.compile backend",
-                               f"use 'inductor' (or one of {', '.join(torch._dynamo.list_backends())}), 'aot_eager' "
-                               "to trace without generating code, or '' to run eagerly")
-        if t.max_steps == 0 and t.max_tokens == 0 and t.max_time == 0:
-            raise RptError("train.max_steps, train.max_tokens and train.max_time are all 0: the run would never end",
-                           "set at least one budget, e.g. --set train.max_steps=1000")
-        if isinstance(p.pp, int):
-            _positive("parallel.pp", p.pp)
-            if p.pp > m.n_layers:
-                raise RptError(f"parallel.pp = {p.pp} is larger than model.n_layers = {m.n_layers}: "
-                               "a pipeline stage needs at least one block",
-                               f"use parallel.pp <= {m.n_layers}, or more layers")
-        if p.schedule == "interleaved":
-            if p.stages_per_rank < 2:
-                raise RptError(f"parallel.stages_per_rank = {p.stages_per_rank} with the interleaved schedule",
-                               "use 2 or more virtual stages per rank, or parallel.schedule = '1f1b'")
-            if not isinstance(p.pp, int) or p.pp < 2:
-                raise RptError(f"parallel.schedule = 'interleaved' with parallel.pp = {p.pp!r}",
-                               "give parallel.pp >= 2 as a number: the interleaved schedule has no 'auto' plan")
-            if p.pp * p.stages_per_rank > m.n_layers:
-                raise RptError(f"parallel.pp x stages_per_rank = {p.pp * p.stages_per_rank} virtual stages, but "
-                               f"model.n_layers = {m.n_layers}: each needs at least one block",
-                               "use fewer stages_per_rank, a smaller pp, or more layers")
-            if p.microbatches % p.pp:
-                raise RptError(f"parallel.microbatches = {p.microbatches} is not a multiple of parallel.pp = {p.pp}, "
-                               "which the interleaved schedule needs", f"use e.g. {2 * p.pp} micro-batches")
+        """Refuse values and combinations that cannot work, naming the fix: each section checks its own values,
+        and the checks that span sections are here. (The names of cells and gates, and a cell's options, are the
+        registry's to check: rpt.models.registry.check_names, which every command runs after this.)"""
+        m, t, p, c = self.model, self.train, self.parallel, self.comm
+        for section in (self.data, m, t, p, c, self.checkpoint, self.monitor):
+            section.check()
+        if isinstance(p.pp, int) and p.pp > m.n_layers:
+            raise RptError(f"parallel.pp = {p.pp} is larger than model.n_layers = {m.n_layers}: "
+                           "a pipeline stage needs at least one block", f"use parallel.pp <= {m.n_layers}, or more layers")
+        if p.schedule == "interleaved" and p.pp * p.stages_per_rank > m.n_layers:
+            raise RptError(f"parallel.pp x stages_per_rank = {p.pp * p.stages_per_rank} virtual stages, but "
+                           f"model.n_layers = {m.n_layers}: each needs at least one block",
+                           "use fewer stages_per_rank, a smaller pp, or more layers")
         if p.pp != 1:
             if c.mode in ("ps", "ps-sharded"):
                 raise RptError(f"comm.mode = '{c.mode}' with parallel.pp = {p.pp}: the parameter servers do not run "
@@ -307,37 +342,13 @@ class Config:
                 raise RptError(f"train.grad_accum = {t.grad_accum} with parallel.pp = {p.pp}: the pipeline's "
                                "micro-batches are its gradient accumulation",
                                "set train.grad_accum = 1 and parallel.microbatches to the micro-batch count")
-        if self.monitor.profile:
-            first, sep, last = self.monitor.profile.partition(":")
-            if not (first.isdigit() and (not sep or last.isdigit()) and 1 <= int(first) <= int(last or first)):
-                raise RptError(f"monitor.profile = '{self.monitor.profile}' is not a step range START:END",
-                               "e.g. --profile 10:12 profiles steps 10, 11 and 12")
         if t.batch_size % p.microbatches:
-            raise RptError(f"train.batch_size = {t.batch_size} is not divisible by parallel.microbatches = {p.microbatches}",
-                           "choose a micro-batch count that divides the batch size")
-        if c.compression == "powersgd":
-            _positive("comm.powersgd_rank", c.powersgd_rank)
-        if c.compression == "topk" and not 0.0 < c.topk_fraction <= 1.0:
-            raise RptError(f"comm.topk_fraction = {c.topk_fraction} is outside (0, 1]", "e.g. 0.01 keeps 1% of entries")
-        if c.compression in ("powersgd", "topk") and c.mode in ("ps", "ps-sharded"):
-            raise RptError(f"comm.compression = '{c.compression}' needs a low-rank or sparse all-reduce, "
-                           f"which comm.mode = '{c.mode}' does not do",
-                           "use comm.mode = 'allreduce' with it, or fp16/bf16 compression with a parameter server")
-        if c.adaptive:
-            _positive("comm.adaptive_period", c.adaptive_period)
-            _positive("comm.adaptive_interval", c.adaptive_interval)
-            if not 0.0 < c.adaptive_keep <= 1.0:
-                raise RptError(f"comm.adaptive_keep = {c.adaptive_keep} is outside (0, 1]", "e.g. 0.5")
-            if c.mode in ("ps", "ps-sharded") or c.compression != "none":
-                raise RptError(f"comm.adaptive with comm.mode = '{c.mode}' and comm.compression = '{c.compression}': "
-                               "adaptive synchronisation runs on the all-reduce path without a codec in this version",
-                               "use comm.mode = 'allreduce' (or 'auto') and comm.compression = 'none' with it")
+            raise RptError(f"train.batch_size = {t.batch_size} is not divisible by parallel.microbatches = "
+                           f"{p.microbatches}", "choose a micro-batch count that divides the batch size")
         if t.precision == "fp16" and c.mode in ("ps", "ps-sharded"):
             raise RptError(f"train.precision = 'fp16' with comm.mode = '{c.mode}': the loss scaler's overflow check "
                            "needs every gradient on every rank, which a parameter server does not keep",
                            "use train.precision = 'bf16' (no loss scaling) or comm.mode = 'allreduce'")
-        if not d.path:
-            raise RptError("data.path is empty", "point it at a folder written by `rpt prepare --out FOLDER`")
 
     def get(self, dotted_key: str) -> Any:
         section_name, key = dotted_key.split(".")

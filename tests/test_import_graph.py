@@ -1,5 +1,6 @@
 """Imports between rpt's packages run one way (../shared/DESIGN.md): cli -> train -> parallel -> comm; models
-import no parallel, comm or train; comm no parallel or train; parallel no train; and no cycles. Imports inside
+import no parallel, comm or train; kernels (the cells' fast paths) nothing of rpt's but themselves; comm no
+parallel or train; parallel no train; and no cycles. Imports inside
 functions count too: they are the ones that creep in."""
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from pathlib import Path
 import rpt
 
 ROOT = Path(rpt.__file__).parent
-FORBIDDEN = {"models": {"parallel", "comm", "train"}, "comm": {"parallel", "train"}, "parallel": {"train"}}
+FORBIDDEN = {"models": {"parallel", "comm", "train"}, "kernels": {"models", "parallel", "comm", "train", "data"},
+             "comm": {"parallel", "train"}, "parallel": {"train"}}
 
 
 def package_of(module: str) -> str | None:
@@ -37,8 +39,20 @@ def import_edges() -> dict[tuple[str, str], list[str]]:
 def test_packages_import_one_way():
     edges = import_edges()
     assert ("train", "parallel") in edges and ("parallel", "comm") in edges  # the graph is really read
+    assert ("models", "kernels") in edges
     wrong = {f"{a} -> {b} ({', '.join(sorted(set(files)))})" for (a, b), files in edges.items()
              if b in FORBIDDEN.get(a, ())}
     assert not wrong, wrong
     cycles = {f"{a} <-> {b}" for (a, b) in edges if (b, a) in edges and a < b}
     assert not cycles, cycles
+
+
+def test_models_hold_no_branch_for_how_they_are_run():
+    """Parallelism is applied from outside (rpt/parallel/apply.py): nothing in rpt/models reads the settings of
+    activation checkpointing, compile, pipelines or data parallelism, nor the train/parallel/comm sections."""
+    touched = ("activation_checkpointing", "torch.utils.checkpoint", ".compile(", "cfg.train", "cfg.parallel",
+               "cfg.comm", "torch.distributed")
+    wrong = {f"{path.relative_to(ROOT)}: {token}" for path in (ROOT / "models").rglob("*.py")
+             for token in touched if token in path.read_text()}
+    assert not wrong, wrong
+    assert "activation_checkpointing" in (ROOT / "parallel" / "apply.py").read_text()  # read where it belongs

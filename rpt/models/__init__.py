@@ -1,4 +1,5 @@
-"""Recurrent language models. Nothing here imports torch.distributed: parallelism is applied from outside."""
+"""Recurrent language models. They know nothing of how they are run: parallelism is applied from outside
+(rpt.parallel.apply)."""
 
 from rpt.models import cells as _cells  # noqa: F401  (registers the built-in cells)
 from rpt.models.lm import RecurrentLM

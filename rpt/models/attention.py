@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rpt.models.cells.packed_linear import rows_linear
 
 
 class SlidingWindowAttention(nn.Module):
@@ -33,7 +32,7 @@ class SlidingWindowAttention(nn.Module):
         B, T, D = x.shape
         W, nh = self.window, self.n_heads
         k_cache, v_cache, valid = state
-        q, k, v = rows_linear(x, self.qkv.weight).split(D, dim=-1)
+        q, k, v = self.qkv(x).split(D, dim=-1)
         keys, values = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)  # [B, W+T, D]
         # Document of every position: cached keys are document 0 while valid; each reset opens a new one.
         resets = reset.long() if reset is not None else torch.zeros(B, T, dtype=torch.long, device=x.device)
@@ -46,7 +45,7 @@ class SlidingWindowAttention(nn.Module):
         mask = in_window[None] & (doc_all[:, None, :] == doc_new[:, :, None])  # [B, T, W+T]
         heads = lambda t: t.view(B, -1, nh, D // nh).transpose(1, 2)
         y = F.scaled_dot_product_attention(heads(q), heads(keys), heads(values), attn_mask=mask[:, None])
-        y = rows_linear(y.transpose(1, 2).reshape(B, T, D), self.out.weight)
+        y = self.out(y.transpose(1, 2).reshape(B, T, D))
         new_valid = (doc_all[:, -W:] == doc_new[:, -1:]).to(valid.dtype)
         return y, (keys[:, -W:], values[:, -W:], new_valid)
 

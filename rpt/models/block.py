@@ -21,15 +21,16 @@ from rpt.config import ModelConfig
 from rpt.errors import RptError
 from rpt.models.attention import SlidingWindowAttention
 from rpt.models.cells.base import Cell
-from rpt.models.cells.packed_linear import rows_linear
 from rpt.models.registry import get_cell, import_user_modules
 
 
 def build_cell(cfg: ModelConfig) -> Cell:
     import_user_modules(cfg.imports)
     cls = get_cell(cfg.cell)
-    cell = cls(cfg.d_model, cfg.d_hidden, gate=cfg.gate, gate_norm=cfg.gate_norm, coupled_gates=cfg.coupled_gates,
-               forget_bias=None if cfg.forget_bias == "auto" else cfg.forget_bias, peepholes=cfg.peepholes)
+    options = {name: getattr(cfg, name) for name in cls.options}  # what the cell declares it takes
+    if options.get("forget_bias") == "auto":
+        options["forget_bias"] = None  # the cell's (its gate's) own
+    cell = cls(cfg.d_model, cfg.d_hidden, **options)
     if cfg.weight_norm:
         apply_weight_norm(cell)
     return cell
@@ -55,8 +56,8 @@ class GatedMLP(nn.Module):
         self.down = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x):
-        a, b = rows_linear(x, self.up.weight).chunk(2, dim=-1)
-        return rows_linear(F.silu(a) * b, self.down.weight)
+        a, b = self.up(x).chunk(2, dim=-1)
+        return self.down(F.silu(a) * b)
 
     def flops_per_token(self) -> int:
         return 2 * 3 * self.up.in_features * self.down.in_features

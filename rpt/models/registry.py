@@ -43,9 +43,26 @@ def check_names(cfg, search: list[Path] = ()) -> None:
     import rpt.models  # noqa: F401  (the built-in cells register on import)
 
     import_user_modules(cfg.imports, list(search))
-    get_cell(cfg.cell)
-    if cfg.cell == "modlstm":
+    cls = get_cell(cfg.cell)
+    check_options(cfg, cls)
+    if "gate" in cls.options:
         get_gate(cfg.gate)
+
+
+# Options of some cells, with the value that means "not used"; a cell that does not declare one refuses it set.
+CELL_OPTIONS = {"gate": "sigmoid", "gate_norm": False, "coupled_gates": False, "peepholes": False}
+
+
+def check_options(cfg, cls: type) -> None:
+    """Refuse a model option set away from its default for a cell that does not take it."""
+    unused = [k for k, default in CELL_OPTIONS.items() if getattr(cfg, k) != default and k not in cls.options]
+    if unused:
+        keys = ", ".join(f"model.{k}" for k in unused)
+        takers = sorted(name for name, c in CELLS.items() if set(unused) <= set(c.options))
+        raise RptError(f"{keys} {'applies' if len(unused) == 1 else 'apply'} to model.cell = "
+                       f"{' or '.join(repr(t) for t in takers) or 'no registered cell'} (the cell is '{cfg.cell}')",
+                       f"set model.cell = {takers[0]!r}, or leave {keys} at the default" if takers else
+                       f"leave {keys} at the default")
 
 
 def _did_you_mean(name: str, valid: list[str]) -> str:

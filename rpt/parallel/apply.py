@@ -38,7 +38,9 @@ def parallelize(cfg, rank: int, world_size: int, device: torch.device, distribut
         checkpoint_blocks(model)
     if t.compile:
         compile_blocks(model, t.compile)
-    pipe = pipeline.Pipeline(model, plan, mesh, t.batch_size, t.seq_len, device, cfg.parallel.schedule) if plan else None
+    pipe = None
+    if plan:
+        pipe = pipeline.Pipeline(model, plan, mesh, t.batch_size, t.seq_len, device, cfg.parallel.schedule)
     dp_rank, dp_size = (mesh.dp_rank, mesh.dp) if mesh else (rank, world_size)
     sync = build_sync(model, cfg.comm, rank=dp_rank, world_size=dp_size, distributed=distributed,
                       powersgd_start=t.warmup_steps, seed=t.seed, precision=t.precision,

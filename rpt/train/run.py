@@ -121,7 +121,8 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
                   seed: int | None, checkpoint: str, device: str | None, out=sys.stdout) -> str:
     """Stream the prompt, then the generated text as it is sampled, to `out`; returns the generated text."""
     from rpt.data.tokenizer import eot_id, token_bytes
-    from rpt.models.cells.packed_linear import generating
+    from rpt import kernels
+    from rpt.kernels.cpu.products import generating
 
     cfg, model, tokenizer, _, _ = load_run(run_dir, checkpoint, device)
     dev = next(model.parameters()).device
@@ -133,7 +134,7 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
     pieces = []
     tokens = model.generate(torch.tensor(ids, device=dev), max_new_tokens, temperature, top_k, top_p, generator)
     if dev.type == "cpu":  # each step's one-row products on rpt's small-batch product
-        tokens = generating(tokens)
+        tokens = generating(tokens, kernels.current())
     first = next(tokens, None)  # the prompt's forward first: a first use's build message comes before any text
     out.write(prompt)
     for token in [] if first is None else itertools.chain([first], tokens):

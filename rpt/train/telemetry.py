@@ -20,7 +20,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from rpt.monitor import sinks
-from rpt.monitor.metrics import InputProbe, gate_saturation, gather_rows, memory_bytes, pack, state_rms, stragglers, unpack
+from rpt.monitor.metrics import (InputProbe, gate_saturation, gather_rows, memory_bytes, pack, state_rms, stragglers,
+                                 unpack)
 from rpt.monitor.store import MetricsWriter
 from rpt.models.state import rows
 

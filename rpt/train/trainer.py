@@ -197,13 +197,14 @@ class Trainer:
         with StopRequest(in_worker="TORCHELASTIC_RUN_ID" in os.environ) as stop, closing(tel.bar):
             while True:
                 self.watchdog.mark(self.step + 1, "data")
-                if self._agreed_stop(stop):
+                elapsed, stopping = self._agreed(stop)
+                if stopping:
                     return self._stop_interrupted(stop)
-                self.ended_by = self.budget.ended_by(self.step, self.tokens, self.elapsed())
+                self.ended_by = self.budget.ended_by(self.step, self.tokens, elapsed)
                 if self.ended_by:
                     break
                 self.hooks.step_begins(self.step)
-                lr = self.budget.lr(self.step, self.spent())
+                lr = self.budget.lr(self.step, self.budget.progress(self.step, self.tokens, elapsed))
                 for group in self.optimizer.param_groups if self.optimizer is not None else ():
                     group["lr"] = lr
                 with self.clock("data"):
@@ -297,20 +298,20 @@ class Trainer:
         """The spent share of the budget."""
         return self.budget.progress(self.step, self.tokens, self.elapsed())
 
-    def _agreed_stop(self, stop: StopRequest) -> bool:
+    def _agreed(self, stop: StopRequest) -> tuple[float, bool]:
         """One clock and one stop decision for every rank, in one small collective (a CPU tensor: gloo, no
         device sync). The largest clock: the time budget ends the run on all ranks at the same step, and the
         learning rate (which follows the spent fraction of the budget) stays identical across replicas; and
         a stop asked of any rank stops them all after the same step. Without a time budget the ranks agree
         at each log interval only (whose loss is all-reduced anyway), so a stop waits for that step."""
+        elapsed = self.elapsed()
         if not self.d.enabled:
-            return stop.requested is not None
+            return elapsed, stop.requested is not None
         if not self.cfg.train.max_time and self.step % self.cfg.monitor.log_interval:
-            return False
-        agreed = torch.tensor([self.elapsed(), float(stop.requested is not None)], dtype=torch.float64)
+            return elapsed, False
+        agreed = torch.tensor([elapsed, float(stop.requested is not None)], dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        self.started -= agreed[0].item() - self.elapsed()  # this rank's clock now reads the agreed one
-        return bool(agreed[1].item())
+        return agreed[0].item(), bool(agreed[1].item())
 
     def _evaluate(self, final: bool) -> dict:
         with self.clock("eval"):

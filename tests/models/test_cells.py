@@ -11,8 +11,7 @@ from rpt.errors import RptError
 from rpt.models import register_cell, register_gate
 from rpt.models.block import build_cell
 from rpt.models.cells.base import Cell
-from rpt.models.cells.native import loops as native_loops
-from rpt.models.cells.native import python_loops
+from rpt import kernels
 
 VARIANTS = {
     "lstm": dict(cell="lstm"),
@@ -58,12 +57,12 @@ def loss_of(y, state, w):
 @pytest.mark.parametrize("loop", ["native", "python"])
 @pytest.mark.parametrize("name", VARIANTS)
 def test_fast_path_matches_reference_with_all_gradients(name, loop):
-    """The fused kernels run their time loops in C++ where rpt.models.cells.native is built: both forms here."""
+    """The fused kernels run their time loops in C++ where rpt.kernels.cpu builds them: both forms here."""
     if loop == "python":
-        with python_loops():
+        with kernels.use(native=False):
             test_fast_path_matches_reference_with_all_gradients(name, "checked")
         return
-    if loop == "native" and native_loops() is None:
+    if loop == "native" and kernels.current().loops() is None:
         pytest.skip("the native loops are not built here (test_native_loops says whether they should be)")
     cell = make(name)
     B, T = 3, 9
@@ -151,7 +150,7 @@ def test_user_registered_gate_in_the_fused_kernel():
 def test_user_registered_cell_builds_by_name():
     @register_cell("elman-test")
     class Elman(Cell):
-        def __init__(self, d_model, d_hidden=0, **_):
+        def __init__(self, d_model, d_hidden=0):
             super().__init__(d_model, d_hidden or d_model)
             self.w = torch.nn.Linear(d_model + self.d_hidden, self.d_hidden)
 
@@ -196,3 +195,39 @@ def test_gru_library_path_matches_the_fused_kernel():
     g2 = torch.autograd.grad(y_lib.sum(), [x, *cell.parameters()])
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b)
+
+
+def test_a_cell_gets_the_options_it_declares_and_refuses_the_others():
+    """build_cell passes a cell the model options it declares (`options`), by name; an option set for a cell that
+    does not take it is refused at start, naming the cells that do."""
+    from rpt.errors import RptError
+    from rpt.models.registry import check_names
+
+    @register_cell("gated-elman-test")
+    class GatedElman(Cell):
+        options = ("gate",)
+
+        def __init__(self, d_model, d_hidden=0, gate="sigmoid"):
+            super().__init__(d_model, d_hidden or d_model)
+            self.gate = gate
+            self.w = torch.nn.Linear(d_model + self.d_hidden, self.d_hidden)
+
+        def state_sizes(self):
+            return [self.d_hidden]
+
+        def step(self, x_t, state):
+            h = torch.tanh(self.w(torch.cat([x_t, state[0]], -1)))
+            return h, (h,)
+
+        forward = Cell.reference
+
+        def flops_per_token(self):
+            return 2 * self.w.weight.numel()
+
+    cfg = ModelConfig(cell="gated-elman-test", d_model=D, gate="hard_sigmoid")
+    check_names(cfg)
+    assert build_cell(cfg).gate == "hard_sigmoid"
+    with pytest.raises(RptError, match=r"model.peepholes applies to model.cell = 'modlstm'.*'gated-elman-test'"):
+        check_names(ModelConfig(cell="gated-elman-test", d_model=D, peepholes=True))
+    with pytest.raises(RptError, match=r"model.gate applies to model.cell = 'gated-elman-test' or 'modlstm'"):
+        check_names(ModelConfig(cell="lstm", d_model=D, gate="hard_sigmoid"))

@@ -17,7 +17,7 @@ import torch
 from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
 from rpt.models.block import build_cell
-from rpt.models.cells import native
+from rpt import kernels
 
 
 CELLS = {
@@ -57,7 +57,7 @@ def test_compiled_model_matches_eager_with_gradients(name):
 
     eager = outputs_and_grads(model)
     if CELLS[name]["cell"] in ("gru", "modlstm", "mingru", "minlstm") and shutil.which("g++"):
-        assert native.loops() is not None, "the native loops did not build: this would test the Python loops"
+        assert kernels.current().loops() is not None, "the native loops did not build: this would test the Python loops"
     whole = CELLS[name]["cell"] != "lstm"
     compiled = outputs_and_grads(torch.compile(model, backend="aot_eager", fullgraph=whole))
     assert len(compiled) == len(eager) > len(list(model.parameters())) + 1  # the state's gradients are compared

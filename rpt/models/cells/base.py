@@ -4,9 +4,12 @@ A cell maps x: [B, T, d_model] to y: [B, T, d_model] and a state (a tuple of [B,
 tensors) to the state after the last step. Every cell has three forms, as
 flash-linear-attention keeps for its ops, and the tests hold them equal, gradients included:
 
-- `step(x_t, state)`: one token; the readable spec of the recurrence, and what generation runs.
+- `step(x_t, state)`: one token; what generation runs. The built-in cells write it as a pure function of
+  tensors beside the module (`lstm_step`, `gru_step`, `modlstm_step`: F.linear and pointwise ops), the
+  readable spec of the recurrence.
 - `reference(x, state, reset)`: the spec over a sequence, `step` in a plain loop.
-- `forward(x, state, reset)`: the fast training path (cuDNN/oneDNN, a parallel scan, a fused kernel).
+- `forward(x, state, reset)`: the fast training path (cuDNN/oneDNN, a parallel scan, or a fused kernel whose
+  loops come from a backend of rpt.kernels).
 
 `reset[b, t]` (bool) sets row b's state back to the initial (zero) state before x[b, t] is read.
 """
@@ -19,15 +22,18 @@ import weakref
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from rpt.models.cells.packed_linear import rows_linear
 
 State = tuple[torch.Tensor, ...]
 
 
 class Cell(nn.Module):
     name = "cell"
+    # The model.* options this cell takes beside d_model and d_hidden, passed to __init__ by name. A cell declares
+    # its own; setting one it does not declare is refused at start (rpt.models.registry.check_options).
+    options: tuple[str, ...] = ()
 
     def __init__(self, d_model: int, d_hidden: int):
         super().__init__()
@@ -69,7 +75,7 @@ class GatedRNNCell(Cell):
 
     n_gates = 1
 
-    def __init__(self, d_model: int, d_hidden: int = 0, **_):
+    def __init__(self, d_model: int, d_hidden: int = 0):
         super().__init__(d_model, d_hidden or d_model)
         G, H, D = self.n_gates, self.d_hidden, d_model
         self.w_ih = nn.Parameter(torch.empty(G * H, D))
@@ -82,7 +88,7 @@ class GatedRNNCell(Cell):
         self.proj = nn.Linear(H, D, bias=False) if H != D else None
 
     def _out(self, h):
-        return rows_linear(h, self.proj.weight) if self.proj is not None else h
+        return F.linear(h, self.proj.weight) if self.proj is not None else h
 
     def flops_per_token(self):
         H, D = self.d_hidden, self.d_model
@@ -96,8 +102,8 @@ def reset_rows(state: State, mask: torch.Tensor) -> State:
 
 
 # The cuDNN cells (lstm, gru) keep their four weights as separate parameters, so that weight norm and
-# DropConnect act on them; cuDNN copies them into one buffer per call and warns once per process. Measured on
-# an H200 (benchmarks/RESULTS.md): lstm 373,721 tokens/s against nn.LSTM's 375,437 with flattened weights.
+# DropConnect act on them; cuDNN copies them into one buffer per call (at no measurable cost next to nn.LSTM's
+# flattened weights: benchmarks/RESULTS.md) and warns once per process.
 warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous chunk")
 
 

@@ -4,7 +4,7 @@ Fast paths: on GPU, torch's fused GRU (cuDNN). On CPU torch's GRU has no oneDNN 
 its LSTM has one) and runs a small-batch GEMM per step, about 0.2 of the matmul peak at B=2;
 there `gru_sequence` runs instead: a fused sequence kernel with a hand-written backward, like
 the modified LSTM's (input projections and weight gradients as single GEMMs, the per-step
-product packed for oneDNN), whose two time loops run in C++ where rpt.models.cells.native could
+product packed for oneDNN), whose two time loops run in C++ where rpt.kernels.cpu's loops could
 be built (each step's elementwise work in one vector pass; the Python loops precompute what does
 not depend on the recurrence for all steps at once instead).
 """
@@ -12,11 +12,12 @@ not depend on the recurrence for all steps at once instead).
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from rpt import kernels
+from rpt.kernels.cpu.products import PackedLinear, matmul
 from rpt.models.cells.base import GatedRNNCell, as_fp32, full_precision, over_segments
-from rpt.models.cells.native import fuse_pointwise, loops
-from rpt.models.cells.packed_linear import PackedLinear, matmul, rows_linear
 from rpt.models.registry import register_cell
 
 
@@ -28,14 +29,8 @@ class GRU(GatedRNNCell):
         return [self.d_hidden]
 
     def step(self, x_t, state):
-        (h,) = state
-        xr, xz, xn = rows_linear(x_t, self.w_ih, self.b_ih).chunk(3, dim=-1)
-        hr, hz, hn = rows_linear(h, self.w_hh, self.b_hh).chunk(3, dim=-1)
-        r = torch.sigmoid(xr + hr)
-        z = torch.sigmoid(xz + hz)
-        n = torch.tanh(xn + r * hn)
-        h = (1 - z) * n + z * h
-        return self._out(h), (h,)
+        h, state = gru_step(x_t, state, self.w_ih, self.w_hh, self.b_ih, self.b_hh)
+        return self._out(h), state
 
     def forward(self, x, state=None, reset=None):
         state = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
@@ -62,6 +57,18 @@ class GRU(GatedRNNCell):
         return over_segments(run, x, state, reset)
 
 
+def gru_step(x_t, state, w_ih, w_hh, b_ih, b_hh):
+    """One step, the spec: returns h_t and the new state (h_t,)."""
+    (h,) = state
+    xr, xz, xn = F.linear(x_t, w_ih, b_ih).chunk(3, dim=-1)
+    hr, hz, hn = F.linear(h, w_hh, b_hh).chunk(3, dim=-1)
+    r = torch.sigmoid(xr + hr)
+    z = torch.sigmoid(xz + hz)
+    n = torch.tanh(xn + r * hn)
+    h = (1 - z) * n + z * h
+    return h, (h,)
+
+
 # The kernel as a pair of torch custom operators (forward; backward, registered as its gradient): opaque to
 # torch.compile, which traces a model through them in one graph, where it could not trace the packed oneDNN
 # weight and the native loops inside an autograd.Function. Buffers are time-major ([T, B, ...]) so that every
@@ -73,14 +80,15 @@ def gru_sequence(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor, b_hh: Tens
     H = w_hh.shape[1]
     xt = x.transpose(0, 1).reshape(T * B, D)
     XP = matmul(xt, w_ih, b_ih).view(T, B, 3, H)
-    W = PackedLinear(w_hh, B)
+    backend = kernels.current()
+    W = PackedLinear(w_hh, B, backend)
     bias = b_hh.expand(B, 3 * H).contiguous()
     HP = x.new_empty(T, B, 3, H)  # h_{t-1} W_hh^T + b_hh, whose n part the backward needs
     gates = x.new_empty(T, B, 3, H)  # r, z, n
     hs = x.new_empty(T, B, H)
-    native = loops()
+    native = backend.loops()
     if native is not None:
-        h = native.gru_forward(XP, *W.operand, bias, keep, h0, HP, gates, hs, fuse_pointwise())
+        h = native.gru_forward(XP, *W.operand, bias, keep, h0, HP, gates, hs, backend.fused_steps)
     else:
         h = forward_steps(XP, W, bias, keep, h0, HP, gates, hs)
     return hs.transpose(0, 1).clone(memory_format=torch.contiguous_format), h.clone(), HP, gates, hs
@@ -104,10 +112,11 @@ def gru_sequence_backward(grad_y: Tensor, grad_h: Tensor, x: Tensor, w_ih: Tenso
     if keep is not None:
         h_prev = h_prev * keep[:, :, None]
     dXP, dHP = torch.empty_like(gates), torch.empty_like(gates)
-    WT = PackedLinear(w_hh.T.contiguous(), B)
+    backend = kernels.current()
+    WT = PackedLinear(w_hh.T.contiguous(), B, backend)
     grad_y = grad_y.transpose(0, 1)
     keep3 = keep[:, :, None] if keep is not None else None
-    native = loops() if gates.is_cpu else None
+    native = backend.loops() if gates.is_cpu else None
     if native is not None:  # derives each step's factors K (below) in its pass over the step
         dh = native.gru_backward(grad_y, gates, HP, h_prev, dXP, dHP, keep3, *WT.operand, grad_h)
     else:
@@ -149,7 +158,7 @@ gru_sequence.register_autograd(_gradients, setup_context=_save)
 
 
 # ---------------------------------------------------------------------- the time loops
-# The Python form of the kernel's two loops; rpt/models/cells/native/recurrent_loops.cpp is the same loops in
+# The Python form of the kernel's two loops; rpt/kernels/cpu/recurrent_loops.cpp is the same loops in
 # C++ (used when it is built), step for step (its backward derives the factors K inside each step).
 
 def forward_steps(XP, W: PackedLinear, bias, keep, h, HP, gates, hs):

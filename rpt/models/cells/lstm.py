@@ -7,17 +7,18 @@ cell's own parameters so that regularisers such as weight normalisation work on 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from rpt.models.cells.base import GatedRNNCell, as_fp32, full_precision, over_segments
-from rpt.models.cells.packed_linear import rows_linear
 from rpt.models.registry import register_cell
 
 
 @register_cell("lstm")
 class LSTM(GatedRNNCell):
     n_gates = 4
+    options = ("forget_bias",)
 
-    def __init__(self, d_model: int, d_hidden: int = 0, forget_bias: float | None = None, **_):
+    def __init__(self, d_model: int, d_hidden: int = 0, forget_bias: float | None = None):
         forget_bias = 1.0 if forget_bias is None else forget_bias
         super().__init__(d_model, d_hidden)
         H = self.d_hidden
@@ -28,12 +29,8 @@ class LSTM(GatedRNNCell):
         return [self.d_hidden, self.d_hidden]
 
     def step(self, x_t, state):
-        h, c = state
-        gates = rows_linear(x_t, self.w_ih, self.b_ih) + rows_linear(h, self.w_hh, self.b_hh)
-        i, f, g, o = gates.chunk(4, dim=-1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        h = torch.sigmoid(o) * torch.tanh(c)
-        return self._out(h), (h, c)
+        h, state = lstm_step(x_t, state, self.w_ih, self.w_hh, self.b_ih, self.b_hh)
+        return self._out(h), state
 
     def forward(self, x, state=None, reset=None):
         state = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
@@ -51,3 +48,12 @@ class LSTM(GatedRNNCell):
             with full_precision(x):
                 y, state = over_segments(run, as_fp32(x), state, reset)
         return self._out(y), state
+
+
+def lstm_step(x_t, state, w_ih, w_hh, b_ih, b_hh):
+    """One step, the spec: returns h_t and the new state (h_t, c_t)."""
+    h, c = state
+    i, f, g, o = (F.linear(x_t, w_ih, b_ih) + F.linear(h, w_hh, b_hh)).chunk(4, dim=-1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    h = torch.sigmoid(o) * torch.tanh(c)
+    return h, (h, c)

@@ -8,8 +8,8 @@ and the whole sequence runs as one parallel scan (rpt.models.scan) after one inp
 The hidden state is wider than the model (d_hidden, default 2 * d_model) and projected back
 down, as in the paper's expansion. A reset sets a_t = 0: the carry is dropped at that step.
 
-On the CPU, where rpt.models.cells.native is built, the two cells' recurrence runs as one C++ pass each way
-(native/min_scan.cpp: the scan with the coefficients folded in, from the sigmoid gates); elsewhere, and for
+On the CPU, where rpt.kernels.cpu's loops are built, the two cells' recurrence runs as one C++ pass each way
+(rpt/kernels/cpu/min_scan.cpp: the scan with the coefficients folded in, from the sigmoid gates); elsewhere, and for
 a subclass with its own `coefficients`, the coefficients and the chunked scan below run as ATen ops.
 """
 
@@ -18,9 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
+from rpt import kernels
+from rpt.kernels.cpu.backend import MinScan
+from rpt.kernels.cpu.products import linear
 from rpt.models.cells.base import Cell, as_fp32, full_precision
-from rpt.models.cells.native import fuse_pointwise, loops
-from rpt.models.cells.packed_linear import linear, rows_linear
 from rpt.models.registry import register_cell
 from rpt.models.scan import linear_scan
 
@@ -28,7 +31,7 @@ from rpt.models.scan import linear_scan
 class _MinRNN(Cell):
     n_proj = 2
 
-    def __init__(self, d_model: int, d_hidden: int = 0, **_):
+    def __init__(self, d_model: int, d_hidden: int = 0):
         super().__init__(d_model, d_hidden or 2 * d_model)
         self.in_proj = nn.Linear(d_model, self.n_proj * self.d_hidden)
         self.out_proj = nn.Linear(self.d_hidden, d_model, bias=False)
@@ -42,9 +45,9 @@ class _MinRNN(Cell):
 
     def step(self, x_t, state):
         (h,) = state
-        a, b = self.coefficients(rows_linear(x_t, self.in_proj.weight, self.in_proj.bias))
+        a, b = self.coefficients(F.linear(x_t, self.in_proj.weight, self.in_proj.bias))
         h = a * h + b
-        return rows_linear(h, self.out_proj.weight), (h,)
+        return F.linear(h, self.out_proj.weight), (h,)
 
     def forward(self, x, state=None, reset=None):
         (h0,) = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
@@ -52,7 +55,8 @@ class _MinRNN(Cell):
         with full_precision(u):
             u = as_fp32(u)
             kind = _NATIVE_KIND.get(type(self).coefficients)
-            ops = loops() if kind is not None and u.is_cpu and fuse_pointwise() else None
+            backend = kernels.current()
+            ops = backend.loops() if kind is not None and u.is_cpu and backend.fused_steps else None
             if ops is not None:
                 keep = None if reset is None else (~reset).to(u.dtype).contiguous()
                 h = _NativeMinScan.apply(u.contiguous(), h0.to(u.dtype).contiguous(), keep, kind, ops)
@@ -88,11 +92,11 @@ class MinLSTM(_MinRNN):
         return f / total, i / total * h_tilde
 
 
-_NATIVE_KIND = {MinGRU.coefficients: 0, MinLSTM.coefficients: 1}  # min_scan.cpp's `kind` for our own two
+_NATIVE_KIND = {MinGRU.coefficients: int(MinScan.MINGRU), MinLSTM.coefficients: int(MinScan.MINLSTM)}
 
 
 class _NativeMinScan(torch.autograd.Function):
-    """The recurrence from the projected input u to h, through native/min_scan.cpp. The gates' sigmoid stays
+    """The recurrence from the projected input u to h, through rpt/kernels/cpu/min_scan.cpp. The gates' sigmoid stays
     in ATen (vectorised); the backward reads the saved gates and returns the gradient of u whole."""
 
     @staticmethod

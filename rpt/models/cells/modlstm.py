@@ -1,6 +1,6 @@
 """The modified LSTM: gate functions chosen by name, optional gate layer norm, coupled gates, peepholes.
 
-One step (the spec; `step` below is this, line by line):
+One step (the spec; `modlstm_step` below is this, line by line):
 
     P = W_x x_t + b + W_h h_{t-1}                     pre-activations, gate groups (i, f, z, o)
     P = LayerNorm_g(P) * gamma_g + beta_g             if gate_norm (per gate group g)
@@ -24,7 +24,7 @@ loop's factors that do not depend on the recurrence are precomputed for all step
 (`backward_factors`), and the weight gradients are one GEMM each after it. torch.compile would
 unroll the time loop, and a Python loop through autograd records every op of every step.
 The two time loops (`forward_steps`, `backward_steps`, at the end of this file) run in C++
-where rpt.models.cells.native could be built, which halves their dispatch cost at small batch;
+where rpt.kernels.cpu's loops could be built, which halves their dispatch cost at small batch;
 on the CPU there each step's elementwise part is one vector pass, the backward's deriving its
 factors in that pass.
 """
@@ -33,17 +33,19 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rpt import kernels
 from rpt.errors import RptError
+from rpt.kernels.cpu.backend import Gate
+from rpt.kernels.cpu.products import PackedLinear, matmul
 from rpt.models.cells.base import Cell, as_fp32, full_precision
-from rpt.models.cells.native import fuse_pointwise, loops
-from rpt.models.cells.packed_linear import PackedLinear, matmul, rows_linear
 from rpt.models.registry import GateFunction, default_forget_bias, get_gate, register_cell
 
 LN_EPS = 1e-5
-# The gates the native loops know (their codes there); a user-registered gate runs the Python loops.
-NATIVE_GATES = ((get_gate("sigmoid"), 0), (get_gate("hard_sigmoid"), 1))
+# The gates the native loops know; a user-registered gate runs the Python loops.
+NATIVE_GATES = ((get_gate("sigmoid"), Gate.SIGMOID), (get_gate("hard_sigmoid"), Gate.HARD_SIGMOID))
 
 
 class Variant(NamedTuple):
@@ -64,8 +66,9 @@ class Variant(NamedTuple):
 
     @property
     def native_gate(self) -> int | None:
-        """The native loops' code for the gate (-1: exponential), None for a gate they do not know."""
-        return -1 if self.exp else next((code for g, code in NATIVE_GATES if g is self.gate_fn), None)
+        """The native loops' code for the gate, None for a gate they do not know."""
+        code = Gate.EXP if self.exp else next((code for g, code in NATIVE_GATES if g is self.gate_fn), None)
+        return None if code is None else int(code)
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -75,8 +78,10 @@ class Variant(NamedTuple):
 
 @register_cell("modlstm")
 class ModLSTM(Cell):
+    options = ("gate", "gate_norm", "coupled_gates", "forget_bias", "peepholes")
+
     def __init__(self, d_model: int, d_hidden: int = 0, gate: str = "sigmoid", gate_norm: bool = False,
-                 coupled_gates: bool = False, forget_bias: float | None = None, peepholes: bool = False, **_):
+                 coupled_gates: bool = False, forget_bias: float | None = None, peepholes: bool = False):
         super().__init__(d_model, d_hidden or d_model)
         H, D = self.d_hidden, d_model
         self.gate_fn: GateFunction | None = get_gate(gate)
@@ -89,7 +94,8 @@ class ModLSTM(Cell):
             raise RptError("model.peepholes are not defined for the exponential gate (its cell state is unnormalised)",
                            "use model.gate = 'sigmoid' or 'hard_sigmoid' with peepholes")
         self.gate, self.coupled, self.gate_norm, self.peepholes = gate, coupled_gates, gate_norm, peepholes
-        self.groups = Variant(gate, coupled_gates, gate_norm, peepholes).groups
+        self.variant = Variant(gate, coupled_gates, gate_norm, peepholes)
+        self.groups = self.variant.groups
         G = len(self.groups)
         self.w_x = nn.Parameter(torch.empty(G * H, D))
         self.w_h = nn.Parameter(torch.empty(G * H, H))
@@ -116,41 +122,10 @@ class ModLSTM(Cell):
         H = self.d_hidden
         return [H, H, H, H] if self.exp else [H, H]
 
-    # ------------------------------------------------------------------ the spec
     def step(self, x_t, state):
-        H, G = self.d_hidden, len(self.groups)
-        P = rows_linear(x_t, self.w_x) + rows_linear(state[0], self.w_h)
-        if self.bias is not None:
-            P = P + self.bias
-        P = P.view(-1, G, H)
-        if self.gate_norm:
-            P = nn.functional.layer_norm(P, (H,), eps=LN_EPS) * self.ln_weight + self.ln_bias
-        gates = dict(zip(self.groups, P.unbind(1)))
-        if self.exp:
-            h, c, n, m = state
-            m_prev = torch.where(n > 0, m.detach(), torch.full_like(m, -math.inf))
-            m = torch.maximum(gates["f"] + m_prev, gates["i"]).detach()
-            i, f = torch.exp(gates["i"] - m), torch.exp(gates["f"] + m_prev - m)
-            z = torch.tanh(gates["z"])
-            c = f * c + i * z
-            n = f * n + i
-            h = torch.sigmoid(gates["o"]) * c / n
-            return self._out(h), (h, c, n, m)
-        h, c = state
-        P_f, P_o = gates["f"], gates["o"]
-        if self.peepholes:
-            P_f = P_f + self.peep[-2] * c
-        f = self.gate_fn.fn(P_f)
-        if self.coupled:
-            i = 1 - f
-        else:
-            P_i = gates["i"] + self.peep[0] * c if self.peepholes else gates["i"]
-            i = self.gate_fn.fn(P_i)
-        c = f * c + i * torch.tanh(gates["z"])
-        if self.peepholes:
-            P_o = P_o + self.peep[-1] * c
-        h = torch.sigmoid(P_o) * torch.tanh(c)
-        return self._out(h), (h, c)
+        h, state = modlstm_step(self.variant, x_t, state, self.w_x, self.w_h, self.bias, self.ln_weight, self.ln_bias,
+                                self.peep)
+        return self._out(h), state
 
     # ------------------------------------------------------------------ the fast path
     def forward(self, x, state=None, reset=None):
@@ -164,11 +139,47 @@ class ModLSTM(Cell):
         return self._out(y), tuple(final if self.exp else final[:2])
 
     def _out(self, h):
-        return rows_linear(h, self.proj.weight) if self.proj is not None else h
+        return F.linear(h, self.proj.weight) if self.proj is not None else h
 
     def flops_per_token(self):
         H, D, G = self.d_hidden, self.d_model, len(self.groups)
         return 2 * G * H * (D + H) + (2 * H * D if self.proj is not None else 0)
+
+
+def modlstm_step(v: Variant, x_t: Tensor, state: tuple, w_x: Tensor, w_h: Tensor, bias: Optional[Tensor],
+                 ln_w: Optional[Tensor], ln_b: Optional[Tensor], peep: Optional[Tensor]) -> tuple[Tensor, tuple]:
+    """One step of the recurrence, the spec of the module docstring line by line: returns h_t and the new state."""
+    H, G = w_h.shape[1], len(v.groups)
+    P = F.linear(x_t, w_x) + F.linear(state[0], w_h)
+    if bias is not None:
+        P = P + bias
+    P = P.view(-1, G, H)
+    if v.gate_norm:
+        P = F.layer_norm(P, (H,), eps=LN_EPS) * ln_w + ln_b
+    gates = dict(zip(v.groups, P.unbind(1)))
+    if v.exp:
+        h, c, n, m = state
+        m_prev = torch.where(n > 0, m.detach(), torch.full_like(m, -math.inf))
+        m = torch.maximum(gates["f"] + m_prev, gates["i"]).detach()
+        i, f = torch.exp(gates["i"] - m), torch.exp(gates["f"] + m_prev - m)
+        c = f * c + i * torch.tanh(gates["z"])
+        n = f * n + i
+        h = torch.sigmoid(gates["o"]) * c / n
+        return h, (h, c, n, m)
+    h, c = state
+    P_f, P_o = gates["f"], gates["o"]
+    if v.peepholes:
+        P_f = P_f + peep[-2] * c
+    f = v.gate_fn.fn(P_f)
+    if v.coupled:
+        i = 1 - f
+    else:
+        i = v.gate_fn.fn(gates["i"] + peep[0] * c if v.peepholes else gates["i"])
+    c = f * c + i * torch.tanh(gates["z"])
+    if v.peepholes:
+        P_o = P_o + peep[-1] * c
+    h = torch.sigmoid(P_o) * torch.tanh(c)
+    return h, (h, c)
 
 
 # The fused sequence kernel as a pair of torch custom operators (forward; backward, registered as its gradient):
@@ -188,7 +199,8 @@ def modlstm_sequence(x: Tensor, w_x: Tensor, w_h: Tensor, bias: Optional[Tensor]
     H, G = w_h.shape[1], len(v.groups)
     xt = x.transpose(0, 1).reshape(T * B, D)
     XP = matmul(xt, w_x, bias).view(T, B, G * H)
-    W = PackedLinear(w_h, B)
+    backend = kernels.current()
+    W = PackedLinear(w_h, B, backend)
     acts = x.new_empty(T, B, G, H)  # gate values
     # Gate inputs, kept only for a gate whose derivative needs its input (sigmoid's needs only its output).
     pre = x.new_empty(T, B, G, H) if not v.exp and v.gate_fn.fn is not torch.sigmoid else None
@@ -198,10 +210,10 @@ def modlstm_sequence(x: Tensor, w_x: Tensor, w_h: Tensor, bias: Optional[Tensor]
     ln_stats = x.new_empty(T, 2, B, G, 1) if v.gate_norm else None
     buffers = (acts, pre, cs, hs, ns, ln_in, ln_stats)
     state = (h0, c0, n0, m0) if v.exp else (h0, c0)
-    native = loops() if v.native_gate is not None else None
+    native = backend.loops() if v.native_gate is not None else None
     if native is not None:
         final = native.modlstm_forward(XP, *W.operand, keep, h0, c0, n0, m0, *buffers, ln_w, ln_b, peep,
-                                       v.native_gate, coupled, fuse_pointwise())
+                                       v.native_gate, coupled, backend.fused_steps)
     else:
         final = forward_steps(v, XP, W, keep, state, *buffers, ln_w, ln_b, peep)
     final = [t.clone() for t in final] + [x.new_empty(0) for _ in range(4 - len(final))]  # not views of buffers
@@ -235,12 +247,13 @@ def modlstm_sequence_backward(
     keep3 = keep[:, :, None] if keep is not None else None
     state = (h0, c0, n0) if v.exp else (h0, c0)
     h_prev = previous(hs, h0, keep3)
-    WT = PackedLinear(w_h.T.contiguous(), B)  # dh_prev = dP_raw @ W_h
+    backend = kernels.current()
+    WT = PackedLinear(w_h.T.contiguous(), B, backend)  # dh_prev = dP_raw @ W_h
     dP = torch.empty_like(acts)  # gradient at the gate inputs (after layer norm)
     dP_raw = torch.empty_like(acts) if v.gate_norm else dP
-    native = loops() if v.native_gate is not None else None
+    native = backend.loops() if v.native_gate is not None else None
     summed = None  # the gradients of ln_w, ln_b and peep, where the loop sums them
-    if native is not None and fuse_pointwise() and x.is_cpu:  # the factors derived inside each step's pass
+    if native is not None and backend.fused_steps and x.is_cpu:  # the factors derived inside each step's pass
         norm_sums = [x.new_zeros(G, H), x.new_zeros(G, H)] if v.gate_norm else [None, None]
         summed = [*norm_sums, x.new_zeros(G - 1, H) if v.peepholes else None]
         grad_state = native.modlstm_backward_cpu(grad_y, acts, pre, cs, ns, c0, n0, keep, peep, dP, dP_raw,
@@ -316,7 +329,7 @@ modlstm_sequence.register_autograd(_gradients, setup_context=_save)
 
 
 # ---------------------------------------------------------------------- the time loops
-# The Python form of the kernel's two loops; rpt/models/cells/native/recurrent_loops.cpp is the same loops in
+# The Python form of the kernel's two loops; rpt/kernels/cpu/recurrent_loops.cpp is the same loops in
 # C++ (used when it is built and the gate is a built-in one), step for step.
 
 def forward_steps(cell: Variant, XP, W: PackedLinear, keep, state, acts, pre, cs, hs, ns, ln_in, ln_stats,

@@ -1,4 +1,4 @@
-"""The C++ time loops (rpt.models.cells.native) against the Python loops they replace.
+"""The C++ time loops (rpt.kernels.cpu) against the Python loops they replace.
 
 test_cells.py checks both forms against the cells' sequential references in float64. Here: they are
 built wherever a compiler is; in float32 (with either per-step product: rpt's small-batch one, oneDNN's)
@@ -22,7 +22,8 @@ import torch
 
 from rpt.config import ModelConfig
 from rpt.models.block import build_cell
-from rpt.models.cells import native, packed_linear
+from rpt import kernels
+from rpt.kernels.cpu import build, products
 
 VARIANTS = {
     "modlstm": dict(cell="modlstm"),
@@ -44,31 +45,31 @@ VARIANTS = {
 def test_built_wherever_a_compiler_is():
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on this machine: the Python loops run")
-    assert native.loops() is not None, "g++ is here but the native loops did not build (see the warning)"
+    assert kernels.current().loops() is not None, "g++ is here but the native loops did not build (see the warning)"
 
 
 def test_the_build_key_covers_every_header(tmp_path, monkeypatch):
     """recurrent_loops.cpp includes the headers beside it: a changed header must give a new build folder, or every
     machine would go on loading the library built from the old one; and a header left out of HEADERS would."""
-    folder = Path(native.__file__).parent
-    assert {p.name for p in native.HEADERS} == {p.name for p in folder.glob("*.h")}
+    folder = Path(build.__file__).parent
+    assert {p.name for p in build.HEADERS} == {p.name for p in folder.glob("*.h")}
     header = tmp_path / "passes.h"
     header.write_text("// one")
-    monkeypatch.setattr(native, "HEADERS", [header])
-    before = native.build_directory()
+    monkeypatch.setattr(build, "HEADERS", [header])
+    before = build.build_directory()
     header.write_text("// two")
-    assert native.build_directory() != before
+    assert build.build_directory() != before
 
 
 def test_the_loops_split_work_on_torchs_threads():
     """ATen's at::parallel_for is a header template: compiled without -fopenmp it runs its whole range on the
     calling thread, and min_scan's and small_batch_product's splits across threads ran on one until compile_flags
     added the flag. Where torch runs its threads on OpenMP (Linux builds), the loops must call into it."""
-    if native.loops() is None:
+    if kernels.current().loops() is None:
         pytest.skip("the native loops are not built here")
     if not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info():
         pytest.skip("torch's threads are not OpenMP's here")
-    library = native.build_directory() / f"{native.NAME}.so"
+    library = build.build_directory() / f"{build.NAME}.so"
     assert b"GOMP_parallel" in library.read_bytes(), "the loops were built without OpenMP: one thread"
 
 
@@ -80,13 +81,13 @@ def test_native_loops_as_accurate_as_python_loops_in_float32(name, fused, produc
     measured against the same computation in float64, and the native loops may not be less accurate. Both
     forms of the native steps: fused into one pass (the CPU's) and as ATen ops (what a GPU runs); and either
     per-step product of gru and modlstm: rpt's small-batch one (3 rows: a pair and a single row) and oneDNN's."""
-    if native.loops() is None:
+    if kernels.current().loops() is None:
         pytest.skip("the native loops are not built here")
-    if product == "onednn" and not packed_linear._packed_available():
+    if product == "onednn" and not products._packed_available():
         pytest.skip("torch has no oneDNN linear here")
     layouts = []  # of every per-step product the native run makes
-    made = packed_linear.PackedLinear.__init__
-    monkeypatch.setattr(packed_linear.PackedLinear, "__init__",
+    made = products.PackedLinear.__init__
+    monkeypatch.setattr(products.PackedLinear, "__init__",
                         lambda self, *a: made(self, *a) or layouts.append(self.operand[1]))
     torch.manual_seed(0)
     cell = build_cell(ModelConfig(d_model=16, **VARIANTS[name]))
@@ -103,13 +104,13 @@ def test_native_loops_as_accurate_as_python_loops_in_float32(name, fused, produc
     w = torch.randn(B, T, 16)
     with contextlib.ExitStack() as forms:
         if not fused:
-            forms.enter_context(native.unfused_steps())
+            forms.enter_context(kernels.use(fused_steps=False))
         if product == "onednn":
-            forms.enter_context(packed_linear.onednn_products())
+            forms.enter_context(kernels.use(small_batch=False))
         got = run(cell, x, state, reset, w)
     expected = [] if VARIANTS[name]["cell"].startswith("min") else [2 if product == "small-batch" else 1] * 2
     assert layouts == expected, "the per-step products ran in another layout than the one under test"
-    with native.python_loops():
+    with kernels.use(native=False):
         python = run(cell, x, state, reset, w)
         exact = run(copy.deepcopy(cell).double(), x.double(), [s.double() for s in state], reset, w.double())
     assert len(got) == len(python) == len(exact)
@@ -125,7 +126,7 @@ def test_min_scan_splits_channels_across_threads(name):
     """min_scan.cpp gives each thread a block of channels when there are more threads than batch rows: with
     one row and 4 threads, 100 channels run as blocks of 32, 32, 32 and 4. Each block carries its own state;
     together they must equal the scan in float64 (the block edges are where an index error would show)."""
-    if native.loops() is None:
+    if kernels.current().loops() is None:
         pytest.skip("the native loops are not built here")
     torch.manual_seed(0)
     cell = build_cell(ModelConfig(d_model=8, cell=name, d_hidden=100)).double()
@@ -139,7 +140,7 @@ def test_min_scan_splits_channels_across_threads(name):
         got = run(cell, x, [h0], reset, w)
     finally:
         torch.set_num_threads(threads)
-    with native.python_loops():
+    with kernels.use(native=False):
         want = run(cell, x, [h0], reset, w)
     for k, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"output {k}")
@@ -152,7 +153,7 @@ def test_the_loops_at_few_rows_give_the_same_numbers_on_any_thread_count(name):
     step's product, of the columns of its elementwise part and of the gates of its norm, between barriers. Every
     number comes out of the same arithmetic whatever the split, so 1, 2 and 3 threads (one more than a share has
     vectors: empty and uneven shares) must agree; a missing barrier or an overlapping share would not."""
-    if native.loops() is None:
+    if kernels.current().loops() is None:
         pytest.skip("the native loops are not built here")
     torch.manual_seed(0)
     cell = build_cell(ModelConfig(d_model=16, **VARIANTS[name]))
@@ -196,36 +197,36 @@ def test_a_failed_build_falls_back_to_the_python_loops(monkeypatch, tmp_path):
 
     monkeypatch.setenv("RPT_NATIVE_DIR", str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    native._built.clear()
+    build._built.clear()
     try:
         with pytest.warns(UserWarning, match="could not be built.*command not found.*Python loops"):
-            assert native.loops() is None
+            assert kernels.current().loops() is None
         cell = build_cell(ModelConfig(d_model=8, cell="modlstm"))
         x = torch.randn(2, 5, 8)
         y, _ = cell(x)
         y_ref, _ = cell.reference(x)
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
     finally:
-        native._built.clear()  # the next caller builds (or loads) the real thing again
+        build._built.clear()  # the next caller builds (or loads) the real thing again
 
 
 def test_loops_that_fail_their_self_test_are_not_used(monkeypatch):
     """A torch whose operator schemas differ from the C++ file's fails at load, not in a training step."""
-    if native.loops() is None:
+    if kernels.current().loops() is None:
         pytest.skip("the native loops are not built here")
 
     def broken(ops):
         raise RuntimeError("Tried to access or call an operator with a wrong signature")
 
-    monkeypatch.setattr(native, "_self_test", broken)
-    native._built.clear()
+    monkeypatch.setattr(build, "_self_test", broken)
+    build._built.clear()
     try:
         with pytest.warns(UserWarning, match="could not be built.*wrong signature"):
-            assert native.loops() is None
+            assert kernels.current().loops() is None
     finally:
-        native._built.clear()
+        build._built.clear()
     monkeypatch.undo()
-    assert native.loops() is not None  # the real self-test passes
+    assert kernels.current().loops() is not None  # the real self-test passes
 
 
 def test_first_use_inside_a_checkpointed_forward():
@@ -233,32 +234,34 @@ def test_first_use_inside_a_checkpointed_forward():
     model.activation_checkpointing is a block's forward under torch.utils.checkpoint: the self-test's tensors went
     to the checkpoint's hooks, the test failed (the Python loops ran after a warning) and the step's recompute
     then saved other tensors than its forward had (CheckpointError). The self-test now runs on its own thread."""
-    if native.loops() is None:
+    if kernels.current().loops() is None:
         pytest.skip("the native loops are not built here")
     torch.manual_seed(0)
     cell = build_cell(ModelConfig(d_model=8, cell="mingru"))
     x = torch.randn(2, 5, 8, requires_grad=True)
     y, _ = cell(x)
     plain = torch.autograd.grad(y.square().sum(), [x, *cell.parameters()])
-    native._built.clear()
+    build._built.clear()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # "could not be built" fails the test
             y, _ = torch.utils.checkpoint.checkpoint(cell, x, use_reentrant=False)
             checkpointed = torch.autograd.grad(y.square().sum(), [x, *cell.parameters()])
-        assert native._built.get("ops") is not None
+        assert build._built.get("ops") is not None
     finally:
-        native._built.clear()
+        build._built.clear()
     for a, b in zip(checkpointed, plain):
         torch.testing.assert_close(a, b)
 
 
 PORTABLE_CHECK = """
 import sys, torch
-from rpt.models.cells import native
-from tests.models.test_native_loops import portable_case_outputs
-assert not any("avx" in flag.lower() for flag in native.compile_flags()), native.compile_flags()
-assert native.loops() is not None, "the portable build failed"
+import rpt.models
+from rpt import kernels
+from rpt.kernels.cpu import build
+from tests.kernels.test_native_loops import portable_case_outputs
+assert not any("avx" in flag.lower() for flag in build.compile_flags()), build.compile_flags()
+assert kernels.current().loops() is not None, "the portable build failed"
 torch.save(portable_case_outputs(), sys.argv[1])
 """
 
@@ -283,7 +286,7 @@ def portable_case_outputs():
 def test_the_portable_build_computes_what_this_one_does(tmp_path):
     """Where the CPU lacks AVX2 the loops are built without it (ATen's portable vector type): forced here with
     ATEN_CPU_CAPABILITY=default, in a fresh process and build folder, its results must match this build's."""
-    if native.loops() is None:
+    if kernels.current().loops() is None:
         pytest.skip("the native loops are not built here")
     out = tmp_path / "portable.pt"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "RPT_NATIVE_DIR": str(tmp_path / "build"),
@@ -306,9 +309,9 @@ def test_a_build_says_so_and_every_checkout_builds_the_same_paths(tmp_path, monk
     from torch.utils import cpp_extension
 
     monkeypatch.setenv("RPT_NATIVE_DIR", str(tmp_path))
-    out = native.build_directory()
+    out = build.build_directory()
     out.mkdir(parents=True)
-    (out / f"{native.NAME}.so").write_bytes(b"")  # an earlier build's library: no message up front
+    (out / f"{build.NAME}.so").write_bytes(b"")  # an earlier build's library: no message up front
     seen = {}
 
     def slow_build(name, sources, **kwargs):  # ninja rebuilding: longer than a load of a finished build
@@ -319,8 +322,8 @@ def test_a_build_says_so_and_every_checkout_builds_the_same_paths(tmp_path, monk
     monkeypatch.setattr(cpp_extension, "load", slow_build)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert native._compile_and_load() is None
+        assert build._compile_and_load() is None
     assert "rpt: compiling the native recurrent loops" in capsys.readouterr().err
     assert all(Path(s).parent == out / "src" for s in seen["sources"])
-    assert [Path(s).name for s in seen["sources"]] == [s.name for s in native.SOURCES]
-    assert all((out / "src" / h.name).read_bytes() == h.read_bytes() for h in native.HEADERS)
+    assert [Path(s).name for s in seen["sources"]] == [s.name for s in build.SOURCES]
+    assert all((out / "src" / h.name).read_bytes() == h.read_bytes() for h in build.HEADERS)

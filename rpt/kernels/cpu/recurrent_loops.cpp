@@ -38,7 +38,7 @@ using OptTensor = std::optional<Tensor>;
 using namespace rpt_native::steps;     // each step's elementwise pass
 using namespace rpt_native::threaded;  // the loops at few rows
 
-// h @ W^T (+ add), n = W's rows, with W in the layout PackedLinear (rpt/models/cells/packed_linear.py) chose:
+// h @ W^T (+ add), n = W's rows, with W in the layout PackedLinear (rpt/kernels/cpu/products.py) chose:
 // 0 the plain [n, H] weight (addmm), 1 reordered for oneDNN (whose ops these are), 2 grouped for
 // small_batch_product (small_batch_product.cpp: few rows).
 Tensor project(const Tensor& h, const OptTensor& add, const Tensor& w, int64_t layout, int64_t n) {
@@ -61,7 +61,7 @@ Tensor project(const Tensor& h, const OptTensor& add, const Tensor& w, int64_t l
   return add ? at::addmm(*add, h, w.t()) : at::mm(h, w.t());
 }
 
-// ModLSTMFunction.forward's loop. gate: -1 the stabilised exponential gate, 0 sigmoid, 1 hard sigmoid
+// modlstm_sequence's forward loop (rpt/models/cells/modlstm.py). gate: -1 the stabilised exponential gate, 0 sigmoid, 1 hard sigmoid
 // (clamp(x / 6 + 0.5, 0, 1), as registered in rpt/models/registry.py). Returns the state after the last step:
 // (h, c), or (h, c, n, m) for the exponential gate. `fuse`: on the CPU, run each step's pointwise part as one pass
 // (native.unfused_steps() turns it off, so that the tests check the ATen form a GPU runs).
@@ -184,7 +184,7 @@ std::vector<Tensor> modlstm_forward(
   return {h, c};
 }
 
-// ModLSTMFunction.backward's loop over factors K_* precomputed for all steps (backward_factors in modlstm.py), as
+// modlstm_sequence_backward's loop over factors K_* precomputed for all steps (backward_factors in modlstm.py), as
 // ATen ops: what a GPU runs (modlstm_backward_cpu below is the CPU's). Fills dP (and dP_raw under gate norm).
 // Returns the gradients of the initial state: (dh, dc), or (dh, dc, dn) for the exponential gate.
 std::vector<Tensor> modlstm_backward(
@@ -225,7 +225,7 @@ std::vector<Tensor> modlstm_backward(
   return {dh, dc};
 }
 
-// ModLSTMFunction.backward's loop on the CPU, each step's pointwise part in one pass. Where modlstm_backward reads
+// modlstm_sequence_backward's loop on the CPU, each step's pointwise part in one pass. Where modlstm_backward reads
 // factors precomputed for all steps, this pass derives each step's from what the forward saved: the gates (acts),
 // the gate inputs (pre: the hard sigmoid's derivative needs them), the cell states (cs, c0 before the first step)
 // and the normalisers (ns, n0); it reads less memory than the factors would fill and skips the passes that make
@@ -386,7 +386,7 @@ std::vector<Tensor> modlstm_backward_cpu(
   return {dh, dc};
 }
 
-// GRUFunction.forward's loop; fills HP (h W_hh^T + b_hh), gates (r, z, n) and hs. Returns the last h.
+// gru_sequence's forward loop; fills HP (h W_hh^T + b_hh), gates (r, z, n) and hs. Returns the last h.
 // `fuse`: as for modlstm_forward.
 Tensor gru_forward(const Tensor& XP, const Tensor& w, int64_t layout, const Tensor& bias, const OptTensor& keep,
                    Tensor h, const Tensor& HP, const Tensor& gates, const Tensor& hs, bool fuse) {
@@ -419,7 +419,7 @@ Tensor gru_forward(const Tensor& XP, const Tensor& w, int64_t layout, const Tens
   return h;
 }
 
-// GRUFunction.backward's loop; fills dXP and dHP. Returns the gradient of the initial h. CPU only (gru's GPU
+// gru_sequence_backward's loop; fills dXP and dHP. Returns the gradient of the initial h. CPU only (gru's GPU
 // path is cuDNN). The Python loop (backward_steps in gru.py) reads factors K precomputed for all steps at once,
 // which suits ATen; here each step derives them from the saved gates in its one pass, which reads less memory
 // than the precomputed factors would and skips the passes that make them:

@@ -1,31 +1,21 @@
-"""The time loops of the fused recurrent kernels (modlstm, gru; minGRU and minLSTM on the CPU) in C++,
-compiled once per machine.
+"""Builds rpt's C++ time loops (the sources beside this file) once per machine and loads them.
 
-Why our own C++: at small batch each step of these loops is one small matrix product (~30-55 us at B=2,
-H=512 on the build machine) and 6-10 small elementwise ops. Called from Python, each op costs 5-8 us of
-dispatch, so the loop spends as long in the interpreter as in the product; the same ATen ops called from
-C++ cost 1-2 us each. torch.compile would unroll the T steps of the loop (and TorchScript is deprecated),
-and no library offers these cells' loops. `recurrent_loops.cpp` is the Python loops of modlstm.py and
-gru.py step for step on the same buffers: each step's product is PackedLinear's, and on the CPU each
-step's elementwise part is one pass of the same arithmetic (tests/models/test_native_loops.py holds the two
-forms equally close to float64: the passes are in `step_passes.h`); at few rows the whole loop runs in one
-parallel region, the threads splitting each step's product and then its elementwise part (why:
-`threaded_loops.h`).
-`small_batch_product.cpp` is the per-step product for few rows, where oneDNN's fixed cost per call
-dominated (why: its header). `min_scan.cpp` is the other
-kind: minGRU's and minLSTM's linear recurrence in one raw pass over memory each way, where the ATen form
-(the chunked scan of rpt/models/scan.py) makes many (why: its header).
+Why our own C++: at small batch each step of the recurrent loops is one small matrix product and 6-10 small
+elementwise ops, and from Python each op costs several times its dispatch from C++; torch.compile would unroll
+the T steps of the loop (and TorchScript is deprecated), and no library offers these cells' loops (figures:
+benchmarks/RESULTS.md). `recurrent_loops.cpp` is the Python loops of modlstm.py and gru.py step for step on the
+same buffers (each step's elementwise part one pass of the same arithmetic on the CPU: `step_passes.h`; at few
+rows the whole loop in one parallel region: `threaded_loops.h`); `small_batch_product.cpp` the per-step product
+for few rows; `min_scan.cpp` minGRU's and minLSTM's linear recurrence in one pass each way.
 
-It is built on first use with torch's JIT extension builder (g++ and ninja; about 25 s on 2 cores) into
-~/.cache/rpt/native/ (RPT_NATIVE_DIR overrides), one folder per torch version, source and compile flags (AVX2
-where the CPU has it: the steps' fused passes use ATen's vector type, its exp and tanh), and loaded from
-there afterwards; every process runs each loop once on load (`_self_test`). Where it cannot be built
-(no compiler) or fails that test, the Python loops run, after one warning.
+It is built with torch's JIT extension builder (g++ and ninja) into ~/.cache/rpt/native/ (RPT_NATIVE_DIR
+overrides), one folder per torch version, source and compile flags, and loaded from there afterwards. Every
+process runs the checks registered with `on_load` once before any cell relies on the loops; where they cannot be
+built (no compiler) or fail a check, the Python loops run, after one warning.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import os
@@ -41,9 +31,13 @@ SOURCES = [Path(__file__).with_name(name)
            for name in ("recurrent_loops.cpp", "small_batch_product.cpp", "min_scan.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("step_passes.h", "threaded_loops.h")]  # in the build's key
 NAME = "rpt_recurrent_loops"
-_use = True
-_fuse = True
-_candidate = None  # the loops while their self-test runs
+CHECKS: list = []  # run once on the loaded loops before any cell uses them (on_load)
+
+
+def on_load(check) -> None:
+    """Register `check(ops)`, run once per process on the freshly loaded loops; an exception there means the loops
+    are not used (rpt.models.cells registers one that runs every cell that uses them, both ways)."""
+    CHECKS.append(check)
 
 
 def compile_flags() -> list[str]:
@@ -72,7 +66,7 @@ def build_directory() -> Path:
 _built = {}  # "ops": what this process's one build gave (a plain dict, which torch.compile's tracing reads as is)
 
 
-def _build():
+def built_loops():
     """torch.ops.rpt_loops, or None (with a warning saying why) where it cannot be built; once per process."""
     if "ops" not in _built:
         _built["ops"] = _compile_and_load()
@@ -140,46 +134,25 @@ def _register_shapes() -> None:
 
 
 def _self_test(ops) -> None:
-    """Run every loop once on the CPU, with either per-step product (rpt's small-batch one, oneDNN's), before any
-    cell relies on them: the C++ calls oneDNN's operators by schema, so a torch whose schemas differ fails here,
-    at load, and not in a training step.
+    """Run the registered checks on `ops` before any cell relies on them: the C++ calls oneDNN's operators by
+    schema, so a torch whose schemas differ fails here, at load, and not in a training step.
 
     On a thread of its own: the first use of the loops may come inside a caller's autograd context, such as a
     block's forward under activation checkpointing, whose saved-tensor hooks (like grad mode and autocast) belong
-    to the caller's thread. Run there, this test's tensors went to the checkpoint, which then failed the test
-    and the run."""
-    global _candidate
-    from rpt.models.cells.gru import GRU
-    from rpt.models.cells.minrnn import MinGRU, MinLSTM
-    from rpt.models.cells.modlstm import ModLSTM
-    from rpt.models.cells.packed_linear import onednn_products
-
+    to the caller's thread. Run there, a check's tensors went to the checkpoint, which then failed it and the run."""
     failures = []
 
-    def run_cells():
+    def run_checks():
         try:
-            torch.manual_seed(0)
-            for onednn in (False, True):
-                with onednn_products() if onednn else contextlib.nullcontext():
-                    for cell in (ModLSTM(8, gate_norm=True, peepholes=True), ModLSTM(8, gate="exp"), GRU(8),
-                                 MinGRU(8), MinLSTM(8)):
-                        cell = cell.to("cpu")
-                        x = torch.randn(2, 3, 8, device="cpu", requires_grad=True)
-                        reset = torch.zeros(2, 3, dtype=torch.bool, device="cpu")
-                        reset[0, 1] = True
-                        y, _ = cell(x, None, reset)
-                        y.sum().backward()
+            for check in CHECKS:
+                check(ops)
         except BaseException as e:  # noqa: BLE001 (raised again on the caller's thread)
             failures.append(e)
 
-    _candidate = ops  # what loops() hands the cells during the test
-    try:
-        with torch.random.fork_rng(devices=[]):  # the CPU generator is the process's
-            thread = threading.Thread(target=run_cells, name="rpt-native-self-test")
-            thread.start()
-            thread.join()
-    finally:
-        _candidate = None
+    with torch.random.fork_rng(devices=[]):  # the CPU generator is the process's
+        thread = threading.Thread(target=run_checks, name="rpt-native-self-test")
+        thread.start()
+        thread.join()
     if failures:
         raise failures[0]
 
@@ -193,37 +166,3 @@ def _ninja_bin_dir() -> str:
     except (ImportError, AttributeError):
         pass
     return str(Path(sys.executable).parent)
-
-
-def loops():
-    """The compiled loops (`torch.ops.rpt_loops`), built on first use; None where they cannot be built."""
-    if not _use:
-        return None
-    return _candidate if _candidate is not None else _build()
-
-
-@contextlib.contextmanager
-def python_loops():
-    """Run the Python loops inside this block (for tests and benchmarks that compare the two)."""
-    global _use
-    before, _use = _use, False
-    try:
-        yield
-    finally:
-        _use = before
-
-
-def fuse_pointwise() -> bool:
-    """Whether the CPU backward loops run each step's pointwise part as one pass (the default)."""
-    return _fuse
-
-
-@contextlib.contextmanager
-def unfused_steps():
-    """Run the native loops' steps as ATen ops on the CPU too, the form they take on a GPU (for tests)."""
-    global _fuse
-    before, _fuse = _fuse, False
-    try:
-        yield
-    finally:
-        _fuse = before

@@ -1,4 +1,4 @@
-"""The products of rpt/models/cells/packed_linear.py (oneDNN's; rpt's small-batch one) against float64.
+"""The products of rpt/models/cells/products.py (oneDNN's; rpt's small-batch one) against float64.
 
 `linear` takes the oneDNN path only for large float32 CPU products, which the float64 parity tests of the
 cells never reach: here it is checked on its own, output and every gradient, and its fallbacks are checked to
@@ -11,8 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rpt.models.cells import packed_linear
-from rpt.models.cells.packed_linear import MIN_ROWS, linear
+import rpt.models  # noqa: F401  (registers the loops' check)
+from rpt import kernels
+from rpt.kernels.cpu import products
+from rpt.kernels.cpu.products import MIN_ROWS, linear
 
 
 def grads_of(fn, x, w, b, gy):
@@ -25,19 +27,19 @@ def grads_of(fn, x, w, b, gy):
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_onednn_linear_matches_float64_with_every_gradient(bias):
-    if not packed_linear._packed_available():
+    if not products._packed_available():
         pytest.skip("torch has no oneDNN linear here")
     torch.manual_seed(0)
     x = torch.randn(4, MIN_ROWS // 4 + 3, 48)  # a 3-D input of more than MIN_ROWS rows
     w, b = torch.randn(40, 48) * 0.2, (torch.randn(40) if bias else None)
     gy = torch.randn(4, MIN_ROWS // 4 + 3, 40)
     calls = []
-    real = packed_linear._OneDNNLinear.apply
-    packed_linear._OneDNNLinear.apply = lambda *a: calls.append(1) or real(*a)
+    real = products._OneDNNLinear.apply
+    products._OneDNNLinear.apply = lambda *a: calls.append(1) or real(*a)
     try:
         got = grads_of(linear, x, w, b, gy)
     finally:
-        packed_linear._OneDNNLinear.apply = real
+        products._OneDNNLinear.apply = real
     assert calls, "the oneDNN path did not run"
     exact = grads_of(F.linear, x.double(), w.double(), b.double() if bias else None, gy.double())
     plain = grads_of(F.linear, x, w, b, gy)
@@ -52,7 +54,7 @@ def test_onednn_linear_matches_float64_with_every_gradient(bias):
 def test_small_other_dtype_and_autocast_calls_are_f_linear(monkeypatch):
     def refuse(*args):
         raise AssertionError("the oneDNN path ran")
-    monkeypatch.setattr(packed_linear._OneDNNLinear, "apply", refuse)
+    monkeypatch.setattr(products._OneDNNLinear, "apply", refuse)
     w = torch.randn(8, 16)
     few = torch.randn(2, 5, 16)  # generation-sized: F.linear
     torch.testing.assert_close(linear(few, w), F.linear(few, w), rtol=0, atol=0)
@@ -68,7 +70,7 @@ def test_fused_cells_sequence_products_on_onednn_as_accurate_as_mkl(name, monkey
     """gru's and modlstm's own kernels call `matmul` for their sequence-sized products (the input projection and
     its input gradient): at more than MIN_ROWS rows of float32 these run on oneDNN, and the whole layer's output
     and gradients stay as close to float64 as with torch's default GEMM."""
-    if not packed_linear._packed_available():
+    if not products._packed_available():
         pytest.skip("torch has no oneDNN linear here")
     from rpt.config import ModelConfig
     from rpt.models.block import build_cell
@@ -84,11 +86,11 @@ def test_fused_cells_sequence_products_on_onednn_as_accurate_as_mkl(name, monkey
         return [y, *torch.autograd.grad(y, [xs, *module.parameters()], g)]
 
     packs = []
-    real = packed_linear._pack
-    monkeypatch.setattr(packed_linear, "_pack", lambda *a: packs.append(1) or real(*a))
+    real = products._pack
+    monkeypatch.setattr(products, "_pack", lambda *a: packs.append(1) or real(*a))
     got = run(cell, x, gy)
     assert len(packs) == 2, "the input projection and its gradient did not both run on oneDNN"
-    monkeypatch.setattr(packed_linear, "MIN_ROWS", 10**9)
+    monkeypatch.setattr(products, "MIN_ROWS", 10**9)
     plain = run(cell, x, gy)
     assert len(packs) == 2
     exact = run(cell.double(), x.double(), gy.double())
@@ -101,18 +103,17 @@ def test_fused_cells_sequence_products_on_onednn_as_accurate_as_mkl(name, monkey
 @pytest.mark.parametrize("rows,n,k", [(1, 300, 100), (2, 64, 32), (3, 40, 8), (4, 70, 20), (5, 1000, 33),
                                      (7, 33, 64), (8, 96, 192)])
 def test_small_batch_product_matches_float64(rows, n, k):
-    """rpt's small-batch product (native/small_batch_product.cpp) on every path: rows in threes, then a pair or a
+    """rpt's small-batch product (rpt/kernels/cpu/small_batch_product.cpp) on every path: rows in threes, then a pair or a
     last single row, a width that ends inside a group of 32 columns, with and without the added term (here a
     strided view, as a step's slice of the sequence's input projection is), as accurate as torch's own GEMM."""
-    from rpt.models.cells import native
 
-    if native.loops() is None:
+    if kernels.current().loops() is None:
         pytest.skip("the native loops are not built here")
     torch.manual_seed(0)
     w, h = torch.randn(n, k), torch.randn(rows, k)
     add = torch.randn(rows, 2, n)[:, 1]  # row stride 2n
-    W = packed_linear.PackedLinear(w, rows)
-    assert W.operand[1] == 2, "a small product did not take the small-batch layout"
+    W = products.PackedLinear(w, rows, kernels.current())
+    assert W.operand[1] == products.Layout.SMALL_BATCH, "a small product did not take the small-batch layout"
     exact = h.double() @ w.double().T
     for got, plain, ref in ((W(h), h @ w.T, exact), (W(h, add), torch.addmm(add, h, w.T), exact + add.double())):
         assert got.shape == (rows, n) and got.dtype == torch.float32
@@ -124,51 +125,49 @@ def test_small_batch_product_matches_float64(rows, n, k):
 def test_few_rows_or_a_cached_weight_take_the_small_batch_product():
     """The layout rule: two rows always; more while the weight read once per three rows stays within
     SMALL_BATCH_TRAFFIC, any number for a weight within CACHED_WEIGHT; oneDNN beyond, and inside onednn_products()."""
-    from rpt.models.cells import native
 
-    if native.loops() is None or not packed_linear._packed_available():
+    if kernels.current().loops() is None or not products._packed_available():
         pytest.skip("needs the native loops and oneDNN")
     big, mid, small = torch.randn(2048, 512), torch.randn(1536, 384), torch.randn(768, 192)  # 4, 2.25, 0.56 MiB
-    assert packed_linear.PackedLinear(big, 2).operand[1] == 2
-    assert packed_linear.PackedLinear(big, 12).operand[1] == 2  # 4 passes x 4 MiB
-    assert packed_linear.PackedLinear(big, 13).operand[1] == 1
-    assert packed_linear.PackedLinear(mid, 21).operand[1] == 2  # 7 passes x 2.25 MiB
-    assert packed_linear.PackedLinear(mid, 22).operand[1] == 1
-    assert packed_linear.PackedLinear(small, 128).operand[1] == 2
-    with packed_linear.onednn_products():
-        assert packed_linear.PackedLinear(big, 2).operand[1] == 1
-    assert packed_linear.PackedLinear(big.double(), 2).operand[1] == 0
+    assert products.PackedLinear(big, 2, kernels.current()).operand[1] == products.Layout.SMALL_BATCH
+    assert products.PackedLinear(big, 12, kernels.current()).operand[1] == products.Layout.SMALL_BATCH  # 4 passes x 4 MiB
+    assert products.PackedLinear(big, 13, kernels.current()).operand[1] == products.Layout.ONEDNN
+    assert products.PackedLinear(mid, 21, kernels.current()).operand[1] == products.Layout.SMALL_BATCH  # 7 passes x 2.25 MiB
+    assert products.PackedLinear(mid, 22, kernels.current()).operand[1] == products.Layout.ONEDNN
+    assert products.PackedLinear(small, 128, kernels.current()).operand[1] == products.Layout.SMALL_BATCH
+    with kernels.use(small_batch=False):
+        assert products.PackedLinear(big, 2, kernels.current()).operand[1] == products.Layout.ONEDNN
+    assert products.PackedLinear(big.double(), 2, kernels.current()).operand[1] == products.Layout.PLAIN
 
 
-def test_rows_linear_follows_its_weight_and_keeps_autograd():
-    """rows_linear (generation's products) keeps a packing per parameter: an in-place change of the weight (an
+def test_row_products_follow_their_weight_and_keep_autograd():
+    """RowProducts (generation's products) keeps a packing per parameter: an in-place change of the weight (an
     optimiser step, load_state_dict) must reach the next call; a call that wants gradients is F.linear's, and so
-    is every call outside generation_products(), which leaves no packing behind (training's gate probe)."""
-    from rpt.models.cells import native
-
-    if native.loops() is None:
+    is every call outside the mode, which leaves no packing behind (training's gate probe)."""
+    ops = kernels.current().loops()
+    if ops is None:
         pytest.skip("the native loops are not built here")
     torch.manual_seed(0)
     lin = torch.nn.Linear(40, 70)
     x = torch.randn(1, 1, 40)
+    mode = products.RowProducts(ops)
     with torch.no_grad():
-        torch.testing.assert_close(packed_linear.rows_linear(x, lin.weight, lin.bias), lin(x), rtol=0, atol=0)
-        assert id(lin.weight) not in packed_linear._row_packs, "a packing was made outside generation"
-        with packed_linear.generation_products():
-            first = packed_linear.rows_linear(x, lin.weight, lin.bias)
-        assert id(lin.weight) in packed_linear._row_packs, "the small-batch product did not run"
-        torch.testing.assert_close(first, lin(x), rtol=1e-5, atol=1e-5)
+        plain = lin(x)
+        assert not mode.packs, "a packing was made outside generation"
+        with mode:
+            first = lin(x)
+        assert id(lin.weight) in mode.packs, "the small-batch product did not run"
+        torch.testing.assert_close(first, plain, rtol=1e-5, atol=1e-5)
         lin.weight.mul_(-2.0)
-        with packed_linear.generation_products():
-            torch.testing.assert_close(packed_linear.rows_linear(x, lin.weight, lin.bias), lin(x), rtol=1e-5,
-                                       atol=1e-5)
+        with mode:
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     xg = x.clone().requires_grad_()
-    with packed_linear.generation_products():
-        packed_linear.rows_linear(xg, lin.weight, lin.bias).sum().backward()
+    with mode:
+        lin(xg).sum().backward()
     torch.testing.assert_close(xg.grad, lin.weight.sum(0).expand_as(xg).detach())
     key = id(lin.weight)
     del lin
-    assert key not in packed_linear._row_packs, "a dead weight's packing was kept"
+    assert key not in mode.packs, "a dead weight's packing was kept"
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm"])
@@ -178,28 +177,27 @@ def test_generation_steps_on_the_small_batch_product_equal_the_forward(cell, mon
     (around model.generate) uses it and drops the packings when it ends."""
     from rpt.config import ModelConfig
     from rpt.models import RecurrentLM
-    from rpt.models.cells import native
 
-    if native.loops() is None:
+    ops = kernels.current().loops()
+    if ops is None:
         pytest.skip("the native loops are not built here")
     torch.manual_seed(0)
     model = RecurrentLM(ModelConfig(cell=cell, vocab_size=50, d_model=16, d_hidden=24, n_layers=2, attention_every=2,
                                     attention_window=4, attention_heads=2, mlp_ratio=2.0)).eval()
     x = torch.randint(0, 50, (1, 9))
+    mode = products.RowProducts(ops)
     with torch.no_grad():
         whole, _ = model(x)
         state = None
         for t in range(9):
-            with packed_linear.generation_products():
+            with mode:
                 out, state = model.step(x[:, t], state)
             torch.testing.assert_close(out, whole[:, t], rtol=1e-4, atol=1e-5)
     missed = [name for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name
-              and id(p) not in packed_linear._row_packs]
+              and id(p) not in mode.packs]
     assert not missed, f"products not on the small-batch path: {missed}"
-    packed_linear.drop_row_packs()
-    seen = []
-    monkeypatch.setattr(packed_linear, "_row_packs", type("Spy", (dict,), {
-        "__setitem__": lambda self, k, v: seen.append(k) or dict.__setitem__(self, k, v)})())
-    tokens = list(packed_linear.generating(model.generate(x[0, :3], 5, temperature=0)))
-    assert len(tokens) == 5 and seen, "generating() did not run the small-batch product"
-    assert not packed_linear._row_packs, "generating() left its packings behind"
+    made = []
+    real = products.RowProducts.__init__
+    monkeypatch.setattr(products.RowProducts, "__init__", lambda self, o: real(self, o) or made.append(self))
+    tokens = list(products.generating(model.generate(x[0, :3], 5, temperature=0), kernels.current()))
+    assert len(tokens) == 5 and made and made[0].packs == {}, "generating() did not run the products or kept them"

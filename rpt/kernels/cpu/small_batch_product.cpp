@@ -14,7 +14,7 @@
 // vectors, and the group's four vectors of W fill the 16 AVX2 registers), then a pair, then a last single row. So
 // W is read once per three rows, and each read feeds 12 multiply-adds: with a W that stays in the L2 cache the
 // product runs at 200-220 GFLOP/s on the build machine where pairs ran at 160-168 (a 4 x 4 block spills
-// registers: 126-131; 4 and 6 rows by two vectors: 195-217). PackedLinear (rpt/models/cells/packed_linear.py)
+// registers: 126-131; 4 and 6 rows by two vectors: 195-217). PackedLinear (rpt/kernels/cpu/products.py)
 // chooses this layout only while that traffic stays small (few rows, or a W that stays in the cache), and
 // oneDNN's GEMM beyond.
 

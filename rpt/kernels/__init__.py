@@ -1,0 +1,32 @@
+"""The cells' fast paths, by backend. `cpu/` holds rpt's own C++ time loops (built on first use) and the matrix
+products the CPU runs fastest; a GPU backend is another folder beside it.
+
+What a fast path may use is one object, `current()`: a cell's kernel asks for it once per call and passes it
+down to the products and loops it runs. Tests and benchmarks that compare forms choose another for a block
+(`with use(native=False): ...`): there are no switches elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from rpt.kernels.cpu.backend import CPUBackend
+
+_current = CPUBackend()
+
+
+def current() -> CPUBackend:
+    """The backend in force."""
+    return _current
+
+
+@contextlib.contextmanager
+def use(**changes):
+    """Inside this block the backend in force is the current one with `changes` (its fields, by name)."""
+    global _current
+    before, _current = _current, dataclasses.replace(_current, **changes)
+    try:
+        yield _current
+    finally:
+        _current = before

@@ -1,0 +1,179 @@
+"""Matrix products in the weight layouts the CPU runs fastest, where torch's default GEMM is slow.
+
+- `PackedLinear`: h @ W.T (+ add) for the small-batch products inside a recurrent loop. With B as small as 1 or
+  2 rows, torch's default (MKL) GEMM is several times slower than oneDNN with the weight packed once per
+  sequence, and with the fewest rows rpt's own product (small_batch_product.cpp) beats oneDNN in turn, whose
+  every call pays a fixed cost: the layout is chosen per weight and batch (`Layout`).
+- `linear` / `matmul`: F.linear for the sequence-sized projections of the cells, on oneDNN with the weight packed
+  at each call (faster than MKL for their forward and input-gradient products; the weight gradient stays a plain
+  GEMM). Small calls keep F.linear, as do autocast, other dtypes and devices.
+- `generating(tokens)`: a generation's one-row products (every F.linear of a step) on rpt's small-batch product,
+  on a packing of each weight kept for the generation.
+
+Where oneDNN's ops are missing, off the CPU, or not float32, all of these fall back to addmm, so results never
+depend on them (figures: benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import weakref
+from enum import IntEnum
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rpt.kernels.cpu.backend import CPUBackend
+
+MIN_ROWS = 1024  # below this many rows packing the weight at each call costs more than it saves
+
+
+def _packed_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+# Few rows and a small enough W: rpt's own product reads W once per three rows of h, and the native loops run it with
+# the step's elementwise part split over the same threads; faster than oneDNN's product while that traffic stays
+# within SMALL_BATCH_TRAFFIC, and at any number of rows for a W that stays in the threads' L2 caches (the crossovers
+# of a grid of modlstm and gru forward + backward, benchmarks/RESULTS.md).
+SMALL_BATCH_TRAFFIC = 16 << 20  # bytes a step: ceil(rows / 3) x W
+CACHED_WEIGHT = 1 << 20  # bytes
+
+
+class Layout(IntEnum):
+    """How PackedLinear holds W (the native loops take the code)."""
+    PLAIN = 0  # the weight as it is: addmm (off the CPU, other dtypes)
+    ONEDNN = 1  # oneDNN's reordered weight
+    SMALL_BATCH = 2  # rpt's small-batch packing (the native loops must be built)
+
+
+class PackedLinear:
+    """h @ W.T (+ add) in the layout that suits `batch` rows on `backend`. `operand` is (packed weight, layout
+    code), what the native loops take."""
+
+    def __init__(self, weight: torch.Tensor, batch: int, backend: CPUBackend):
+        self.weight, self.operand = weight, (weight, int(Layout.PLAIN))
+        self.ops = None
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return
+        ops = backend.loops()
+        few = (batch <= 2 or weight.nbytes <= CACHED_WEIGHT
+               or -(-batch // 3) * weight.nbytes <= SMALL_BATCH_TRAFFIC)
+        if ops is not None and few and backend.small_batch:
+            self.ops, self.operand = ops, (ops.pack_for_small_batch(weight.detach()), int(Layout.SMALL_BATCH))
+        elif _packed_available():
+            try:
+                self.operand = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch), int(Layout.ONEDNN))
+            except RuntimeError:
+                pass
+
+    def __call__(self, h: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        w, layout = self.operand
+        if layout == Layout.SMALL_BATCH:
+            return self.ops.small_batch_product(h, w, self.weight.shape[0], add)
+        if layout == Layout.ONEDNN:
+            if add is None:
+                return torch.ops.mkldnn._linear_pointwise(h, w, None, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise.binary(h, add, w, None, "add")
+        if add is None:
+            return h @ self.weight.T
+        return torch.addmm(add, h, self.weight.T)
+
+
+def _on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel() >= MIN_ROWS * x.shape[-1]
+            and not torch.is_autocast_enabled("cpu") and _packed_available())
+
+
+class RowProducts(torch.overrides.TorchFunctionMode):
+    """Inside it, F.linear on at most two rows, with no gradient wanted and a float32 CPU parameter as weight, runs
+    rpt's small-batch product on a packing of the weight made at its first use and kept until the weight changes
+    (its in-place version counter moves) or dies, or the mode is left. A generated token reads every matrix once,
+    and MKL's GEMM reads them at a fraction of the memory's speed."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.ops, self.packs = ops, {}  # id(weight) -> (weakref to it, its _version when packed, the packing)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear or func is torch._C._nn.linear:
+            y = self._rows(*args, **(kwargs or {}))
+            if y is not None:
+                return y
+        return func(*args, **(kwargs or {}))
+
+    def _rows(self, x, weight, bias=None):
+        if (x.numel() > 2 * weight.shape[-1] or not isinstance(weight, nn.Parameter) or weight.device.type != "cpu"
+                or weight.dtype != torch.float32 or x.dtype != torch.float32
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return None
+        key = id(weight)
+        held = self.packs.get(key)
+        if held is None or held[0]() is not weight or held[1] != weight._version:
+            packed = self.ops.pack_for_small_batch(weight.detach())
+            self.packs[key] = held = (weakref.ref(weight, lambda _, k=key: self.packs.pop(k, None)), weight._version,
+                                      packed)
+        rows = x.reshape(-1, x.shape[-1])
+        y = self.ops.small_batch_product(rows, held[2], weight.shape[0],
+                                         None if bias is None else bias.expand(len(rows), -1))
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def generating(tokens: Iterator[int], backend: CPUBackend) -> Iterator[int]:
+    """`model.generate(...)` with every step's one-row products inside RowProducts (the first `next` builds the
+    native code, before any token is out); the packings go when it ends: no copy of the weights outlives it."""
+    ops = backend.loops()
+    if ops is None:
+        yield from tokens
+        return
+    mode = RowProducts(ops)
+    try:
+        while True:
+            with mode:
+                token = next(tokens, None)
+            if token is None:
+                return
+            yield token
+    finally:
+        mode.packs.clear()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), on oneDNN for large float32 CPU products (see the module docstring)."""
+    return _OneDNNLinear.apply(x, weight, bias) if _on_onednn(x, weight) else F.linear(x, weight, bias)
+
+
+def matmul(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 @ weight.T (+ bias) for 2-D x2, outside autograd: the sequence products inside the fused cells' own
+    forward and backward (gru, modlstm). `weight` may be a transposed view (the input gradient's W)."""
+    if _on_onednn(x2, weight):
+        return torch.ops.mkldnn._linear_pointwise(x2.contiguous(), _pack(weight, x2.shape[0]), bias, "none", [], "")
+    return torch.addmm(bias, x2, weight.T) if bias is not None else x2 @ weight.T
+
+
+def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = matmul(x2, weight, bias)
+        ctx.save_for_backward(x2, weight)
+        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x2, weight = ctx.saved_tensors
+        g2 = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:  # grad_y @ W: W.T packed as the weight (oneDNN reads the transposed view)
+            grad_x = matmul(g2, weight.t()).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = g2.t() @ x2
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0)
+        return grad_x, grad_w, grad_b
