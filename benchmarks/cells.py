@@ -149,7 +149,7 @@ def bench_generation(device, lengths):
             before = memory_bytes(device)
             t = time.perf_counter()
             tokens = model.generate(prompt, n, temperature=1.0, top_k=50)
-            count = sum(1 for _ in (generating(tokens, kernels.current()) if device.type == "cpu" else tokens))
+            count = sum(1 for _ in (generating(model, tokens, kernels.current()) if device.type == "cpu" else tokens))
             dt = time.perf_counter() - t
             state = model(prompt[None])[1]
             numel = sum(t.numel() for block in state for part in block for t in part)

@@ -134,7 +134,7 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
     pieces = []
     tokens = model.generate(torch.tensor(ids, device=dev), max_new_tokens, temperature, top_k, top_p, generator)
     if dev.type == "cpu":  # each step's one-row products on rpt's small-batch product
-        tokens = generating(tokens, kernels.current())
+        tokens = generating(model, tokens, kernels.current())
     first = next(tokens, None)  # the prompt's forward first: a first use's build message comes before any text
     out.write(prompt)
     for token in [] if first is None else itertools.chain([first], tokens):

@@ -142,32 +142,31 @@ def test_few_rows_or_a_cached_weight_take_the_small_batch_product():
 
 def test_row_products_follow_their_weight_and_keep_autograd():
     """RowProducts (generation's products) keeps a packing per parameter: an in-place change of the weight (an
-    optimiser step, load_state_dict) must reach the next call; a call that wants gradients is F.linear's, and so
-    is every call outside the mode, which leaves no packing behind (training's gate probe)."""
+    optimiser step, load_state_dict) must reach the next call; a call that wants gradients is F.linear's, and
+    row_products() puts it into a model's nn.Linear layers for a block only, leaving nothing behind."""
     ops = kernels.current().loops()
     if ops is None:
         pytest.skip("the native loops are not built here")
     torch.manual_seed(0)
     lin = torch.nn.Linear(40, 70)
     x = torch.randn(1, 1, 40)
-    mode = products.RowProducts(ops)
+    rows = products.RowProducts(ops)
     with torch.no_grad():
         plain = lin(x)
-        assert not mode.packs, "a packing was made outside generation"
-        with mode:
+        with products.row_products(lin, rows):
             first = lin(x)
-        assert id(lin.weight) in mode.packs, "the small-batch product did not run"
+        assert id(lin.weight) in rows.packs, "the small-batch product did not run"
+        assert "forward" not in vars(lin), "row_products() left its product in the layer"
         torch.testing.assert_close(first, plain, rtol=1e-5, atol=1e-5)
         lin.weight.mul_(-2.0)
-        with mode:
-            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rows(x, lin.weight, lin.bias), F.linear(x, lin.weight, lin.bias), rtol=1e-5,
+                                   atol=1e-5)
     xg = x.clone().requires_grad_()
-    with mode:
-        lin(xg).sum().backward()
+    rows(xg, lin.weight, lin.bias).sum().backward()
     torch.testing.assert_close(xg.grad, lin.weight.sum(0).expand_as(xg).detach())
     key = id(lin.weight)
     del lin
-    assert key not in mode.packs, "a dead weight's packing was kept"
+    assert key not in rows.packs, "a dead weight's packing was kept"
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm"])
@@ -185,19 +184,20 @@ def test_generation_steps_on_the_small_batch_product_equal_the_forward(cell, mon
     model = RecurrentLM(ModelConfig(cell=cell, vocab_size=50, d_model=16, d_hidden=24, n_layers=2, attention_every=2,
                                     attention_window=4, attention_heads=2, mlp_ratio=2.0)).eval()
     x = torch.randint(0, 50, (1, 9))
-    mode = products.RowProducts(ops)
+    rows = products.RowProducts(ops)
     with torch.no_grad():
         whole, _ = model(x)
         state = None
         for t in range(9):
-            with mode:
+            with products.row_products(model, rows):
                 out, state = model.step(x[:, t], state)
             torch.testing.assert_close(out, whole[:, t], rtol=1e-4, atol=1e-5)
     missed = [name for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name
-              and id(p) not in mode.packs]
+              and id(p) not in rows.packs]
     assert not missed, f"products not on the small-batch path: {missed}"
+    assert not any("forward" in vars(m) or "linear" in vars(m) for m in model.modules()), "a product stayed swapped"
     made = []
     real = products.RowProducts.__init__
     monkeypatch.setattr(products.RowProducts, "__init__", lambda self, o: real(self, o) or made.append(self))
-    tokens = list(products.generating(model.generate(x[0, :3], 5, temperature=0), kernels.current()))
+    tokens = list(products.generating(model, model.generate(x[0, :3], 5, temperature=0), kernels.current()))
     assert len(tokens) == 5 and made and made[0].packs == {}, "generating() did not run the products or kept them"

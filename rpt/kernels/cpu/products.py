@@ -16,6 +16,7 @@ depend on them (figures: benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from enum import IntEnum
 from typing import Iterator
@@ -86,28 +87,20 @@ def _on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not torch.is_autocast_enabled("cpu") and _packed_available())
 
 
-class RowProducts(torch.overrides.TorchFunctionMode):
-    """Inside it, F.linear on at most two rows, with no gradient wanted and a float32 CPU parameter as weight, runs
+class RowProducts:
+    """F.linear for generation: on at most two rows, with no gradient wanted and a float32 CPU parameter as weight,
     rpt's small-batch product on a packing of the weight made at its first use and kept until the weight changes
-    (its in-place version counter moves) or dies, or the mode is left. A generated token reads every matrix once,
+    (its in-place version counter moves) or dies; F.linear otherwise. A generated token reads every matrix once,
     and MKL's GEMM reads them at a fraction of the memory's speed."""
 
     def __init__(self, ops):
-        super().__init__()
         self.ops, self.packs = ops, {}  # id(weight) -> (weakref to it, its _version when packed, the packing)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.linear or func is torch._C._nn.linear:
-            y = self._rows(*args, **(kwargs or {}))
-            if y is not None:
-                return y
-        return func(*args, **(kwargs or {}))
-
-    def _rows(self, x, weight, bias=None):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if (x.numel() > 2 * weight.shape[-1] or not isinstance(weight, nn.Parameter) or weight.device.type != "cpu"
                 or weight.dtype != torch.float32 or x.dtype != torch.float32
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-            return None
+            return F.linear(x, weight, bias)
         key = id(weight)
         held = self.packs.get(key)
         if held is None or held[0]() is not weight or held[1] != weight._version:
@@ -120,23 +113,42 @@ class RowProducts(torch.overrides.TorchFunctionMode):
         return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def generating(tokens: Iterator[int], backend: CPUBackend) -> Iterator[int]:
-    """`model.generate(...)` with every step's one-row products inside RowProducts (the first `next` builds the
-    native code, before any token is out); the packings go when it ends: no copy of the weights outlives it."""
+@contextlib.contextmanager
+def row_products(model: nn.Module, products: RowProducts):
+    """Inside this block every product of `model`'s steps runs `products`: each nn.Linear's, and each cell's
+    (a cell's step forms call `self.linear`, F.linear by default). Applied from outside and undone on leaving."""
+    swapped = []
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.forward = lambda x, m=module: products(x, m.weight, m.bias)
+            swapped.append((module, "forward"))
+        elif getattr(module, "linear", None) is F.linear:
+            module.linear = products
+            swapped.append((module, "linear"))
+    try:
+        yield
+    finally:
+        for module, name in swapped:
+            delattr(module, name)
+
+
+def generating(model: nn.Module, tokens: Iterator[int], backend: CPUBackend) -> Iterator[int]:
+    """`tokens = model.generate(...)` with every step's one-row products on RowProducts (the first `next` builds
+    the native code, before any token is out); the packings go when it ends: no copy of the weights outlives it."""
     ops = backend.loops()
     if ops is None:
         yield from tokens
         return
-    mode = RowProducts(ops)
+    products = RowProducts(ops)
     try:
         while True:
-            with mode:
+            with row_products(model, products):
                 token = next(tokens, None)
             if token is None:
                 return
             yield token
     finally:
-        mode.packs.clear()
+        products.packs.clear()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

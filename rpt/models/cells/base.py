@@ -31,6 +31,9 @@ State = tuple[torch.Tensor, ...]
 
 class Cell(nn.Module):
     name = "cell"
+    # The product the step forms run: F.linear. Generation on the CPU swaps in another from outside, for the
+    # duration (rpt.kernels.cpu.products.row_products).
+    linear = staticmethod(F.linear)
     # The model.* options this cell takes beside d_model and d_hidden, passed to __init__ by name. A cell declares
     # its own; setting one it does not declare is refused at start (rpt.models.registry.check_options).
     options: tuple[str, ...] = ()
@@ -88,7 +91,7 @@ class GatedRNNCell(Cell):
         self.proj = nn.Linear(H, D, bias=False) if H != D else None
 
     def _out(self, h):
-        return F.linear(h, self.proj.weight) if self.proj is not None else h
+        return self.linear(h, self.proj.weight) if self.proj is not None else h
 
     def flops_per_token(self):
         H, D = self.d_hidden, self.d_model

@@ -29,7 +29,7 @@ class GRU(GatedRNNCell):
         return [self.d_hidden]
 
     def step(self, x_t, state):
-        h, state = gru_step(x_t, state, self.w_ih, self.w_hh, self.b_ih, self.b_hh)
+        h, state = gru_step(x_t, state, self.w_ih, self.w_hh, self.b_ih, self.b_hh, self.linear)
         return self._out(h), state
 
     def forward(self, x, state=None, reset=None):
@@ -57,11 +57,11 @@ class GRU(GatedRNNCell):
         return over_segments(run, x, state, reset)
 
 
-def gru_step(x_t, state, w_ih, w_hh, b_ih, b_hh):
+def gru_step(x_t, state, w_ih, w_hh, b_ih, b_hh, linear=F.linear):
     """One step, the spec: returns h_t and the new state (h_t,)."""
     (h,) = state
-    xr, xz, xn = F.linear(x_t, w_ih, b_ih).chunk(3, dim=-1)
-    hr, hz, hn = F.linear(h, w_hh, b_hh).chunk(3, dim=-1)
+    xr, xz, xn = linear(x_t, w_ih, b_ih).chunk(3, dim=-1)
+    hr, hz, hn = linear(h, w_hh, b_hh).chunk(3, dim=-1)
     r = torch.sigmoid(xr + hr)
     z = torch.sigmoid(xz + hz)
     n = torch.tanh(xn + r * hn)

@@ -29,7 +29,7 @@ class LSTM(GatedRNNCell):
         return [self.d_hidden, self.d_hidden]
 
     def step(self, x_t, state):
-        h, state = lstm_step(x_t, state, self.w_ih, self.w_hh, self.b_ih, self.b_hh)
+        h, state = lstm_step(x_t, state, self.w_ih, self.w_hh, self.b_ih, self.b_hh, self.linear)
         return self._out(h), state
 
     def forward(self, x, state=None, reset=None):
@@ -50,10 +50,10 @@ class LSTM(GatedRNNCell):
         return self._out(y), state
 
 
-def lstm_step(x_t, state, w_ih, w_hh, b_ih, b_hh):
+def lstm_step(x_t, state, w_ih, w_hh, b_ih, b_hh, linear=F.linear):
     """One step, the spec: returns h_t and the new state (h_t, c_t)."""
     h, c = state
-    i, f, g, o = (F.linear(x_t, w_ih, b_ih) + F.linear(h, w_hh, b_hh)).chunk(4, dim=-1)
+    i, f, g, o = (linear(x_t, w_ih, b_ih) + linear(h, w_hh, b_hh)).chunk(4, dim=-1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     h = torch.sigmoid(o) * torch.tanh(c)
     return h, (h, c)

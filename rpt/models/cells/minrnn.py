@@ -18,8 +18,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import torch.nn.functional as F
-
 from rpt import kernels
 from rpt.kernels.cpu.backend import MinScan
 from rpt.kernels.cpu.products import linear
@@ -45,9 +43,9 @@ class _MinRNN(Cell):
 
     def step(self, x_t, state):
         (h,) = state
-        a, b = self.coefficients(F.linear(x_t, self.in_proj.weight, self.in_proj.bias))
+        a, b = self.coefficients(self.in_proj(x_t))
         h = a * h + b
-        return F.linear(h, self.out_proj.weight), (h,)
+        return self.out_proj(h), (h,)
 
     def forward(self, x, state=None, reset=None):
         (h0,) = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)

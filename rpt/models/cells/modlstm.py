@@ -124,7 +124,7 @@ class ModLSTM(Cell):
 
     def step(self, x_t, state):
         h, state = modlstm_step(self.variant, x_t, state, self.w_x, self.w_h, self.bias, self.ln_weight, self.ln_bias,
-                                self.peep)
+                                self.peep, self.linear)
         return self._out(h), state
 
     # ------------------------------------------------------------------ the fast path
@@ -139,7 +139,7 @@ class ModLSTM(Cell):
         return self._out(y), tuple(final if self.exp else final[:2])
 
     def _out(self, h):
-        return F.linear(h, self.proj.weight) if self.proj is not None else h
+        return self.linear(h, self.proj.weight) if self.proj is not None else h
 
     def flops_per_token(self):
         H, D, G = self.d_hidden, self.d_model, len(self.groups)
@@ -147,10 +147,11 @@ class ModLSTM(Cell):
 
 
 def modlstm_step(v: Variant, x_t: Tensor, state: tuple, w_x: Tensor, w_h: Tensor, bias: Optional[Tensor],
-                 ln_w: Optional[Tensor], ln_b: Optional[Tensor], peep: Optional[Tensor]) -> tuple[Tensor, tuple]:
+                 ln_w: Optional[Tensor], ln_b: Optional[Tensor], peep: Optional[Tensor],
+                 linear=F.linear) -> tuple[Tensor, tuple]:
     """One step of the recurrence, the spec of the module docstring line by line: returns h_t and the new state."""
     H, G = w_h.shape[1], len(v.groups)
-    P = F.linear(x_t, w_x) + F.linear(state[0], w_h)
+    P = linear(x_t, w_x) + linear(state[0], w_h)
     if bias is not None:
         P = P + bias
     P = P.view(-1, G, H)
