@@ -133,20 +133,18 @@ def row_products(model: nn.Module, products: RowProducts):
 
 
 def generating(model: nn.Module, tokens: Iterator[int], backend: CPUBackend) -> Iterator[int]:
-    """`tokens = model.generate(...)` with every step's one-row products on RowProducts (the first `next` builds
-    the native code, before any token is out); the packings go when it ends: no copy of the weights outlives it."""
+    """`tokens = model.generate(...)` with its one-row products on RowProducts (the first `next` builds the native
+    code, before any token is out) until it ends; then the products are F.linear again and the packings go, so no
+    copy of the weights outlives it. (While it is suspended the model computes the same: a call that wants
+    gradients, or has more rows, is F.linear's.)"""
     ops = backend.loops()
     if ops is None:
         yield from tokens
         return
     products = RowProducts(ops)
     try:
-        while True:
-            with row_products(model, products):
-                token = next(tokens, None)
-            if token is None:
-                return
-            yield token
+        with row_products(model, products):
+            yield from tokens
     finally:
         products.packs.clear()
 
