@@ -85,7 +85,7 @@ class AllReduceSync(LocalSync):
     PowerSGD, top-k and the adaptive schedule keep per-rank state from step to step; a checkpoint saves it and
     a resume restores it. The codecs' state is indexed by DDP bucket (torch's PowerSGD hook does so itself),
     and DDP cuts its buckets anew after the first step of every process, so a resumed run's first step would
-    meet that state in another layout (seen: losses off from the step after the resume). With those codecs
+    meet that state in another layout (and lose exactness from there). With those codecs
     DDP keeps its first layout for good: `find_unused_parameters=True` is the switch that stops the rebuild
     (at the cost of one walk of the autograd graph per step, and a warning from torch's C++ that the flag
     found nothing unused, printed once per rank). The adaptive schedule keys its state by parameter and needs

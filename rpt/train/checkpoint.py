@@ -40,8 +40,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 MANIFEST = "manifest.json"
 # Optimiser state as one entry per parameter and hyperparameter ("param_groups.blocks.3.cell.w_ih.lr"): ranks that
 # hold different parameters (pipeline stages, parameter-server shards) then write different keys. The nested form
-# has one "param_groups" list per rank under the same key, of which DCP keeps one: another stage's groups came
-# back on load (seen: KeyError 'betas' in AdamW after resuming a 2-stage pipeline).
+# has one "param_groups" list per rank under the same key, of which DCP keeps one: another stage's groups would
+# come back on load.
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 PREFIX = "step_"
 
