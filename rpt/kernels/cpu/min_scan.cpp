@@ -194,7 +194,7 @@ std::vector<Tensor> min_scan_backward(const Tensor& grad_h, const Tensor& gates,
 }  // namespace
 
 // Declared with their schemas and implemented for the CPU only (not as catch-all kernels): that leaves room for
-// the shape rules that torch.compile's tracing needs (native/__init__.py registers them).
+// the shape rules that torch.compile's tracing needs (build.py registers them).
 TORCH_LIBRARY_FRAGMENT(rpt_loops, m) {
   m.def("min_scan_forward(Tensor gates, Tensor u, Tensor h0, Tensor? keep, int kind) -> Tensor");
   m.def("min_scan_backward(Tensor grad_h, Tensor gates, Tensor u, Tensor h, Tensor h0, Tensor? keep, int kind) "

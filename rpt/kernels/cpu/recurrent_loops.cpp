@@ -2,11 +2,11 @@
 // modlstm.py and gru.py on the same buffers, called from C++ instead of Python (on the CPU each step's
 // elementwise part as one pass: step_passes.h; elsewhere the same ATen ops). At few rows each loop runs in
 // one parallel region instead (threaded_loops.h).
-// Why this file exists, and how it is built: native/__init__.py. The Python loop is the readable form; a change
+// Why this file exists, and how it is built: build.py. The Python loop is the readable form; a change
 // there is made here too, and tests/models/test_native_loops.py holds the two equal.
 //
 // Buffers are time-major ([T, B, ...]); every step writes its slice of the caller's buffers in place.
-// native/__init__.py builds with AVX2 (CPU_CAPABILITY=AVX2) where the CPU has it; elsewhere ATen's vector type
+// build.py builds with AVX2 (CPU_CAPABILITY=AVX2) where the CPU has it; elsewhere ATen's vector type
 // is its portable one.
 
 #ifndef CPU_CAPABILITY

@@ -1,20 +1,16 @@
 // The recurrent product h @ W^T (+ add) of one time step when h has few rows: a matrix-vector product in all
 // but name, bound by reading W from memory, which oneDNN and MKL both run below what the memory allows.
 //
-// Measured on the build machine (2 threads, benchmarks/RESULTS.md), at B=2, H=512 (a 4 MB W): oneDNN's packed
-// product pays a fixed ~18 us a call (18-21 us for a 32 x 128 W) and takes 50-55 us back to back, 58-67 us in a
-// time loop (an elementwise op between products); MKL's GEMM 180 us; this loop 28 us back to back (150 GB/s,
-// where a plain sum over the same 4 MB reads at 129 GB/s), 34-40 us in the time loop. At the shakespeare width
-// (H=192) and B=2: 5.5 us against 23. The loops call the product once a step each way, so at B=2 it was about
-// half of gru's and modlstm's forward and backward.
+// oneDNN's packed product pays a fixed cost per call, and MKL's GEMM reads W well below the memory's speed at
+// these shapes; this loop reads W near it (figures: benchmarks/RESULTS.md). The time loops call the product
+// once a step each way, so at few rows it is about half of gru's and modlstm's forward and backward.
 //
 // The layout: W [N, K] is stored as ceil(N / 32) groups of 32 output columns, each group K rows of 32 numbers
 // (zero past N), so that one group's products read one contiguous stretch of memory, two cache lines a row. The
 // threads split the groups; each pass over a group serves three rows of h (their accumulators, three rows by four
 // vectors, and the group's four vectors of W fill the 16 AVX2 registers), then a pair, then a last single row. So
-// W is read once per three rows, and each read feeds 12 multiply-adds: with a W that stays in the L2 cache the
-// product runs at 200-220 GFLOP/s on the build machine where pairs ran at 160-168 (a 4 x 4 block spills
-// registers: 126-131; 4 and 6 rows by two vectors: 195-217). PackedLinear (rpt/kernels/cpu/products.py)
+// W is read once per three rows, and each read feeds 12 multiply-adds (faster than pairs; a 4 x 4 block spills
+// registers). PackedLinear (rpt/kernels/cpu/products.py)
 // chooses this layout only while that traffic stays small (few rows, or a W that stays in the cache), and
 // oneDNN's GEMM beyond.
 

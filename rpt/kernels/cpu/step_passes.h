@@ -1,9 +1,9 @@
 // Each step's elementwise part of the fused recurrent kernels as one pass of ATen's vector type: the gate norm
 // (forward and backward), modlstm's sigmoid-family and exponential steps and gru's step, where ATen's ops would take
-// 6-8 calls a step, each paying its dispatch (~3 us) on a few thousand numbers. Each works on a range of columns
+// 6-8 calls a step, each paying its dispatch on a few thousand numbers. Each works on a range of columns
 // (or of gates, for the norm), so that threads can split a step (threaded_loops.h). recurrent_loops.cpp holds the
 // loops that call them (and the backward passes of modlstm and gru, written inside their loops); how they are
-// built: native/__init__.py.
+// built: build.py.
 #pragma once
 
 #ifndef CPU_CAPABILITY
@@ -95,7 +95,7 @@ inline void accumulate(scalar_t* acc, const Vec<scalar_t>& v, int n) {
 // The gate layer norm's backward for one step: from the gradient at its output (dp) to its input (dp_raw),
 // dx = rstd (dy - mean(dy) - x_hat mean(dy x_hat)) with dy = w_g dp and x_hat = (x - mean) rstd; and the norm's
 // own gradients, summed into grad_w (dp x_hat) and grad_b (dp), [G, H] each, while dp is in the cache (summed
-// over all T x B rows afterwards, in ATen ops, they were 5-7% of a step's time). The rows of the gates [g0, g1):
+// over all T x B rows afterwards, in ATen ops, they cost a noticeable share of a step). The rows of the gates [g0, g1):
 // threads that split a step by gates add to parts of grad_w and grad_b of their own. scratch: 2 H numbers.
 template <typename scalar_t>
 void gate_norm_step_back(const scalar_t* dp, const scalar_t* ln_in, const scalar_t* mean, const scalar_t* rstd,

@@ -3,8 +3,7 @@
 // columns: small_batch_groups), waits for the others, computes its share of the pointwise part (columns of every
 // row; the gate norm, a phase of its own: rows of its share of the gates), and waits again. Calling the product
 // each step instead (small_batch_product's at::parallel_for) left the second thread idle through the pointwise
-// part and paid a fork and ATen's per-call costs every step: 42 against 32 us a step of modlstm's forward at B=2,
-// H=512 on the build machine (benchmarks/RESULTS.md). Without OpenMP (or inside a parallel region already) one
+// part and paid a fork and ATen's per-call costs every step (benchmarks/RESULTS.md). Without OpenMP (or inside a parallel region already) one
 // thread runs it all. A race here shows as a wrong number: test_native_loops.py runs these on 2 threads.
 #pragma once
 
