@@ -147,25 +147,28 @@ def test_user_registered_gate_in_the_fused_kernel():
         torch.testing.assert_close(a, b)
 
 
+class Elman(Cell):
+    """A user's cell, as docs/cells.md writes one: a step and no fast path of its own."""
+
+    def __init__(self, d_model, d_hidden=0):
+        super().__init__(d_model, d_hidden or d_model)
+        self.w = torch.nn.Linear(d_model + self.d_hidden, self.d_hidden)
+
+    def state_sizes(self):
+        return [self.d_hidden]
+
+    def step(self, x_t, state):
+        h = torch.tanh(self.w(torch.cat([x_t, state[0]], -1)))
+        return h, (h,)
+
+    forward = Cell.reference  # no fast path of its own
+
+    def flops_per_token(self):
+        return 2 * self.w.weight.numel()
+
+
 def test_user_registered_cell_builds_by_name():
-    @register_cell("elman-test")
-    class Elman(Cell):
-        def __init__(self, d_model, d_hidden=0):
-            super().__init__(d_model, d_hidden or d_model)
-            self.w = torch.nn.Linear(d_model + self.d_hidden, self.d_hidden)
-
-        def state_sizes(self):
-            return [self.d_hidden]
-
-        def step(self, x_t, state):
-            h = torch.tanh(self.w(torch.cat([x_t, state[0]], -1)))
-            return h, (h,)
-
-        forward = Cell.reference  # no fast path of its own
-
-        def flops_per_token(self):
-            return 2 * self.w.weight.numel()
-
+    register_cell("elman-test")(type("ElmanTest", (Elman,), {}))
     cell = build_cell(ModelConfig(cell="elman-test", d_model=D))
     y, (h,) = cell(torch.randn(2, 4, D))
     assert y.shape == (2, 4, D) and torch.equal(h, y[:, -1])
@@ -204,25 +207,12 @@ def test_a_cell_gets_the_options_it_declares_and_refuses_the_others():
     from rpt.models.registry import check_names
 
     @register_cell("gated-elman-test")
-    class GatedElman(Cell):
+    class GatedElman(Elman):
         options = ("gate",)
 
         def __init__(self, d_model, d_hidden=0, gate="sigmoid"):
-            super().__init__(d_model, d_hidden or d_model)
+            super().__init__(d_model, d_hidden)
             self.gate = gate
-            self.w = torch.nn.Linear(d_model + self.d_hidden, self.d_hidden)
-
-        def state_sizes(self):
-            return [self.d_hidden]
-
-        def step(self, x_t, state):
-            h = torch.tanh(self.w(torch.cat([x_t, state[0]], -1)))
-            return h, (h,)
-
-        forward = Cell.reference
-
-        def flops_per_token(self):
-            return 2 * self.w.weight.numel()
 
     cfg = ModelConfig(cell="gated-elman-test", d_model=D, gate="hard_sigmoid")
     check_names(cfg)
