@@ -1,6 +1,9 @@
-"""How much code one training step of the default lstm runs: the rpt files and distinct lines executed from
-`rpt train` to the first `optimizer.step()`, and those inside `Trainer.train_step` alone (issue 21's reading
-measure; a tracer counts executed lines, so docstrings, comments and untaken branches are not counted).
+"""How much code one training step of the default lstm runs (issue 21's reading measure). A tracer records the
+rpt files and distinct lines executed, so docstrings, comments and untaken branches are not counted:
+
+    chain   the rpt frames on the stack when the step runs: the calls a reader follows from `rpt train`
+    step    one steady-state step (the second): from the top of the loop to its `optimizer.step()`
+    whole   everything from `rpt train` to the first `optimizer.step()`, set-up included
 
     .venv/bin/python benchmarks/step_reading.py --data DATA_DIR
 """
@@ -20,19 +23,19 @@ import rpt
 ROOT = Path(rpt.__file__).parent
 
 
+def relative(path: str) -> str:
+    return str(Path(path).relative_to(ROOT))
+
+
 class Lines:
     """Distinct executed lines per rpt file, while `on` is set."""
 
-    def __init__(self):
-        self.lines, self.on = defaultdict(set), True
+    def __init__(self, on: bool):
+        self.lines, self.on = defaultdict(set), on
 
-    def trace(self, frame, event, arg):
-        path = frame.f_code.co_filename
-        if not path.startswith(str(ROOT)):
-            return None
-        if event == "line" and self.on:
-            self.lines[str(Path(path).relative_to(ROOT))].add(frame.f_lineno)
-        return self.trace
+    def record(self, frame) -> None:
+        if self.on:
+            self.lines[relative(frame.f_code.co_filename)].add(frame.f_lineno)
 
 
 def report(name: str, lines: Lines) -> None:
@@ -49,38 +52,50 @@ def main() -> None:
     from rpt.cli import main as cli
     from rpt.train.trainer import Trainer
 
-    whole, step = Lines(), Lines()
-    step.on = False
-    real_step = torch.optim.AdamW.step
+    whole, step, chain, steps = Lines(on=True), Lines(on=False), [], [0]
+    real_step, real_agreed = torch.optim.AdamW.step, Trainer._agreed
 
-    def first_step(self, *a, **k):  # the end of the measure: the first optimiser step
-        whole.on = step.on = False
-        sys.settrace(None)
-        raise SystemExit(0)
+    def agreed(self, stop):  # the top of the loop: step 2 begins when step 1 is done
+        if self.step == 1:
+            step.on = True
+            frame = sys._getframe(1)
+            while frame is not None:
+                if frame.f_code.co_filename.startswith(str(ROOT)):
+                    chain.append(f"{relative(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}")
+                frame = frame.f_back
+        return real_agreed(self, stop)
 
-    real_train_step = Trainer.train_step
+    def optimizer_step(self, *a, **k):
+        steps[0] += 1
+        whole.on = False  # the whole path ends at the first step
+        if steps[0] == 2:
+            sys.settrace(None)
+            raise SystemExit(0)
+        return real_step(self, *a, **k)
 
-    def traced_train_step(self, batch):
-        step.on = True
-        return real_train_step(self, batch)
+    def trace(frame, event, arg):
+        if not frame.f_code.co_filename.startswith(str(ROOT)):
+            return None
+        if event == "line":
+            whole.record(frame)
+            step.record(frame)
+        return trace
 
-    torch.optim.AdamW.step, Trainer.train_step = first_step, traced_train_step
-
-    def both(frame, event, arg):
-        a, b = whole.trace(frame, event, arg), step.trace(frame, event, arg)
-        return both if (a or b) else None
-
+    torch.optim.AdamW.step, Trainer._agreed = optimizer_step, agreed
     with tempfile.TemporaryDirectory() as run_dir:
-        sys.settrace(both)
+        sys.settrace(trace)
         try:
-            cli(["train", "--run-dir", run_dir, "--set", f"data.path={args.data}", "--set", "train.max_steps=1"])
+            cli(["train", "--run-dir", run_dir, "--set", f"data.path={args.data}", "--set", "train.max_steps=3"])
         except SystemExit:
             pass
         finally:
             sys.settrace(None)
-            torch.optim.AdamW.step, Trainer.train_step = real_step, real_train_step
-    report("from `rpt train` to the first optimizer.step()", whole)
-    report("inside Trainer.train_step", step)
+            torch.optim.AdamW.step, Trainer._agreed = real_step, real_agreed
+    print(f"chain: {len({c.split(':')[0] for c in chain})} files")
+    for call in reversed(chain):
+        print(f"  {call}")
+    report("one steady-state step, from the top of the loop to optimizer.step()", step)
+    report("from `rpt train` to the first optimizer.step(), set-up included", whole)
 
 
 if __name__ == "__main__":

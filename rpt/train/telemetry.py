@@ -64,6 +64,7 @@ class Telemetry:
         start = f"training {tr.params:,} parameters on {tr.device}, world size {self.d.world_size}"
         log.info(start)
         self.say(start, *tr.cfg.notes, tr.budget.describe())
+        self.arm_probe()
 
     def say(self, *lines: str) -> None:
         """Lines for the terminal (rank 0), above the bar."""
@@ -75,6 +76,12 @@ class Telemetry:
         first, began, window_tokens = self.window
         self.window = (first, began, window_tokens + tokens)
         self.bar.update(int(1000 * min(1.0, self.tr.spent())) - self.bar.n)
+        self.arm_probe()
+
+    def arm_probe(self) -> None:
+        """Before a step that will be logged: its first input is kept for the gate probe."""
+        if self.should_log(self.tr.step + 1):
+            self.probe.arm()
 
     # ------------------------------------------------------------------ log intervals
     def log_interval(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:

@@ -210,8 +210,6 @@ class Trainer:
                 with self.clock("data"):
                     batch = self._next_batch()
                 self.profiler.before_step(self.step + 1)
-                if tel.should_log(self.step + 1):
-                    tel.probe.arm()
                 loss, grad_norm = self.train_step(batch)
                 self.step += 1
                 self.profiler.after_step(self.step)
@@ -305,7 +303,7 @@ class Trainer:
         a stop asked of any rank stops them all after the same step. Without a time budget the ranks agree
         at each log interval only (whose loss is all-reduced anyway), so a stop waits for that step."""
         elapsed = self.elapsed()
-        if not self.d.enabled:
+        if self.d.world_size == 1:
             return elapsed, stop.requested is not None
         if not self.cfg.train.max_time and self.step % self.cfg.monitor.log_interval:
             return elapsed, False
