@@ -112,6 +112,10 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     eval_interval: int = 200  # steps between validations; 0: only at the end
     eval_tokens: int = 0  # tokens of a periodic validation; 0: the whole split (the final one always is)
+    # Selection by validation: the run's result (its final evaluation, the checkpoint `best`) is the weights of its
+    # best periodic validation; and the run ends early once none improved on the best for this share of its budget.
+    select_best: bool = True
+    early_stop: float = 0.25  # 0: never
     max_bad_steps: int = 25  # stop after this many optimiser steps in a row with non-finite gradients
     stall_timeout: float = 300.0  # seconds a rank may wait in one phase while others are elsewhere; 0: off
     compile: str = ""  # torch.compile backend for each block ("inductor", ...); "": eager
@@ -127,6 +131,9 @@ class TrainConfig:
                            f"{self.grad_accum}", "the batch is split into grad_accum equal micro-batches; choose a divisor")
         if self.lr <= 0:
             raise RptError(f"train.lr = {self.lr} must be positive", "a typical value is 3e-3 for small recurrent models")
+        if not 0.0 <= self.early_stop <= 1.0:
+            raise RptError(f"train.early_stop = {self.early_stop} is outside [0, 1]",
+                           "it is a share of the budget, e.g. 0.25; 0 never stops early")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise RptError(f"train.min_lr_ratio = {self.min_lr_ratio} is outside [0, 1]", "use e.g. 0.1")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

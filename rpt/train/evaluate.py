@@ -9,6 +9,7 @@ length, so it compares models across tokenizers (the end-of-document token has 0
 from __future__ import annotations
 
 import math
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -63,7 +64,9 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
 class Evaluation:
     """The train section's evaluations: periodic ones every `eval_interval` steps over the first `eval_tokens`
     of the split (what checkpoints are ranked by), and the final one over the whole split. Holds the last
-    periodic result, which a checkpoint keeps."""
+    periodic result, which a checkpoint keeps, and the best: with `select_best` a copy of this rank's weights at
+    it (on the CPU), which the run ends with; with `early_stop` the run ends once no periodic result has
+    improved on the best for that share of the budget."""
 
     def __init__(self, cfg, data, byte_lengths: np.ndarray, device: torch.device, rank: int, world_size: int,
                  reset_at_documents: bool, autocast):
@@ -71,26 +74,48 @@ class Evaluation:
         self.rank, self.world_size, self.autocast = rank, world_size, autocast
         self.eot_id = data.eot_id if reset_at_documents else None
         self.last: dict | None = None  # the last periodic evaluation, with its step
+        self.best: dict | None = None  # the best periodic evaluation, with its step and the budget spent then
+        self.best_weights: dict | None = None  # this rank's weights at `best`, while this process holds them
         self.periodic = bool(cfg.eval_interval and cfg.eval_tokens)  # they cover fewer tokens than the final
+        self.seconds = 0.0  # spent in periodic evaluations
 
     def should_evaluate(self, step: int) -> bool:
         return bool(self.cfg.eval_interval) and step % self.cfg.eval_interval == 0
 
     def run(self, model, step: int, final: bool) -> dict:
+        began = time.perf_counter()
         result = evaluate(model, self.data.tokens("val"), self.byte_lengths, batch_size=self.cfg.batch_size,
                           seq_len=self.cfg.seq_len, device=self.device, rank=self.rank, world_size=self.world_size,
                           max_tokens=0 if final else self.cfg.eval_tokens, eot_id=self.eot_id,
                           autocast=self.autocast)
         if not final:
             self.last = {**result, "step": step}
+            self.seconds += time.perf_counter() - began
         return result
+
+    def keep_if_best(self, weights_of, progress: float) -> bool:
+        """After a periodic evaluation: if it is the best so far, remember it (and, selecting, the weights that
+        `weights_of()` gives). Every rank decides alike: the losses are all-reduced."""
+        if self.best is not None and self.last["loss"] >= self.best["loss"]:
+            return False
+        self.best = {**self.last, "progress": progress}
+        self.best_weights = weights_of() if self.cfg.select_best else None
+        return True
+
+    def stale(self, progress: float) -> str | None:
+        """Why the run stops early (no better periodic validation for `early_stop` of the budget), or None."""
+        if not self.cfg.early_stop or self.best is None or progress - self.best["progress"] < self.cfg.early_stop:
+            return None
+        return (f"train.early_stop = {self.cfg.early_stop:g}: no better validation for that share of the budget "
+                f"(the best at step {self.best['step']:,}, loss {self.best['loss']:.4f})")
 
     def ranking(self, step: int) -> tuple[float, int] | None:
         """(loss, tokens) of the periodic evaluation of `step`, what its checkpoint is ranked by; None if none."""
         return (self.last["loss"], self.last["tokens"]) if self.last and self.last["step"] == step else None
 
     def state_dict(self) -> dict:
-        return {"last": self.last}
+        return {"last": self.last, "best": self.best, "seconds": self.seconds}
 
     def load_state_dict(self, state: dict) -> None:
         self.last = state["last"]
+        self.best, self.seconds = state.get("best"), state.get("seconds", 0.0)  # older checkpoints: none yet

@@ -197,8 +197,8 @@ class Telemetry:
             self.store.write_profile(self.tr.step, by_rank)
         return by_rank
 
-    def summary(self, wall: float, final: dict, profile: list[dict] | None) -> dict:
-        tr = self.tr
+    def summary(self, wall: float, final: dict, profile: list[dict] | None, selected: dict) -> dict:
+        tr, ev = self.tr, self.tr.evaluation
         per_rank = self._comm_totals_by_rank()  # [world, 4]: steps, bytes, seconds, exposed
         steps = max(1.0, float(per_rank[:, 0].max()))
         total_bytes = float(per_rank[:, 1].sum()) / self.d.world_size
@@ -218,7 +218,9 @@ class Telemetry:
             "params": tr.params, "flops_per_token": tr.flops_per_token,
             "pp": tr.pipe.plan.pp if tr.pipe else 1, "dp": tr.dp_size, **self._bubble_by_stage(),
             "ended_by": tr.ended_by, "skipped_steps": tr.skipped_steps, "precision": tr.cfg.train.precision,
-            "device": str(tr.device), "profile_by_rank": profile,
+            "device": str(tr.device), "profile_by_rank": profile, **selected,
+            "best_periodic_val_loss": ev.best["loss"] if ev.best else None,
+            "eval_seconds": round(ev.seconds, 3), "eval_share": ev.seconds / max(wall, 1e-9),
         }
         if self.d.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

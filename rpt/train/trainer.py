@@ -82,7 +82,7 @@ class Trainer:
         self.step = self.tokens = self.skipped_steps = self.bad_streak = 0
         self.elapsed_before, self.started = 0.0, time.perf_counter()  # training seconds of earlier runs; this one's
         self.stopped: float | None = None  # when this run's training time ended (before the final evaluations)
-        self.budget, self.ended_by = Budget(t), None
+        self.budget, self.ended_by, self.progress = Budget(t), None, 0.0
         self.pending_skip = None  # on a GPU: the last step's non-finite flag, not read yet
         self.hooks = faults.hooks_from_env(dist_info.rank)
         self.watchdog = Watchdog(dist_info.rank, dist_info.world_size, t.stall_timeout if dist_info.enabled else 0)
@@ -200,11 +200,13 @@ class Trainer:
                 elapsed, stopping = self._agreed(stop)
                 if stopping:
                     return self._stop_interrupted(stop)
-                self.ended_by = self.budget.ended_by(self.step, self.tokens, elapsed)
+                self.progress = self.budget.progress(self.step, self.tokens, elapsed)
+                self.ended_by = self.budget.ended_by(self.step, self.tokens, elapsed) or self.evaluation.stale(
+                    self.progress)
                 if self.ended_by:
                     break
                 self.hooks.step_begins(self.step)
-                lr = self.budget.lr(self.step, self.budget.progress(self.step, self.tokens, elapsed))
+                lr = self.budget.lr(self.step, self.progress)
                 for group in self.optimizer.param_groups if self.optimizer is not None else ():
                     group["lr"] = lr
                 with self.clock("data"):
@@ -236,14 +238,21 @@ class Trainer:
         wall = self.stopped - self.started
         profile = tel.profile()
         log.info("parameter digest %s", param_digest(self.model))  # ranks compare equal under data parallel
-        periodic = self.evaluation.periodic
-        if periodic and self.evaluation.ranking(self.step) is None:
-            self._evaluate(final=False)  # the measure the checkpoints are ranked by, at the last step too
-        final = self._evaluate(final=True)
-        val = self.evaluation.ranking(self.step) if periodic else (final["loss"], final["tokens"])
+        ev = self.evaluation
+        if ev.last is not None and ev.ranking(self.step) is None:
+            self._evaluate(final=False)  # the measure checkpoints are ranked and the best chosen by, at the last step too
+        if ev.last is None:  # no periodic evaluation: the final one ranks the last checkpoint
+            final = self._evaluate(final=True)
+            selected = {"selected_step": self.step, "selected_by": "the last step (no periodic validation)"}
+            val = (final["loss"], final["tokens"])
+        else:
+            val = ev.ranking(self.step)
         with self.clock("checkpoint"):
             self.checkpoints.finish(self.step, self.model, self.optimizer, self.stateful, val)
-        summary = tel.summary(wall, final, profile)
+        if ev.last is not None:
+            selected = self._select_best()
+            final = self._evaluate(final=True)
+        summary = tel.summary(wall, final, profile, selected)
         self.watchdog.stop()
         tel.close()
         return summary
@@ -314,8 +323,36 @@ class Trainer:
     def _evaluate(self, final: bool) -> dict:
         with self.clock("eval"):
             result = self.evaluation.run(PipelineEval(self.pipe) if self.pipe else self.model, self.step, final)
+        if not final:
+            self.evaluation.keep_if_best(self._weights, self.progress)
         self.telemetry.evaluation(self.step, result, final)
         return result
+
+    def _weights(self) -> dict:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def _select_best(self) -> dict:
+        """The weights the run ends with (its final evaluation, the checkpoint `best`): those of the best periodic
+        validation, loaded back and written as a checkpoint of their step unless one is there; else the last."""
+        best, last = self.evaluation.best, {"selected_step": self.step, "selected_by": "the last step"}
+        if not self.cfg.train.select_best or best is None or best["step"] == self.step:
+            return last if best is None or not self.cfg.train.select_best else {
+                **last, "selected_by": "the best periodic validation, at the last step"}
+        saved = {m["step"]: p for p, m in self.checkpointer.complete()}
+        if self.evaluation.best_weights is not None:
+            self.model.load_state_dict(self.evaluation.best_weights)
+            if best["step"] not in saved:
+                with self.clock("checkpoint"):  # weights only: a resume continues from the last step's checkpoint
+                    self.checkpointer.save(best["step"], self.model, None, {"selected": True},
+                                           val=(best["loss"], best["tokens"]))
+        elif best["step"] in saved:  # a resumed run: the best was found before, and checkpointed
+            self.checkpointer.load(saved[best["step"]], self.model, None, partial=self.pipe is not None)
+        else:
+            return {**last, "selected_by": f"the last step (the best validation, step {best['step']}, came before a "
+                                           "resume and has no checkpoint)"}
+        self.telemetry.say(f"selected the weights of step {best['step']:,}: the best periodic validation loss "
+                           f"{best['loss']:.4f}, against {self.evaluation.last['loss']:.4f} at step {self.step:,}")
+        return {"selected_step": best["step"], "selected_by": "the best periodic validation"}
 
     def _save(self, val: tuple[float, int] | None = None) -> None:
         """A checkpoint of this step, ranked by its periodic evaluation when it has one."""

@@ -144,7 +144,7 @@ def test_resume_with_another_model_shape_lists_the_keys(make_cfg, tmp_path, solo
 
 def test_checkpoints_keep_last_and_best(make_cfg, tmp_path, solo):
     cfg = make_cfg("train.max_steps=8", "checkpoint.interval=2", "train.eval_interval=2", "checkpoint.keep_last=2",
-                   "checkpoint.keep_best=1")
+                   "checkpoint.keep_best=1", "train.early_stop=0")  # retention over the whole run
     trainer = Trainer(cfg, tmp_path / "r", solo, progress=False)
     trainer.run()
     complete = trainer.checkpointer.complete(verify=True)

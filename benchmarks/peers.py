@@ -1,0 +1,235 @@
+"""rpt against two published peers (../shared/peers: nanoGPT, pytorch/examples' word_language_model), trained for
+the same wall time on the same training text and scored in bits per UTF-8 byte on the same held-out text (issue 22).
+
+    .venv/bin/python benchmarks/peers.py [--cases shakespeare-130,shakespeare-600,stdlib-300] [--work DIR]
+
+Cases: tiny-shakespeare with its last 10% of characters held out (as nanoGPT's prepare.py does; the file is ASCII,
+so characters are bytes), for 130 s and 600 s; the embedded default corpus (the Python standard library, split by
+rpt's document hash) for 300 s, without word_language_model (a whitespace vocabulary does not fit source code).
+
+How each is run, never changing its code (each in a copy, since both write beside their code):
+  nanoGPT                its README's CPU recipe (config/train_shakespeare_char.py + the README's flags), on a
+                         character vocabulary of the case's text; `max_iters` = `lr_decay_iters` set from a 30-step
+                         timing so that the run fills the budget (a multiple of its eval_interval, so the last step
+                         is evaluated). Its score: the best validation loss it printed (it keeps that checkpoint),
+                         an estimate from its eval_iters = 20 random windows of 64 characters.
+  word_language_model    its defaults, train.txt = the training text, valid.txt = test.txt = the held-out text (so it
+                         selects and anneals on the held-out text, as it does on its own test file); `--epochs` set
+                         from a one-epoch run so that the run fills the budget. Its score: the printed test loss.
+  rpt                    `rpt prepare` with its defaults, then `rpt train --set data.path=D --set train.max_time=S`
+                         and nothing else. Its score: summary.json's final validation bpb over the whole split.
+                         For tiny-shakespeare rpt's own tail split starts at the first token boundary after 90% of
+                         the bytes: the same held-out text but for its first few bytes.
+
+Each peer's loss in nats per token becomes bits per byte with its own token count on the held-out text:
+bpb = loss x tokens / bytes / ln 2 (tokens: characters for nanoGPT; words and one <eos> per line for
+word_language_model). Walls are whole processes, start-up and evaluations included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+PEERS = SHARED / "peers"
+SHAKESPEARE = SHARED / "data" / "tinyshakespeare" / "input.txt"
+NANOGPT_FLAGS = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
+                 "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0"]
+NANOGPT_EVAL_INTERVAL = 250  # config/train_shakespeare_char.py's
+
+
+# ------------------------------------------------------------------ conversions (tested in tests/test_peers.py)
+def bits_per_byte(loss_nats_per_token: float, tokens: int, n_bytes: int) -> float:
+    """A loss in nats per token over `tokens` tokens of a text of `n_bytes` UTF-8 bytes, in bits per byte."""
+    return loss_nats_per_token * tokens / n_bytes / math.log(2)
+
+
+def word_tokens(path: Path) -> int:
+    """word_language_model's token count of a file: its whitespace words plus one <eos> per line, reading the
+    file as it does (text mode, UTF-8, universal newlines)."""
+    with open(path, encoding="utf8") as f:
+        return sum(len(line.split()) + 1 for line in f)
+
+
+def char_tokens(text: str) -> int:
+    """nanoGPT's character-level token count."""
+    return len(text)
+
+
+def nanogpt_best_val(log: str) -> float:
+    """The best of the validation losses nanoGPT printed ('step N: train loss A, val loss B')."""
+    losses = [float(v) for v in re.findall(r"step \d+: train loss [\d.]+, val loss ([\d.]+)", log)]
+    if not losses:
+        raise RuntimeError("nanoGPT printed no evaluation:\n" + log[-2000:])
+    return min(losses)
+
+
+def wlm_test_loss(log: str) -> float:
+    """word_language_model's test loss from its last line, via the perplexity (printed with more digits)."""
+    found = re.findall(r"End of training \| test loss\s+[\d.]+ \| test ppl\s+([\d.]+)", log)
+    if not found:
+        raise RuntimeError("word_language_model printed no test loss:\n" + log[-2000:])
+    return math.log(float(found[-1]))
+
+
+# ------------------------------------------------------------------ cases
+@dataclass
+class Case:
+    name: str
+    corpus: str  # "shakespeare" or "stdlib"
+    seconds: int
+
+
+CASES = {c.name: c for c in (Case("shakespeare-130", "shakespeare", 130), Case("shakespeare-600", "shakespeare", 600),
+                             Case("stdlib-300", "stdlib", 300))}
+
+
+def run(cmd: list[str], cwd: Path, log: Path) -> tuple[str, float]:
+    """Run a process to its end; its output goes to `log`; returns (output, wall seconds)."""
+    began = time.perf_counter()
+    done = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - began
+    log.write_text(done.stdout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({done.returncode}); see {log}:\n{done.stdout[-3000:]}")
+    return done.stdout, wall
+
+
+def prepare_rpt(case: Case, work: Path) -> tuple[Path, str, str, int]:
+    """rpt's prepared folder and the (train, held-out) texts the peers get, with the held-out bytes."""
+    data = work / f"rpt-{case.corpus}"
+    if case.corpus == "shakespeare":
+        cmd = [sys.executable, "-m", "rpt", "prepare", "--input", str(SHAKESPEARE), "--out", str(data)]
+        text = SHAKESPEARE.read_text(encoding="utf8")
+        cut = int(len(text) * 0.9)
+        train, held_out = text[:cut], text[cut:]
+    else:
+        cmd = [sys.executable, "-m", "rpt", "prepare", "--out", str(data)]
+    if not (data / "meta.json").exists():
+        run(cmd, REPO, work / f"prepare-{case.corpus}.log")
+    meta = json.loads((data / "meta.json").read_text())
+    if case.corpus == "stdlib":  # the peers get rpt's own split, decoded (byte-level BPE is lossless)
+        train, held_out = (decode_split(data, meta, split) for split in ("train", "val"))
+    return data, train, held_out, meta["splits"]["val"]["bytes"]
+
+
+def decode_split(data: Path, meta: dict, split: str) -> str:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
+    ids = np.fromfile(data / meta["splits"][split]["file"], dtype=meta["dtype"])
+    cuts = np.flatnonzero(ids == meta["eot_id"])
+    docs = np.split(ids, cuts)
+    return "\n".join(tok.decode(d[d != meta["eot_id"]].tolist()) for d in docs if len(d))
+
+
+def run_rpt(case: Case, data: Path, work: Path) -> dict:
+    run_dir = work / f"rpt-{case.name}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    _, wall = run([sys.executable, "-m", "rpt", "train", "--run-dir", str(run_dir), "--set", f"data.path={data}",
+                   "--set", f"train.max_time={case.seconds}"], REPO, work / f"rpt-{case.name}.log")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"peer": "rpt (default recipe)", "wall_s": wall, "bpb": summary["val_bpb"], "summary": summary,
+            "detail": f"{summary['steps']} steps, ended by {summary['ended_by']}"}
+
+
+def run_nanogpt(case: Case, train: str, held_out: str, held_bytes: int, work: Path) -> dict:
+    home = work / f"nanogpt-{case.name}"
+    shutil.rmtree(home, ignore_errors=True)
+    shutil.copytree(PEERS / "nanoGPT", home)
+    chars = sorted(set(train + held_out))  # as its prepare.py: one vocabulary over the whole text
+    stoi = {c: i for i, c in enumerate(chars)}
+    folder = home / "data" / "rpt_case"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in (("train", train), ("val", held_out)):
+        np.array([stoi[c] for c in text], dtype=np.uint16).tofile(folder / f"{name}.bin")
+    with open(folder / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": stoi}, f)
+
+    def train_for(iters: int, tag: str) -> tuple[str, float]:
+        return run([sys.executable, "train.py", "config/train_shakespeare_char.py", *NANOGPT_FLAGS,
+                    f"--max_iters={iters}", f"--lr_decay_iters={iters}", "--dataset=rpt_case", f"--out_dir=out-{tag}"],
+                   home, work / f"nanogpt-{case.name}-{tag}.log")
+
+    log, wall = train_for(30, "timing")
+    per_iter = float(np.median([float(t) for t in re.findall(r"iter \d+: loss [\d.]+, time ([\d.]+)ms", log)][3:])) / 1e3
+    start_up = max(0.0, wall - 31 * per_iter)
+    eval_share = 1 + (2 * 20 / 3) / NANOGPT_EVAL_INTERVAL  # two splits of 20 forward passes each eval_interval
+    fit = (case.seconds - start_up) / (per_iter * eval_share)
+    iters = max(NANOGPT_EVAL_INTERVAL, int(round(fit / NANOGPT_EVAL_INTERVAL)) * NANOGPT_EVAL_INTERVAL)
+    log, wall = train_for(iters, "run")
+    loss = nanogpt_best_val(log)
+    return {"peer": "nanoGPT (char, CPU recipe)", "wall_s": wall, "loss": loss, "detail": f"{iters} iterations",
+            "bpb": bits_per_byte(loss, char_tokens(held_out), held_bytes)}
+
+
+def run_wlm(case: Case, train: str, held_out: str, held_bytes: int, work: Path) -> dict:
+    home = work / f"wlm-{case.name}"
+    shutil.rmtree(home, ignore_errors=True)
+    shutil.copytree(PEERS / "word_language_model", home)
+    data = home / "data"
+    data.mkdir()
+    (data / "train.txt").write_text(train, encoding="utf8")
+    for name in ("valid.txt", "test.txt"):
+        (data / name).write_text(held_out, encoding="utf8")
+
+    def train_for(epochs: int, tag: str) -> tuple[str, float]:
+        return run([sys.executable, "main.py", "--data", "data", "--epochs", str(epochs), "--save", f"model-{tag}.pt"],
+                   home, work / f"wlm-{case.name}-{tag}.log")
+
+    log, wall = train_for(1, "timing")
+    epoch = float(re.findall(r"end of epoch\s+1 \| time:\s+([\d.]+)s", log)[0])
+    epochs = max(1, int(round((case.seconds - (wall - epoch)) / epoch)))
+    log, wall = train_for(epochs, "run")
+    loss = wlm_test_loss(log)
+    return {"peer": "word_language_model (word, defaults)", "wall_s": wall, "loss": loss, "detail": f"{epochs} epochs",
+            "bpb": bits_per_byte(loss, word_tokens(data / "test.txt"), held_bytes)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"a subset of {', '.join(CASES)}")
+    parser.add_argument("--work", default="runs/peers", help="where the copies, data and logs go")
+    args = parser.parse_args()
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    for name in args.cases.split(","):
+        case = CASES[name]
+        data, train, held_out, held_bytes = prepare_rpt(case, work)
+        results = [run_nanogpt(case, train, held_out, held_bytes, work)]
+        if case.corpus == "shakespeare":
+            results.append(run_wlm(case, train, held_out, held_bytes, work))
+        results.append(run_rpt(case, data, work))
+        rows[name] = results
+        for r in results:
+            print(f"{name:16s} {r['peer']:38s} {r['bpb']:.3f} bpb  {r['wall_s']:6.0f} s  {r['detail']}", flush=True)
+        (work / "peers.json").write_text(json.dumps(rows, indent=1, default=str))
+    print()
+    print(f"{'case':16s} {'peer':38s} {'bpb':>6s} {'wall s':>7s}")
+    for name, results in rows.items():
+        for r in results:
+            print(f"{name:16s} {r['peer']:38s} {r['bpb']:6.3f} {r['wall_s']:7.0f}  {r['detail']}")
+    margins = []
+    for name, results in rows.items():
+        best_peer = min(r["bpb"] for r in results if not r["peer"].startswith("rpt"))
+        mine = next(r["bpb"] for r in results if r["peer"].startswith("rpt"))
+        margins.append(f"{name} {best_peer - mine:+.3f}")
+    print("rpt's margin over the best peer (bits per byte, positive = rpt ahead): " + ", ".join(margins))
+
+
+if __name__ == "__main__":
+    main()
