@@ -1,7 +1,8 @@
 """rpt against two published peers (../shared/peers: nanoGPT, pytorch/examples' word_language_model), trained for
 the same wall time on the same training text and scored in bits per UTF-8 byte on the same held-out text (issue 22).
 
-    .venv/bin/python benchmarks/peers.py [--cases shakespeare-130,shakespeare-600,stdlib-300] [--work DIR]
+    .venv/bin/python benchmarks/peers.py [--cases shakespeare-130,shakespeare-600,stdlib-300] [--peers nanogpt,wlm,rpt]
+                                         [--work DIR]
 
 Cases: tiny-shakespeare with its last 10% of characters held out (as nanoGPT's prepare.py does; the file is ASCII,
 so characters are bytes), for 130 s and 600 s; the embedded default corpus (the Python standard library, split by
@@ -11,8 +12,9 @@ How each is run, never changing its code (each in a copy, since both write besid
   nanoGPT                its README's CPU recipe (config/train_shakespeare_char.py + the README's flags), on a
                          character vocabulary of the case's text; `max_iters` = `lr_decay_iters` set from a 30-step
                          timing so that the run fills the budget (a multiple of its eval_interval, so the last step
-                         is evaluated). Its score: the best validation loss it printed (it keeps that checkpoint),
-                         an estimate from its eval_iters = 20 random windows of 64 characters.
+                         is evaluated; run once more, refitted, when its wall missed the budget by over 15%). Its
+                         score: the best validation loss it printed (it keeps that checkpoint), an estimate from its
+                         eval_iters = 20 random windows of 64 characters.
   word_language_model    its defaults, train.txt = the training text, valid.txt = test.txt = the held-out text (so it
                          selects and anneals on the held-out text, as it does on its own test file); `--epochs` set
                          from a one-epoch run so that the run fills the budget. Its score: the printed test loss.
@@ -171,6 +173,10 @@ def run_nanogpt(case: Case, train: str, held_out: str, held_bytes: int, work: Pa
     fit = (case.seconds - start_up) / (per_iter * eval_share)
     iters = max(NANOGPT_EVAL_INTERVAL, int(round(fit / NANOGPT_EVAL_INTERVAL)) * NANOGPT_EVAL_INTERVAL)
     log, wall = train_for(iters, "run")
+    if abs(wall - case.seconds) > 0.15 * case.seconds:  # the timing run misjudged it (a noisy machine): once more
+        refit = int(round(iters * (case.seconds - start_up) / max(wall - start_up, 1.0) / NANOGPT_EVAL_INTERVAL))
+        iters = max(NANOGPT_EVAL_INTERVAL, refit * NANOGPT_EVAL_INTERVAL)
+        log, wall = train_for(iters, "rerun")
     loss = nanogpt_best_val(log)
     return {"peer": "nanoGPT (char, CPU recipe)", "wall_s": wall, "loss": loss, "detail": f"{iters} iterations",
             "bpb": bits_per_byte(loss, char_tokens(held_out), held_bytes)}
@@ -202,6 +208,7 @@ def run_wlm(case: Case, train: str, held_out: str, held_bytes: int, work: Path) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"a subset of {', '.join(CASES)}")
+    parser.add_argument("--peers", default="nanogpt,wlm,rpt", help="a subset of nanogpt, wlm, rpt")
     parser.add_argument("--work", default="runs/peers", help="where the copies, data and logs go")
     args = parser.parse_args()
     work = Path(args.work).resolve()
@@ -210,10 +217,13 @@ def main() -> None:
     for name in args.cases.split(","):
         case = CASES[name]
         data, train, held_out, held_bytes = prepare_rpt(case, work)
-        results = [run_nanogpt(case, train, held_out, held_bytes, work)]
-        if case.corpus == "shakespeare":
+        chosen, results = args.peers.split(","), []
+        if "nanogpt" in chosen:
+            results.append(run_nanogpt(case, train, held_out, held_bytes, work))
+        if "wlm" in chosen and case.corpus == "shakespeare":
             results.append(run_wlm(case, train, held_out, held_bytes, work))
-        results.append(run_rpt(case, data, work))
+        if "rpt" in chosen:
+            results.append(run_rpt(case, data, work))
         rows[name] = results
         for r in results:
             print(f"{name:16s} {r['peer']:38s} {r['bpb']:.3f} bpb  {r['wall_s']:6.0f} s  {r['detail']}", flush=True)
@@ -225,9 +235,10 @@ def main() -> None:
             print(f"{name:16s} {r['peer']:38s} {r['bpb']:6.3f} {r['wall_s']:7.0f}  {r['detail']}")
     margins = []
     for name, results in rows.items():
-        best_peer = min(r["bpb"] for r in results if not r["peer"].startswith("rpt"))
-        mine = next(r["bpb"] for r in results if r["peer"].startswith("rpt"))
-        margins.append(f"{name} {best_peer - mine:+.3f}")
+        peers = [r["bpb"] for r in results if not r["peer"].startswith("rpt")]
+        mine = [r["bpb"] for r in results if r["peer"].startswith("rpt")]
+        if peers and mine:
+            margins.append(f"{name} {min(peers) - mine[0]:+.3f}")
     print("rpt's margin over the best peer (bits per byte, positive = rpt ahead): " + ", ".join(margins))
 
 

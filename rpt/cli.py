@@ -162,6 +162,8 @@ def _cmd_train(args) -> None:
     if args.resume and config_path is None:
         config_path = str(args.run_dir / "config.toml")
     overrides = args.overrides + ([f"monitor.profile={args.profile}"] if args.profile else [])
+    if config_path is None:  # no preset: the default recipe chooses what --set does not give
+        overrides = ["train.recipe=auto", *overrides]
     cfg = load_config(config_path, overrides)
     run_dir = args.run_dir or default_run_dir(args.config)
     _check_writable(run_dir)

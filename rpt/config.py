@@ -116,6 +116,9 @@ class TrainConfig:
     # best periodic validation; and the run ends early once none improved on the best for this share of its budget.
     select_best: bool = True
     early_stop: float = 0.25  # 0: never
+    # "auto": the default recipe (rpt/train/recipe.py) chooses the settings no file or --set gave; `rpt train`
+    # without --config runs it
+    recipe: Literal["fixed", "auto"] = "fixed"
     max_bad_steps: int = 25  # stop after this many optimiser steps in a row with non-finite gradients
     stall_timeout: float = 300.0  # seconds a rank may wait in one phase while others are elsewhere; 0: off
     compile: str = ""  # torch.compile backend for each block ("inductor", ...); "": eager
@@ -252,6 +255,8 @@ BUDGETS = ("train.max_steps", "train.max_tokens", "train.max_time")
 @dataclass
 class Config:
     notes: typing.ClassVar[list[str]] = []  # what loading changed on its own, said to the user at start
+    given: typing.ClassVar[frozenset[str]] = frozenset()  # the keys a file or --set gave (the recipe keeps off them)
+    recipe_seconds: typing.ClassVar[float] = 0.0  # what the default recipe took at start
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -265,14 +270,18 @@ class Config:
     def load(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> "Config":
         """Defaults, then the TOML file at `path`, then `section.key=value` overrides, then validation."""
         cfg = cls()
+        in_file = []
         if path is not None:
-            cfg.update(read_toml(path), origin=str(path))
+            tree = read_toml(path)
+            cfg.update(tree, origin=str(path))
+            in_file = [f"{name}.{key}" for name, values in tree.items() if isinstance(values, dict) for key in values]
         given = []
         for item in overrides:
             key, value = parse_override(item)
             cfg.set(key, value, origin="--set")
             given.append(key)
         cfg.notes = cfg._replace_budgets(given)
+        cfg.given = frozenset(in_file + given)
         cfg.validate()
         return cfg
 

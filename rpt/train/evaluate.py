@@ -96,15 +96,19 @@ class Evaluation:
     def keep_if_best(self, weights_of, progress: float) -> bool:
         """After a periodic evaluation: if it is the best so far, remember it (and, selecting, the weights that
         `weights_of()` gives). Every rank decides alike: the losses are all-reduced."""
+        self.last["progress"] = progress
         if self.best is not None and self.last["loss"] >= self.best["loss"]:
             return False
-        self.best = {**self.last, "progress": progress}
+        self.best = dict(self.last)
         self.best_weights = weights_of() if self.cfg.select_best else None
         return True
 
-    def stale(self, progress: float) -> str | None:
-        """Why the run stops early (no better periodic validation for `early_stop` of the budget), or None."""
-        if not self.cfg.early_stop or self.best is None or progress - self.best["progress"] < self.cfg.early_stop:
+    def stale(self) -> str | None:
+        """Why the run stops early, or None: the periodic validations over the last `early_stop` of the budget
+        (the last one that share after the best) found nothing better than the best."""
+        if not self.cfg.early_stop or self.best is None:
+            return None
+        if self.last["progress"] - self.best["progress"] < self.cfg.early_stop - 1e-9:
             return None
         return (f"train.early_stop = {self.cfg.early_stop:g}: no better validation for that share of the budget "
                 f"(the best at step {self.best['step']:,}, loss {self.best['loss']:.4f})")

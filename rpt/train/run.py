@@ -52,7 +52,13 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, pr
     d = launch.setup(device)
     setup_logging(run_dir, d.rank)
     try:
-        trainer = Trainer(cfg, run_dir, d, resume=resume or launch.restart_count() > 0, progress=progress)
+        restarted = launch.restart_count() > 0
+        if cfg.train.recipe == "auto" and not resume:
+            if restarted and (run_dir / "config.toml").is_file():  # the choices this run made at its start
+                cfg = Config.load(run_dir / "config.toml")
+            else:
+                apply_recipe(cfg, d)
+        trainer = Trainer(cfg, run_dir, d, resume=resume or restarted, progress=progress)
         return trainer.run()
     except RptError as exc:
         if (run_dir / "config.toml").exists():  # a run that exists keeps the record; a refused new one leaves nothing
@@ -63,6 +69,16 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, pr
         raise
     finally:
         launch.teardown()
+
+
+def apply_recipe(cfg: Config, d) -> None:
+    """The default recipe, from the prepared data's token counts (rpt/train/recipe.py)."""
+    from rpt.data.dataset import PreparedData
+    from rpt.train.recipe import resolve
+
+    data = PreparedData(cfg.data.path)
+    splits = data.meta["splits"]
+    resolve(cfg, d, splits["train"]["tokens"], splits["val"]["tokens"], cfg.model.vocab_size or data.vocab_size)
 
 
 def train(cfg: Config, run_dir: Path, resume: bool, nproc: int, max_restarts: int, device: str | None) -> dict | None:

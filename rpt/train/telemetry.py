@@ -221,6 +221,8 @@ class Telemetry:
             "device": str(tr.device), "profile_by_rank": profile, **selected,
             "best_periodic_val_loss": ev.best["loss"] if ev.best else None,
             "eval_seconds": round(ev.seconds, 3), "eval_share": ev.seconds / max(wall, 1e-9),
+            "recipe_seconds": round(tr.cfg.recipe_seconds, 3),
+            "selection_share": (ev.seconds + tr.cfg.recipe_seconds) / max(wall + tr.cfg.recipe_seconds, 1e-9),
         }
         if self.d.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

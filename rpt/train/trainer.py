@@ -201,8 +201,7 @@ class Trainer:
                 if stopping:
                     return self._stop_interrupted(stop)
                 self.progress = self.budget.progress(self.step, self.tokens, elapsed)
-                self.ended_by = self.budget.ended_by(self.step, self.tokens, elapsed) or self.evaluation.stale(
-                    self.progress)
+                self.ended_by = self.budget.ended_by(self.step, self.tokens, elapsed) or self.evaluation.stale()
                 if self.ended_by:
                     break
                 self.hooks.step_begins(self.step)

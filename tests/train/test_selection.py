@@ -35,16 +35,16 @@ def test_a_validation_that_stops_improving_ends_the_run_with_the_best_weights(ma
     cfg = make_cfg("train.max_steps=20", "train.eval_interval=2", "train.early_stop=0.2")
     trainer = Trainer(cfg, tmp_path / "r", solo, progress=False)
     summary = trainer.run()
-    # the best was measured after step 6, with 5 of 20 steps spent when that step began; 0.2 of the budget later
-    # (9 steps spent) the run stops, before step 10
-    assert summary["steps"] == 9 and "train.early_stop" in summary["ended_by"]
+    # the best was measured after step 6 (5 of 20 steps spent when it began); the validation after step 10 is the
+    # first 0.2 of the budget later, and finds nothing better: the run stops there
+    assert summary["steps"] == 10 and "train.early_stop" in summary["ended_by"]
     assert summary["selected_step"] == 6 and summary["best_periodic_val_loss"] == 3.0
     periodic = [digest for tokens, digest in calls if tokens]
     final = [digest for tokens, digest in calls if not tokens]
-    assert len(periodic) == 5  # steps 2, 4, 6, 8 and the last step, 9
+    assert len(periodic) == 5  # steps 2, 4, 6, 8, 10
     assert final == [periodic[2]] and periodic[2] != periodic[-1]  # the final evaluation saw step 6's weights
     best = trainer.checkpointer.best()
-    assert best.endswith("step_00000006") and trainer.checkpointer.latest().endswith("step_00000009")
+    assert best.endswith("step_00000006") and trainer.checkpointer.latest().endswith("step_00000010")
     loaded = Trainer(make_cfg("train.max_steps=20"), tmp_path / "other", solo, progress=False).model
     trainer.checkpointer.load(best, loaded)
     assert param_digest(loaded) == periodic[2]
@@ -66,3 +66,25 @@ def test_early_stop_is_a_share_of_the_budget(make_cfg):
 
     with pytest.raises(RptError, match="train.early_stop = 1.5 is outside"):
         make_cfg("train.early_stop=1.5")
+
+
+def test_early_stop_waits_for_a_validation_that_share_of_the_budget_after_the_best():
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rpt.train.evaluate import Evaluation
+
+    cfg = SimpleNamespace(eval_interval=1, eval_tokens=1, select_best=False, early_stop=0.25)
+    ev = Evaluation(cfg, SimpleNamespace(eot_id=0), np.zeros(1), "cpu", 0, 1, False, nullcontext)
+    for step, (loss, progress) in enumerate([(3.0, 0.1), (2.0, 0.2), (2.5, 0.3), (2.4, 0.44)]):
+        ev.last = {"loss": loss, "tokens": 1, "step": step}
+        ev.keep_if_best(lambda: None, progress)
+        assert ev.stale() is None, step  # the best (step 1) is less than 0.25 of the budget behind
+    ev.last = {"loss": 2.1, "tokens": 1, "step": 4}
+    ev.keep_if_best(lambda: None, 0.45)
+    assert "the best at step 1" in ev.stale()
+    ev.last = {"loss": 1.9, "tokens": 1, "step": 5}  # a better one later: no stop
+    ev.keep_if_best(lambda: None, 0.5)
+    assert ev.stale() is None and ev.best["step"] == 5

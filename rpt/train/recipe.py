@@ -1,0 +1,176 @@
+"""The default recipe: what `rpt train` chooses for the settings nobody gave (no --config, or a preset with
+`train.recipe = "auto"`).
+
+Rank 0 times a few optimiser steps of each size of a ladder on this machine (random tokens, the run's batch
+shape), reads the corpus's training tokens, and from the budget derives how many passes over the data each
+size would make. A corpus the budget passes over many times is over-fitted long before the budget ends, so
+the recipe regularises by the passes (dropout, early stopping armed); a corpus larger than the budget gets
+no dropout and no early stop, and the widest model that still sees enough tokens per parameter (width before
+depth). The periodic validation is sized to cost a small share of the budget. Every choice is printed with
+its reason, written into the run's config.toml, and a key given with --set (or by a file) is never touched.
+The rules and the runs that set them: benchmarks/RESULTS.md, "The default recipe (issue 22)".
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+# width before depth: each size is (n_layers, d_model)
+LADDER = ((2, 128), (2, 192), (2, 256), (2, 384), (2, 512), (2, 768), (3, 1024), (4, 1536), (4, 2048))
+TOKENS_PER_PARAM = 0.4  # the least training tokens per recurrent parameter a size must see within the budget
+FREE_PASSES = 2.0  # passes over the data that need no dropout; then 0.1 more per doubling, up to 0.5
+EVAL_SHARE = 0.025  # of the training time, for the periodic validations
+EVAL_TOKENS = 4096  # of a periodic validation (the whole split when that is smaller)
+FORWARD_SHARE = 0.4  # a validation token's cost against a training token's (forward only, no optimiser)
+
+
+@dataclass(frozen=True)
+class Choice:
+    key: str
+    value: object
+    why: str
+
+
+def recurrent_params(n_layers: int, d_model: int) -> int:
+    """An lstm stack's parameters beside the embedding: four gates over input and state per layer."""
+    return n_layers * 8 * d_model * (d_model + 1)
+
+
+def tokens_of(budget: dict, tokens_per_s: float, tokens_per_step: int) -> float:
+    """The training tokens a budget ({"seconds"|"tokens"|"steps": n}) holds at this speed."""
+    if "seconds" in budget:
+        return tokens_per_s * budget["seconds"] * (1 - EVAL_SHARE)
+    return budget["tokens"] if "tokens" in budget else budget["steps"] * tokens_per_step
+
+
+def fits(size, budget: dict, tokens_per_s: float, tokens_per_step: int) -> bool:
+    return tokens_of(budget, tokens_per_s, tokens_per_step) >= TOKENS_PER_PARAM * recurrent_params(*size)
+
+
+def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, tokens_per_step: int,
+           given: frozenset) -> list[Choice]:
+    """The choices for a corpus of `train_tokens` and a budget ({"seconds"|"tokens"|"steps": n}), with
+    `speeds` {(n_layers, d_model): training tokens per second on this machine}; keys in `given` are left alone."""
+    def tokens_of_size(size) -> float:
+        return tokens_of(budget, speeds[size], tokens_per_step)
+
+    sized = "model.d_model" in given or "model.n_layers" in given
+    fitting = [s for s in speeds if fits(s, budget, speeds[s], tokens_per_step)]
+    size = max(fitting or [min(speeds, key=lambda s: recurrent_params(*s))], key=lambda s: recurrent_params(*s))
+    if sized:
+        size = next(iter(speeds))  # the run's own size, the one measured
+    passes = tokens_of_size(size) / max(train_tokens, 1)
+    choices = []
+    if not sized:
+        why = (f"the widest size that sees {TOKENS_PER_PARAM:g} token per recurrent parameter within the budget "
+               f"({tokens_of_size(size):,.0f} tokens, {passes:.1f} passes over {train_tokens:,})")
+        choices += [Choice("model.n_layers", size[0], why), Choice("model.d_model", size[1], why)]
+    dropout = round(min(0.5, 0.1 * math.log2(passes / FREE_PASSES)), 2) if passes > FREE_PASSES else 0.0
+    choices.append(Choice("model.dropout", dropout, f"{passes:.1f} passes over the training tokens" + (
+        ": over-fitting to hold back" if dropout else f": none needed up to {FREE_PASSES:g}")))
+    choices.append(Choice("train.early_stop", 0.25 if passes > 1 else 0.0,
+                          "armed: validation will stop improving before the budget ends" if passes > 1 else
+                          "off: less than one pass, validation keeps improving"))
+    eval_tokens = min(EVAL_TOKENS, val_tokens)
+    steps = max(1, math.ceil(eval_tokens * FORWARD_SHARE / (EVAL_SHARE * tokens_per_step)))
+    why = f"a validation of {eval_tokens:,} tokens every {steps} steps costs about {EVAL_SHARE:.1%} of training"
+    choices += [Choice("train.eval_tokens", eval_tokens, why), Choice("train.eval_interval", steps, why)]
+    return [c for c in choices if c.key not in given]
+
+
+def measure_speed(cfg, size, device: torch.device, steps: int = 1) -> float:
+    """Training tokens per second of one size: one warm-up step, then `steps` timed ones (forward, backward,
+    AdamW) on random tokens of the run's batch shape."""
+    from rpt.models import RecurrentLM
+
+    B, T, V = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size
+    model = RecurrentLM(sized(cfg.model, size)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    x = torch.randint(0, V, (B, T + 1), device=device)
+    for k in range(steps + 1):
+        if k == 1:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            began = time.perf_counter()
+        logits, _ = model(x[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return steps * B * T / (time.perf_counter() - began)
+
+
+def sized(model_cfg, size):
+    return type(model_cfg)(**{**vars(model_cfg), "n_layers": size[0], "d_model": size[1]})
+
+
+def flops_of(model_cfg, size) -> int:
+    from rpt.models import RecurrentLM
+
+    with torch.device("meta"):
+        return RecurrentLM(sized(model_cfg, size)).flops_per_token()
+
+
+def budget_of(train) -> dict:
+    """The budget that ends the run first is not known before it runs: the time budget when there is one."""
+    if train.max_time:
+        return {"seconds": train.max_time}
+    return {"tokens": train.max_tokens} if train.max_tokens else {"steps": train.max_steps}
+
+
+def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, vocab_size: int) -> None:
+    """Apply the recipe to `cfg` alike on every rank: rank 0 measures and chooses, the others receive its
+    choices. The lines that say what was chosen and why join cfg.notes; the time it took comes off a time budget."""
+    import torch.distributed as dist
+
+    began = time.perf_counter()
+    choices = None
+    if dist_info.rank == 0:
+        choices = _choose_here(cfg, dist_info.device, train_tokens, val_tokens, vocab_size)
+    if dist_info.world_size > 1:
+        box = [choices]
+        dist.broadcast_object_list(box, src=0)
+        choices = box[0]
+    for c in choices:
+        cfg.set(c.key, c.value, origin="the default recipe")
+    seconds = time.perf_counter() - began
+    cfg.recipe_seconds = seconds
+    notes = [f"the default recipe ({seconds:.1f} s; --set any of these to choose it yourself):"]
+    notes += [f"  {c.key} = {c.value}: {c.why}" for c in choices]
+    if cfg.train.max_time:
+        cfg.train.max_time = max(1.0, cfg.train.max_time - seconds)
+        notes.append(f"  train.max_time = {cfg.train.max_time:.1f}: the budget less the recipe's own time")
+    cfg.notes = [*cfg.notes, *notes]
+    cfg.validate()
+
+
+def _choose_here(cfg, device, train_tokens: int, val_tokens: int, vocab_size: int) -> list[Choice]:
+    """Speeds by FLOPs from one measured size (the run's own, or 2 x 256), the chosen size measured too."""
+    budget = budget_of(cfg.train)
+    per_step = cfg.train.batch_size * cfg.train.seq_len
+    measure = type(cfg)()  # the run's settings with the data's vocabulary, for timing
+    measure.model = type(cfg.model)(**{**vars(cfg.model), "vocab_size": vocab_size})
+    measure.train = cfg.train
+    own = (cfg.model.n_layers, cfg.model.d_model)
+    if "model.d_model" in cfg.given or "model.n_layers" in cfg.given:
+        speeds = {own: measure_speed(measure, own, device) if "seconds" in budget else 1.0}
+        return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given)
+    if "seconds" not in budget:
+        return choose(train_tokens, val_tokens, budget, dict.fromkeys(LADDER, 1.0), per_step, cfg.given)
+    reference = (2, 256)
+    speed = measure_speed(measure, reference, device)
+    flops = {size: flops_of(measure.model, size) for size in LADDER}
+    speeds = {size: speed * flops[reference] / flops[size] for size in LADDER}
+    picked = max([s for s in LADDER if fits(s, budget, speeds[s], per_step)] or [LADDER[0]],
+                 key=lambda s: recurrent_params(*s))
+    if picked != reference:  # measure it: FLOPs leave out what does not scale with them
+        speeds[picked] = measure_speed(measure, picked, device)
+        if not fits(picked, budget, speeds[picked], per_step):  # slower than its FLOPs said: a size smaller
+            speeds = {s: v for s, v in speeds.items() if recurrent_params(*s) < recurrent_params(*picked)} or {
+                picked: speeds[picked]}
+    return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given)

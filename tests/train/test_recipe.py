@@ -1,0 +1,80 @@
+"""The default recipe's choices on synthetic corpora and speeds, and on a real `rpt train` without --config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rpt.train import recipe
+
+# tokens per second of each size on an imagined machine: the cost grows with the recurrent parameters
+SPEEDS = {size: 4e9 / (recipe.recurrent_params(*size) + 2e5) for size in recipe.LADDER}
+
+
+def chosen(choices):
+    return {c.key: c.value for c in choices}
+
+
+def test_a_small_corpus_gets_more_regularisation_a_smaller_model_and_early_stopping():
+    small = chosen(recipe.choose(100_000, 40_000, {"seconds": 130}, SPEEDS, 1024, frozenset()))
+    large = chosen(recipe.choose(300_000_000, 1_000_000, {"seconds": 130}, SPEEDS, 1024, frozenset()))
+    assert small["model.dropout"] > 0.1 and small["train.early_stop"] > 0
+    assert large["model.dropout"] == 0 and large["train.early_stop"] == 0
+    # the budget is the same, the speeds too: the size depends on the budget, the regularisation on the corpus
+    assert small["model.d_model"] == large["model.d_model"]
+    longer = chosen(recipe.choose(300_000_000, 1_000_000, {"seconds": 3000}, SPEEDS, 1024, frozenset()))
+    assert longer["model.d_model"] > large["model.d_model"]
+    many = chosen(recipe.choose(30_000, 40_000, {"seconds": 130}, SPEEDS, 1024, frozenset()))
+    assert many["model.dropout"] >= small["model.dropout"]
+
+
+def test_the_chosen_size_sees_enough_tokens_per_parameter_and_the_next_would_not():
+    c = chosen(recipe.choose(10**9, 10**6, {"seconds": 600}, SPEEDS, 1024, frozenset()))
+    size = (c["model.n_layers"], c["model.d_model"])
+    after = recipe.LADDER[recipe.LADDER.index(size) + 1]
+    assert recipe.fits(size, {"seconds": 600}, SPEEDS[size], 1024)
+    assert not recipe.fits(after, {"seconds": 600}, SPEEDS[after], 1024)
+
+
+def test_a_step_budget_needs_no_speeds_and_validation_costs_a_small_share():
+    c = chosen(recipe.choose(10**6, 10**6, {"steps": 1000}, {s: 1.0 for s in recipe.LADDER}, 1024, frozenset()))
+    assert c["train.eval_tokens"] == recipe.EVAL_TOKENS
+    share = c["train.eval_tokens"] * recipe.FORWARD_SHARE / (c["train.eval_interval"] * 1024)
+    assert share <= recipe.EVAL_SHARE + 1e-9
+    tiny_val = chosen(recipe.choose(10**6, 3000, {"steps": 1000}, {s: 1.0 for s in recipe.LADDER}, 1024, frozenset()))
+    assert tiny_val["train.eval_tokens"] == 3000
+
+
+def test_keys_given_by_the_user_are_left_alone():
+    given = frozenset({"model.dropout", "model.d_model", "train.eval_interval"})
+    c = chosen(recipe.choose(300_000, 40_000, {"seconds": 130}, {(2, 256): 5000.0}, 1024, given))
+    assert not set(c) & given and "model.n_layers" not in c  # the size is the user's
+    assert c["train.early_stop"] > 0
+
+
+def test_rpt_train_without_a_config_chooses_says_why_and_writes_it_down(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "rpt", "train", "--run-dir", str(run), "--set",
+                           f"data.path={tiny_data}", "--set", "train.max_time=4", "--set", "model.dropout=0.05",
+                           "--set", "train.batch_size=4", "--set", "train.seq_len=16"],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "the default recipe" in done.stdout + done.stderr and "model.d_model = " in done.stdout + done.stderr
+    config = (run / "config.toml").read_text()
+    summary = json.loads((run / "summary.json").read_text())
+    assert "dropout = 0.05" in config  # --set wins
+    assert 'recipe = "auto"' in config
+    assert 0 < summary["recipe_seconds"] < 4 and 0 < summary["selection_share"] < 1
+    # the size the recipe printed is the size that trained
+    import tomllib
+    resolved = tomllib.loads(config)
+    assert f"model.d_model = {resolved['model']['d_model']}" in done.stdout + done.stderr
+
+
+def test_the_recipe_runs_only_without_a_preset(make_cfg):
+    assert make_cfg().train.recipe == "fixed"
+    with pytest.raises(Exception, match="recipe"):
+        make_cfg("train.recipe=sometimes")
