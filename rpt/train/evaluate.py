@@ -76,7 +76,6 @@ class Evaluation:
         self.last: dict | None = None  # the last periodic evaluation, with its step
         self.best: dict | None = None  # the best periodic evaluation, with its step and the budget spent then
         self.best_weights: dict | None = None  # this rank's weights at `best`, while this process holds them
-        self.periodic = bool(cfg.eval_interval and cfg.eval_tokens)  # they cover fewer tokens than the final
         self.seconds = 0.0  # spent in periodic evaluations
 
     def should_evaluate(self, step: int) -> bool:
@@ -93,15 +92,13 @@ class Evaluation:
             self.seconds += time.perf_counter() - began
         return result
 
-    def keep_if_best(self, weights_of, progress: float) -> bool:
+    def keep_if_best(self, weights_of, progress: float) -> None:
         """After a periodic evaluation: if it is the best so far, remember it (and, selecting, the weights that
         `weights_of()` gives). Every rank decides alike: the losses are all-reduced."""
         self.last["progress"] = progress
-        if self.best is not None and self.last["loss"] >= self.best["loss"]:
-            return False
-        self.best = dict(self.last)
-        self.best_weights = weights_of() if self.cfg.select_best else None
-        return True
+        if self.best is None or self.last["loss"] < self.best["loss"]:
+            self.best = dict(self.last)
+            self.best_weights = weights_of() if self.cfg.select_best else None
 
     def stale(self) -> str | None:
         """Why the run stops early, or None: the periodic validations over the last `early_stop` of the budget

@@ -1,14 +1,14 @@
 """The default recipe: what `rpt train` chooses for the settings nobody gave (no --config, or a preset with
 `train.recipe = "auto"`).
 
-Rank 0 times a few optimiser steps of each size of a ladder on this machine (random tokens, the run's batch
-shape), reads the corpus's training tokens, and from the budget derives how many passes over the data each
-size would make. A corpus the budget passes over many times is over-fitted long before the budget ends, so
+Rank 0 times an optimiser step of one size on this machine (random tokens, the run's batch shape), scales that
+speed by FLOPs to a ladder of sizes (and times the size it picks), reads the corpus's training tokens, and from
+the budget derives how many passes over the data each size would make. A corpus the budget passes over many times is over-fitted long before the budget ends, so
 the recipe regularises by the passes (dropout, early stopping armed); a corpus larger than the budget gets
 no dropout and no early stop, and the widest model that still sees enough tokens per parameter (width before
 depth). The periodic validation is sized to cost a small share of the budget. Every choice is printed with
 its reason, written into the run's config.toml, and a key given with --set (or by a file) is never touched.
-The rules and the runs that set them: benchmarks/RESULTS.md, "The default recipe (issue 22)".
+The rules and the runs that set them: benchmarks/RESULTS.md, "Quality per second against peers" (issue 22).
 """
 
 from __future__ import annotations
@@ -59,10 +59,12 @@ def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, token
         return tokens_of(budget, speeds[size], tokens_per_step)
 
     sized = "model.d_model" in given or "model.n_layers" in given
-    fitting = [s for s in speeds if fits(s, budget, speeds[s], tokens_per_step)]
-    size = max(fitting or [min(speeds, key=lambda s: recurrent_params(*s))], key=lambda s: recurrent_params(*s))
     if sized:
         size = next(iter(speeds))  # the run's own size, the one measured
+    else:  # the widest that fits, or the smallest when none does
+        fitting = [s for s in speeds if fits(s, budget, speeds[s], tokens_per_step)]
+        size = max(fitting, key=lambda s: recurrent_params(*s)) if fitting else min(
+            speeds, key=lambda s: recurrent_params(*s))
     passes = tokens_of_size(size) / max(train_tokens, 1)
     choices = []
     if not sized:

@@ -334,9 +334,10 @@ class Trainer:
         """The weights the run ends with (its final evaluation, the checkpoint `best`): those of the best periodic
         validation, loaded back and written as a checkpoint of their step unless one is there; else the last."""
         best, last = self.evaluation.best, {"selected_step": self.step, "selected_by": "the last step"}
-        if not self.cfg.train.select_best or best is None or best["step"] == self.step:
-            return last if best is None or not self.cfg.train.select_best else {
-                **last, "selected_by": "the best periodic validation, at the last step"}
+        if best is None or not self.cfg.train.select_best:
+            return last
+        if best["step"] == self.step:
+            return {**last, "selected_by": "the best periodic validation, at the last step"}
         saved = {m["step"]: p for p, m in self.checkpointer.complete()}
         if self.evaluation.best_weights is not None:
             self.model.load_state_dict(self.evaluation.best_weights)
