@@ -56,7 +56,11 @@ class ModelConfig:
     d_model: int = 256
     d_hidden: int = 0  # the cell's state width; 0: the cell's default (d_model, or 2 x d_model for mingru/minlstm)
     vocab_size: int = 0
-    dropout: float = 0.0
+    dropout: float = 0.0  # on every block's residual branches
+    # On the embedding matrix's two uses: the token vectors going into the first block and the hidden state going
+    # to the (tied) head, as word_language_model and AWD-LSTM drop their input and output.
+    embed_dropout: float = 0.0
+    weight_drop: float = 0.0  # DropConnect on the recurrent matrix (lstm, gru): one mask per sequence, AWD-LSTM's
     tie_embeddings: bool = True
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     mlp_ratio: float = 0.0  # gated MLP sub-layer of this width ratio in every block; 0: none
@@ -87,8 +91,10 @@ class ModelConfig:
             if self.d_model % self.attention_heads:
                 raise RptError(f"model.d_model = {self.d_model} is not divisible by model.attention_heads = "
                                f"{self.attention_heads}", "choose a head count that divides d_model")
-        if not 0.0 <= self.dropout < 1.0:
-            raise RptError(f"model.dropout = {self.dropout} is outside [0, 1)", "use a value such as 0.1, or 0 for none")
+        for name in ("dropout", "embed_dropout", "weight_drop"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise RptError(f"model.{name} = {getattr(self, name)} is outside [0, 1)",
+                               "use a value such as 0.1, or 0 for none")
 
 
 @dataclass

@@ -58,6 +58,7 @@ class RecurrentLM(nn.Module):
             if f"blocks.{i}" in keep:
                 with own_seed(base, 1 + i):
                     self.blocks[str(i)] = Block(cfg, i)
+        self.embed_dropout = nn.Dropout(cfg.embed_dropout)  # no parameters: every stage may hold it
         self.norm = self.head = None
         if "norm" in keep:
             with own_seed(base, cfg.n_layers + 1):
@@ -70,7 +71,7 @@ class RecurrentLM(nn.Module):
         """A RecurrentLM of some of this one's parts, sharing their modules (a virtual pipeline stage)."""
         view = RecurrentLM.__new__(RecurrentLM)
         nn.Module.__init__(view)
-        view.cfg = self.cfg
+        view.cfg, view.embed_dropout = self.cfg, self.embed_dropout
         view.embed = self.embed if "embed" in parts else None
         view.blocks = nn.ModuleDict({k: b for k, b in self.blocks.items() if f"blocks.{k}" in parts})
         view.norm = self.norm if "norm" in parts else None
@@ -84,13 +85,15 @@ class RecurrentLM(nn.Module):
         """x: [B, T] int64 tokens (activations [B, T, D] where the embedding is not built);
         reset_mask: [B, T] bool (reset the state before reading that token)."""
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed_dropout(self.embed(x))
         state = state if state is not None else self.init_state(x.shape[0], x.device)
         new_state = []
         for block, s in zip(self.blocks.values(), state):
             x, s = block(x, s, reset_mask)
             new_state.append(s)
-        return self._out(x), new_state
+        if self.norm is not None:
+            x = self.norm(x)
+        return (self.head(self.embed_dropout(x)) if self.head is not None else x), new_state
 
     def step(self, token: torch.Tensor, state: list | None = None):
         """token: [B] int64. The single-step forms of every cell: what generation runs."""
@@ -100,12 +103,9 @@ class RecurrentLM(nn.Module):
         for block, s in zip(self.blocks.values(), state):
             x, s = block(x, s, step=True)
             new_state.append(s)
-        return self._out(x), new_state
-
-    def _out(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm is not None:
             x = self.norm(x)
-        return self.head(x) if self.head is not None else x
+        return (self.head(x) if self.head is not None else x), new_state
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,

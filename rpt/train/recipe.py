@@ -3,10 +3,10 @@
 
 Rank 0 times an optimiser step of one size on this machine (random tokens, the run's batch shape), scales that
 speed by FLOPs to a ladder of sizes (and times the size it picks), reads the corpus's training tokens, and from
-the budget derives how many passes over the data each size would make. A corpus the budget passes over many times is over-fitted long before the budget ends, so
-the recipe regularises by the passes (dropout, early stopping armed); a corpus larger than the budget gets
-no dropout and no early stop, and the widest model that still sees enough tokens per parameter (width before
-depth). The periodic validation is sized to cost a small share of the budget. Every choice is printed with
+the budget derives how many passes over the data each size would make. A corpus the budget passes over many
+times is over-fitted long before the budget ends, so the recipe regularises by the passes (dropout, embedding
+dropout, weight drop; early stopping armed); a corpus larger than the budget gets none of them, and the widest
+model that still sees enough tokens per parameter (width before depth). The periodic validation is sized to cost a small share of the budget. Every choice is printed with
 its reason, written into the run's config.toml, and a key given with --set (or by a file) is never touched.
 The rules and the runs that set them: benchmarks/RESULTS.md, "Quality per second against peers" (issue 22).
 """
@@ -19,10 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
+from rpt.models.registry import get_cell
+
 # width before depth: each size is (n_layers, d_model)
 LADDER = ((2, 128), (2, 192), (2, 256), (2, 384), (2, 512), (2, 768), (3, 1024), (4, 1536), (4, 2048))
 TOKENS_PER_PARAM = 0.4  # the least training tokens per recurrent parameter a size must see within the budget
-FREE_PASSES = 2.0  # passes over the data that need no dropout; then 0.1 more per doubling, up to 0.5
+FREE_PASSES = 2.0  # passes over the data that need no regularisation; then 0.1 more strength per doubling
+# each regulariser at its share of that strength (at most 0.5): the residual branches', the embedding's, the
+# recurrent matrix's (lstm: the only cell with weight drop)
+REGULARISERS = {"model.dropout": 1.0, "model.embed_dropout": 1.5, "model.weight_drop": 2.0}
 EVAL_SHARE = 0.025  # of the training time, for the periodic validations
 EVAL_TOKENS = 4096  # of a periodic validation (the whole split when that is smaller)
 FORWARD_SHARE = 0.4  # a validation token's cost against a training token's (forward only, no optimiser)
@@ -71,9 +76,11 @@ def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, token
         why = (f"the widest size that sees {TOKENS_PER_PARAM:g} token per recurrent parameter within the budget "
                f"({tokens_of_size(size):,.0f} tokens, {passes:.1f} passes over {train_tokens:,})")
         choices += [Choice("model.n_layers", size[0], why), Choice("model.d_model", size[1], why)]
-    dropout = round(min(0.5, 0.1 * math.log2(passes / FREE_PASSES)), 2) if passes > FREE_PASSES else 0.0
-    choices.append(Choice("model.dropout", dropout, f"{passes:.1f} passes over the training tokens" + (
-        ": over-fitting to hold back" if dropout else f": none needed up to {FREE_PASSES:g}")))
+    strength = min(0.5, 0.1 * math.log2(passes / FREE_PASSES)) if passes > FREE_PASSES else 0.0
+    why = f"{passes:.1f} passes over the training tokens" + (
+        ": over-fitting to hold back" if strength else f": none needed up to {FREE_PASSES:g}")
+    for key, scale in REGULARISERS.items():
+        choices.append(Choice(key, round(min(0.5, scale * strength), 2), why))
     choices.append(Choice("train.early_stop", 0.25 if passes > 1 else 0.0,
                           "armed: validation will stop improving before the budget ends" if passes > 1 else
                           "off: less than one pass, validation keeps improving"))
@@ -134,6 +141,8 @@ def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, vocab_size: int)
     choices = None
     if dist_info.rank == 0:
         choices = _choose_here(cfg, dist_info.device, train_tokens, val_tokens, vocab_size)
+        options = get_cell(cfg.model.cell).options  # a cell without weight drop is regularised without it
+        choices = [c for c in choices if not c.key.startswith("model.weight_") or c.key[6:] in options]
     if dist_info.world_size > 1:
         box = [choices]
         dist.broadcast_object_list(box, src=0)

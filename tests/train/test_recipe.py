@@ -21,8 +21,9 @@ def chosen(choices):
 def test_a_small_corpus_gets_more_regularisation_a_smaller_model_and_early_stopping():
     small = chosen(recipe.choose(100_000, 40_000, {"seconds": 130}, SPEEDS, 1024, frozenset()))
     large = chosen(recipe.choose(300_000_000, 1_000_000, {"seconds": 130}, SPEEDS, 1024, frozenset()))
-    assert small["model.dropout"] > 0.1 and small["train.early_stop"] > 0
-    assert large["model.dropout"] == 0 and large["train.early_stop"] == 0
+    regularisers = ("model.dropout", "model.embed_dropout", "model.weight_drop")
+    assert all(small[k] > 0.1 for k in regularisers) and small["train.early_stop"] > 0
+    assert all(large[k] == 0 for k in regularisers) and large["train.early_stop"] == 0
     # the budget is the same, the speeds too: the size depends on the budget, the regularisation on the corpus
     assert small["model.d_model"] == large["model.d_model"]
     longer = chosen(recipe.choose(300_000_000, 1_000_000, {"seconds": 3000}, SPEEDS, 1024, frozenset()))
@@ -72,6 +73,17 @@ def test_rpt_train_without_a_config_chooses_says_why_and_writes_it_down(tiny_dat
     import tomllib
     resolved = tomllib.loads(config)
     assert f"model.d_model = {resolved['model']['d_model']}" in done.stdout + done.stderr
+
+
+def test_a_cell_without_weight_drop_is_regularised_without_it(make_cfg):
+    from types import SimpleNamespace
+
+    for cell, expected in (("lstm", True), ("gru", False)):
+        cfg = make_cfg(f"model.cell={cell}", "train.max_steps=2000", "train.recipe=auto")
+        cfg.given = frozenset()
+        recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 50_000, 10_000, 512)
+        assert cfg.model.embed_dropout > 0 and (cfg.model.weight_drop > 0) == expected
+        assert any("model.embed_dropout" in note for note in cfg.notes)
 
 
 def test_the_recipe_runs_only_without_a_preset(make_cfg):

@@ -78,8 +78,9 @@ class GatedRNNCell(Cell):
 
     n_gates = 1
 
-    def __init__(self, d_model: int, d_hidden: int = 0):
+    def __init__(self, d_model: int, d_hidden: int = 0, weight_drop: float = 0.0):
         super().__init__(d_model, d_hidden or d_model)
+        self.weight_drop = weight_drop
         G, H, D = self.n_gates, self.d_hidden, d_model
         self.w_ih = nn.Parameter(torch.empty(G * H, D))
         self.w_hh = nn.Parameter(torch.empty(G * H, H))
@@ -89,6 +90,10 @@ class GatedRNNCell(Cell):
         for w in (self.w_ih, self.w_hh):
             nn.init.uniform_(w, -bound, bound)
         self.proj = nn.Linear(H, D, bias=False) if H != D else None
+
+    def recurrent_weight(self) -> torch.Tensor:
+        """w_hh, with DropConnect while training (one mask for the whole sequence; the step form is for generation)."""
+        return F.dropout(self.w_hh, self.weight_drop, self.training) if self.weight_drop else self.w_hh
 
     def _out(self, h):
         return self.linear(h, self.proj.weight) if self.proj is not None else h

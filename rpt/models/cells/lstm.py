@@ -16,11 +16,11 @@ from rpt.models.registry import register_cell
 @register_cell("lstm")
 class LSTM(GatedRNNCell):
     n_gates = 4
-    options = ("forget_bias",)
+    options = ("forget_bias", "weight_drop")
 
-    def __init__(self, d_model: int, d_hidden: int = 0, forget_bias: float | None = None):
+    def __init__(self, d_model: int, d_hidden: int = 0, forget_bias: float | None = None, weight_drop: float = 0.0):
         forget_bias = 1.0 if forget_bias is None else forget_bias
-        super().__init__(d_model, d_hidden)
+        super().__init__(d_model, d_hidden, weight_drop)
         H = self.d_hidden
         with torch.no_grad():
             self.b_ih[H:2 * H] = forget_bias
@@ -34,7 +34,7 @@ class LSTM(GatedRNNCell):
 
     def forward(self, x, state=None, reset=None):
         state = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
-        weights = [self.w_ih, self.w_hh, self.b_ih, self.b_hh]
+        weights = [self.w_ih, self.recurrent_weight(), self.b_ih, self.b_hh]
 
         def run(xs, st):
             y, h, c = torch.lstm(xs, (st[0][None], st[1][None]), weights, True, 1, 0.0, self.training, False, True)
