@@ -60,7 +60,7 @@ class ModelConfig:
     # On the embedding matrix's two uses: the token vectors going into the first block and the hidden state going
     # to the (tied) head, as word_language_model and AWD-LSTM drop their input and output.
     embed_dropout: float = 0.0
-    weight_drop: float = 0.0  # DropConnect on the recurrent matrix (lstm, gru): one mask per sequence, AWD-LSTM's
+    weight_drop: float = 0.0  # DropConnect on the recurrent matrix (lstm): one mask per sequence, AWD-LSTM's
     tie_embeddings: bool = True
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     mlp_ratio: float = 0.0  # gated MLP sub-layer of this width ratio in every block; 0: none

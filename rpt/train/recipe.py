@@ -6,8 +6,10 @@ speed by FLOPs to a ladder of sizes (and times the size it picks), reads the cor
 the budget derives how many passes over the data each size would make. A corpus the budget passes over many
 times is over-fitted long before the budget ends, so the recipe regularises by the passes (dropout, embedding
 dropout, weight drop; early stopping armed); a corpus larger than the budget gets none of them, and the widest
-model that still sees enough tokens per parameter (width before depth). The periodic validation is sized to cost a small share of the budget. Every choice is printed with
-its reason, written into the run's config.toml, and a key given with --set (or by a file) is never touched.
+model that still sees enough tokens per parameter (width before depth). A regulariser the cell does not take
+(weight drop beside lstm) is left out. The periodic validation is sized to cost a small share of the budget.
+Every choice is printed with its reason, written into the run's config.toml, and a key given with --set (or by
+a file) is never touched.
 The rules and the runs that set them: benchmarks/RESULTS.md, "Quality per second against peers" (issue 22).
 """
 
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rpt.models.registry import get_cell
+from rpt.models.registry import CELL_OPTIONS, get_cell
 
 # width before depth: each size is (n_layers, d_model)
 LADDER = ((2, 128), (2, 192), (2, 256), (2, 384), (2, 512), (2, 768), (3, 1024), (4, 1536), (4, 2048))
@@ -141,8 +143,9 @@ def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, vocab_size: int)
     choices = None
     if dist_info.rank == 0:
         choices = _choose_here(cfg, dist_info.device, train_tokens, val_tokens, vocab_size)
-        options = get_cell(cfg.model.cell).options  # a cell without weight drop is regularised without it
-        choices = [c for c in choices if not c.key.startswith("model.weight_") or c.key[6:] in options]
+        takes = get_cell(cfg.model.cell).options  # the cell options this cell does not take are left out
+        choices = [c for c in choices if c.key.removeprefix("model.") not in CELL_OPTIONS or
+                   c.key.removeprefix("model.") in takes]
     if dist_info.world_size > 1:
         box = [choices]
         dist.broadcast_object_list(box, src=0)
