@@ -111,8 +111,10 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    weight_decay: float = 0.1  # AdamW's (decoupled); SGD runs without one
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's
+    momentum: float = 0.9  # SGD's (heavy ball)
     grad_clip: float = 1.0
     grad_accum: int = 1
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -145,6 +147,8 @@ class TrainConfig:
                            "it is a share of the budget, e.g. 0.25; 0 never stops early")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise RptError(f"train.min_lr_ratio = {self.min_lr_ratio} is outside [0, 1]", "use e.g. 0.1")
+        if not 0.0 <= self.momentum < 1.0:
+            raise RptError(f"train.momentum = {self.momentum} is outside [0, 1)", "use e.g. 0.9, or 0 for plain SGD")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise RptError(f"train.betas = {self.betas} must be two numbers in [0, 1)",
                            "e.g. --set train.betas=[0.9,0.95]")

@@ -8,14 +8,63 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 TIMEOUT = 300
 
+# Each case is a fresh process running `python -m rpt ARGS`, forked from an interpreter that has imported rpt
+# and torch once (importing torch is most of a refused command's time): the child runs the module as
+# `python -m` does, with its own stdout, stderr and exit status, and an uncaught exception prints its traceback.
+FORK_SERVER = r"""
+import json, os, runpy, sys, traceback
+import rpt.cli, torch
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        for fd, path in ((1, job["out"]), (2, job["err"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.argv = ["rpt", *job["argv"]]
+        code = 0
+        try:
+            runpy.run_module("rpt", run_name="__main__", alter_sys=True)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (exc.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+"""
 
-def rpt(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rpt", *args], capture_output=True, text=True, timeout=TIMEOUT)
+
+class Forker:
+    """One fork server per thread of the pool below."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.local, self.servers, self.count = folder, threading.local(), [], 0
+
+    def __call__(self, *args: str) -> subprocess.CompletedProcess:
+        if not hasattr(self.local, "server"):
+            self.local.server = subprocess.Popen([sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE,
+                                                 stdout=subprocess.PIPE, text=True)
+            self.servers.append(self.local.server)
+        self.count += 1
+        out, err = self.folder / f"{self.count}.out", self.folder / f"{self.count}.err"
+        server = self.local.server
+        server.stdin.write(json.dumps({"argv": list(args), "out": str(out), "err": str(err)}) + "\n")
+        server.stdin.flush()
+        code = int(server.stdout.readline())
+        return subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.stdin.close()
+            server.wait(timeout=TIMEOUT)
 
 
 def snapshot(folder: Path) -> dict[str, str] | None:
@@ -27,6 +76,15 @@ def snapshot(folder: Path) -> dict[str, str] | None:
 
 
 def test_every_entry_point_refuses_bad_input_clearly_and_writes_nothing(tmp_path, tiny_data, shakespeare_text):
+    (tmp_path / "io").mkdir()
+    rpt = Forker(tmp_path / "io")
+    try:
+        catalogue(rpt, tmp_path, tiny_data, shakespeare_text)
+    finally:
+        rpt.close()
+
+
+def catalogue(rpt, tmp_path, tiny_data, shakespeare_text) -> None:
     small = ["--set", "model.d_model=32", "--set", "train.batch_size=4", "--set", "train.seq_len=16"]
     data = ["--set", f"data.path={tiny_data}"]
     # a finished run, to resume and evaluate wrongly
@@ -127,7 +185,6 @@ def test_every_entry_point_refuses_bad_input_clearly_and_writes_nothing(tmp_path
                 problems.append(f"{folder.name} was written to")
         return f"{what}: {', '.join(problems)}\n    {proc.stderr.strip()[-600:]}" if problems else None
 
-    # two at a time: each case is mostly a fresh interpreter importing torch, on one core
     with ThreadPoolExecutor(max_workers=2) as pool:
         failures = [f for f in pool.map(check, cases) if f]
     busy.close()

@@ -1,4 +1,4 @@
-"""AdamW with parameter groups, and the learning-rate schedule.
+"""The optimiser (AdamW with parameter groups, or SGD with momentum) and the learning-rate schedule.
 
 Weight decay applies to the matrices of the cells, attention, MLP and head; not to norms,
 biases, residual gates, peepholes or the embedding (decaying a tied embedding decays the
@@ -33,19 +33,29 @@ def param_groups(model: torch.nn.Module, weight_decay: float, only=None) -> list
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, only=None) -> torch.optim.AdamW | None:
-    """AdamW over `only` (default: every parameter); None when that is empty (a parameter-server worker)."""
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, only=None) -> torch.optim.Optimizer | None:
+    """`cfg.optimizer` over `only` (default: every parameter); None when that is empty (a parameter-server worker).
+
+    SGD takes no weight decay: torch's is coupled to the learning rate, which at SGD's rates (1-20) would shrink
+    the weights by whole multiples of wd each step."""
     groups = [g for g in param_groups(model, cfg.weight_decay, only) if g["params"]]
     if not groups:
         return None
     # fused: one kernel per parameter group on GPU and CPU alike, and it can skip a step on the device (below)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=True)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=True)
+    optimizer = torch.optim.SGD([{**g, "weight_decay": 0.0} for g in groups], lr=cfg.lr, momentum=cfg.momentum,
+                                fused=True)
+    if cfg.momentum:  # fused SGD makes its buffers on the first step even when it skips it, then reads them unset
+        for p in (p for g in groups for p in g["params"]):
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return optimizer
 
 
-def step_unless(optimizer: torch.optim.AdamW, nonfinite: torch.Tensor) -> None:
-    """The AdamW step, skipped on the device where `nonfinite` (a 0-d bool tensor) is set.
+def step_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
+    """The optimiser's step, skipped on the device where `nonfinite` (a 0-d bool tensor) is set.
 
-    Fused AdamW reads a `found_inf` tensor (GradScaler hands fp16 steps the same way) and then leaves
+    Fused AdamW and SGD read a `found_inf` tensor (GradScaler hands fp16 steps the same way) and then leave
     parameters, moments and step counts untouched, so the host never waits for the gradient norm:
     on a GPU the next step's kernels queue behind this one instead of after a synchronisation.
     """

@@ -5,9 +5,10 @@ Rank 0 times an optimiser step of one size on this machine (random tokens, the r
 speed by FLOPs to a ladder of sizes (and times the size it picks), reads the corpus's training tokens, and from
 the budget derives how many passes over the data each size would make. A corpus the budget passes over many
 times is over-fitted long before the budget ends, so the recipe regularises by the passes (dropout, embedding
-dropout, weight drop; early stopping armed); a corpus larger than the budget gets none of them, and the widest
-model that still sees enough tokens per parameter (width before depth). A regulariser the cell does not take
-(weight drop beside lstm) is left out. The periodic validation is sized to cost a small share of the budget.
+dropout, weight drop; SGD with momentum for AdamW; early stopping armed); a corpus larger than the budget gets
+none of them, and the widest model that still sees enough tokens per parameter (width before depth). A
+regulariser the cell does not take (weight drop beside lstm) is left out. The periodic validation is sized to
+cost a small share of the budget.
 Every choice is printed with its reason, written into the run's config.toml, and a key given with --set (or by
 a file) is never touched.
 The rules and the runs that set them: benchmarks/RESULTS.md, "Quality per second against peers" (issue 22).
@@ -30,6 +31,8 @@ FREE_PASSES = 2.0  # passes over the data that need no regularisation; then 0.1 
 # each regulariser at its share of that strength (at most 0.5): the residual branches', the embedding's, the
 # recurrent matrix's (lstm: the only cell with weight drop)
 REGULARISERS = {"model.dropout": 1.0, "model.embed_dropout": 1.5, "model.weight_drop": 2.0}
+# and, past FREE_PASSES too, SGD with momentum in place of AdamW (word_language_model's clip)
+MANY_PASSES_OPTIMIZER = {"train.optimizer": "sgd", "train.lr": 1.0, "train.grad_clip": 0.25}
 EVAL_SHARE = 0.025  # of the training time, for the periodic validations
 EVAL_TOKENS = 4096  # of a periodic validation (the whole split when that is smaller)
 FORWARD_SHARE = 0.4  # a validation token's cost against a training token's (forward only, no optimiser)
@@ -83,6 +86,9 @@ def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, token
         ": over-fitting to hold back" if strength else f": none needed up to {FREE_PASSES:g}")
     for key, scale in REGULARISERS.items():
         choices.append(Choice(key, round(min(0.5, scale * strength), 2), why))
+    if strength and not given & {"train.optimizer", "train.lr"}:  # a learning rate given is AdamW's or SGD's
+        why = f"{passes:.1f} passes: SGD with momentum keeps generalising where AdamW over-fits after about one"
+        choices += [Choice(key, value, why) for key, value in MANY_PASSES_OPTIMIZER.items()]
     choices.append(Choice("train.early_stop", 0.25 if passes > 1 else 0.0,
                           "armed: validation will stop improving before the budget ends" if passes > 1 else
                           "off: less than one pass, validation keeps improving"))

@@ -34,17 +34,27 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
     return out
 
 
-def test_two_process_data_parallel_keeps_replicas_identical(tmp_path, tiny_data):
-    proc = rpt_train(tmp_path / "r", tiny_data, "--nproc", "2", "--set", "train.max_steps=12")
+TWO_PROCESSES = ("--nproc", "2", "--set", "checkpoint.interval=3", "--set", "train.max_steps=10")
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, tiny_data) -> Path:
+    """One uninterrupted `--nproc 2` run, the reference of the tests below that interrupt the same run."""
+    run = tmp_path_factory.mktemp("two") / "full"
+    proc = rpt_train(run, tiny_data, *TWO_PROCESSES)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["tokens"] == 12 * 2 * 4 * 16
+    return run
+
+
+def test_two_process_data_parallel_keeps_replicas_identical(two_process_run):
+    summary = json.loads((two_process_run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["tokens"] == 10 * 2 * 4 * 16
     assert summary["comm_bytes_per_step"] == 4 * summary["params"]
-    digests = [re.search(r"parameter digest (\w+)", (tmp_path / "r" / "logs" / f"rank{r}.log").read_text()).group(1)
+    digests = [re.search(r"parameter digest (\w+)", (two_process_run / "logs" / f"rank{r}.log").read_text()).group(1)
                for r in (0, 1)]
-    assert digests[0] == digests[1]  # bit-identical replicas after 12 all-reduced steps (dropout differs per rank)
-    losses = losses_by_step(tmp_path / "r")
-    assert losses[12] < losses[1]
+    assert digests[0] == digests[1]  # bit-identical replicas after 10 all-reduced steps (dropout differs per rank)
+    losses = losses_by_step(two_process_run)
+    assert losses[10] < losses[1]
 
 
 def test_resume_after_a_killed_run_equals_the_uninterrupted_run(tmp_path, tiny_data):
@@ -101,10 +111,9 @@ def test_resume_with_a_partitioned_optimiser_equals_the_uninterrupted_run(tmp_pa
     assert len(final_digests(tmp_path / "full")) == 1
 
 
-def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_the_uninterrupted_run(tmp_path, tiny_data):
-    common = ("--nproc", "2", "--set", "checkpoint.interval=3", "--set", "train.max_steps=10")
-    full = rpt_train(tmp_path / "full", tiny_data, *common)
-    assert full.returncode == 0, full.stderr[-3000:]
+def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_the_uninterrupted_run(tmp_path, tiny_data,
+                                                                                            two_process_run):
+    common = TWO_PROCESSES
     cut = rpt_train(tmp_path / "cut", tiny_data, *common, "--max-restarts", "1", env={"RPT_FAULT": "kill@5:rank=1"})
     assert cut.returncode == 0, cut.stderr[-3000:]
     assert "resumed from" in (tmp_path / "cut" / "logs" / "rank0.log").read_text()
@@ -116,7 +125,7 @@ def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_the_uninte
 
     def digests(run: Path) -> set[str]:
         return {re.findall(r"parameter digest (\w+)", (run / "logs" / f"rank{r}.log").read_text())[-1] for r in (0, 1)}
-    assert digests(tmp_path / "cut") == digests(tmp_path / "full") and len(digests(tmp_path / "full")) == 1
+    assert digests(tmp_path / "cut") == digests(two_process_run) and len(digests(two_process_run)) == 1
 
     # killed in the middle of the save of step 6 (its shards written, not its manifest): the restarted group
     # ignores that half checkpoint, resumes from step 3 and still ends as the uninterrupted run
@@ -124,7 +133,7 @@ def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_the_uninte
     assert mid.returncode == 0, mid.stderr[-3000:]
     assert "resumed from" in (log := (tmp_path / "mid" / "logs" / "rank0.log").read_text())
     assert re.search(r"resumed from \S*step_00000003 at step 3", log)
-    assert digests(tmp_path / "mid") == digests(tmp_path / "full")
+    assert digests(tmp_path / "mid") == digests(two_process_run)
 
 
 @pytest.mark.parametrize("comm", [

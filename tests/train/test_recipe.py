@@ -24,6 +24,7 @@ def test_a_small_corpus_gets_more_regularisation_a_smaller_model_and_early_stopp
     regularisers = ("model.dropout", "model.embed_dropout", "model.weight_drop")
     assert all(small[k] > 0.1 for k in regularisers) and small["train.early_stop"] > 0
     assert all(large[k] == 0 for k in regularisers) and large["train.early_stop"] == 0
+    assert small["train.optimizer"] == "sgd" and small["train.grad_clip"] < 1 and "train.optimizer" not in large
     # the budget is the same, the speeds too: the size depends on the budget, the regularisation on the corpus
     assert small["model.d_model"] == large["model.d_model"]
     longer = chosen(recipe.choose(300_000_000, 1_000_000, {"seconds": 3000}, SPEEDS, 1024, frozenset()))
@@ -53,7 +54,10 @@ def test_keys_given_by_the_user_are_left_alone():
     given = frozenset({"model.dropout", "model.d_model", "train.eval_interval"})
     c = chosen(recipe.choose(300_000, 40_000, {"seconds": 130}, {(2, 256): 5000.0}, 1024, given))
     assert not set(c) & given and "model.n_layers" not in c  # the size is the user's
-    assert c["train.early_stop"] > 0
+    assert c["train.early_stop"] > 0 and c["train.optimizer"] == "sgd"
+    # a learning rate given belongs to the optimiser the user meant: the recipe chooses neither
+    c = chosen(recipe.choose(300_000, 40_000, {"seconds": 130}, {(2, 256): 5000.0}, 1024, given | {"train.lr"}))
+    assert not {"train.optimizer", "train.grad_clip"} & set(c)
 
 
 def test_rpt_train_without_a_config_chooses_says_why_and_writes_it_down(tiny_data, tmp_path):
