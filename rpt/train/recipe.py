@@ -33,7 +33,8 @@ FREE_PASSES = 2.0  # passes over the data that need no regularisation; then 0.1 
 REGULARISERS = {"model.dropout": 1.0, "model.embed_dropout": 1.5, "model.weight_drop": 2.0}
 # and, past FREE_PASSES too, SGD with momentum in place of AdamW (word_language_model's clip)
 MANY_PASSES_OPTIMIZER = {"train.optimizer": "sgd", "train.lr": 1.0, "train.grad_clip": 0.25}
-EVAL_SHARE = 0.025  # of the training time, for the periodic validations
+EVAL_SHARE = 0.025  # of the budget, for the recipe's own timing and the periodic validations together
+MIN_EVAL_SHARE = 0.01  # what the validations keep however long the timing took
 EVAL_TOKENS = 4096  # of a periodic validation (the whole split when that is smaller)
 FORWARD_SHARE = 0.4  # a validation token's cost against a training token's (forward only, no optimiser)
 
@@ -62,9 +63,10 @@ def fits(size, budget: dict, tokens_per_s: float, tokens_per_step: int) -> bool:
 
 
 def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, tokens_per_step: int,
-           given: frozenset) -> list[Choice]:
+           given: frozenset, spent: float = 0.0) -> list[Choice]:
     """The choices for a corpus of `train_tokens` and a budget ({"seconds"|"tokens"|"steps": n}), with
-    `speeds` {(n_layers, d_model): training tokens per second on this machine}; keys in `given` are left alone."""
+    `speeds` {(n_layers, d_model): training tokens per second on this machine}; keys in `given` are left alone.
+    `spent`: the share of the budget the timing took, which the validations' share gives up."""
     def tokens_of_size(size) -> float:
         return tokens_of(budget, speeds[size], tokens_per_step)
 
@@ -93,8 +95,9 @@ def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, token
                           "armed: validation will stop improving before the budget ends" if passes > 1 else
                           "off: less than one pass, validation keeps improving"))
     eval_tokens = min(EVAL_TOKENS, val_tokens)
-    steps = max(1, math.ceil(eval_tokens * FORWARD_SHARE / (EVAL_SHARE * tokens_per_step)))
-    why = f"a validation of {eval_tokens:,} tokens every {steps} steps costs about {EVAL_SHARE:.1%} of training"
+    share = max(MIN_EVAL_SHARE, EVAL_SHARE - spent)
+    steps = max(1, math.ceil(eval_tokens * FORWARD_SHARE / (share * tokens_per_step)))
+    why = f"a validation of {eval_tokens:,} tokens every {steps} steps costs about {share:.1%} of training"
     choices += [Choice("train.eval_tokens", eval_tokens, why), Choice("train.eval_interval", steps, why)]
     return [c for c in choices if c.key not in given]
 
@@ -171,6 +174,7 @@ def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, vocab_size: int)
 
 def _choose_here(cfg, device, train_tokens: int, val_tokens: int, vocab_size: int) -> list[Choice]:
     """Speeds by FLOPs from one measured size (the run's own, or 2 x 256), the chosen size measured too."""
+    began = time.perf_counter()
     budget = budget_of(cfg.train)
     per_step = cfg.train.batch_size * cfg.train.seq_len
     measure = type(cfg)()  # the run's settings with the data's vocabulary, for timing
@@ -179,7 +183,7 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, vocab_size: in
     own = (cfg.model.n_layers, cfg.model.d_model)
     if "model.d_model" in cfg.given or "model.n_layers" in cfg.given:
         speeds = {own: measure_speed(measure, own, device) if "seconds" in budget else 1.0}
-        return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given)
+        return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent_since(began, budget))
     if "seconds" not in budget:
         return choose(train_tokens, val_tokens, budget, dict.fromkeys(LADDER, 1.0), per_step, cfg.given)
     reference = (2, 256)
@@ -193,4 +197,8 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, vocab_size: in
         if not fits(picked, budget, speeds[picked], per_step):  # slower than its FLOPs said: a size smaller
             speeds = {s: v for s, v in speeds.items() if recurrent_params(*s) < recurrent_params(*picked)} or {
                 picked: speeds[picked]}
-    return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given)
+    return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent_since(began, budget))
+
+
+def spent_since(began: float, budget: dict) -> float:
+    return (time.perf_counter() - began) / budget["seconds"] if "seconds" in budget else 0.0

@@ -94,3 +94,15 @@ def test_the_recipe_runs_only_without_a_preset(make_cfg):
     assert make_cfg().train.recipe == "fixed"
     with pytest.raises(Exception, match="recipe"):
         make_cfg("train.recipe=sometimes")
+
+
+def test_the_time_the_recipe_took_comes_off_the_validations_share():
+    """The recipe's timing and the periodic validations share one allowance of the budget (issue 22: <= 3%)."""
+    def interval(spent):
+        return chosen(recipe.choose(10**6, 10**6, {"seconds": 130}, SPEEDS, 1024, frozenset(), spent))[
+            "train.eval_interval"]
+    free, slow, slower = interval(0.0), interval(0.013), interval(0.5)
+    assert free < slow < slower
+    share = recipe.EVAL_TOKENS * recipe.FORWARD_SHARE / (slow * 1024)
+    assert share + 0.013 <= recipe.EVAL_SHARE + 1e-9
+    assert recipe.EVAL_TOKENS * recipe.FORWARD_SHARE / (slower * 1024) == pytest.approx(recipe.MIN_EVAL_SHARE, rel=0.1)
