@@ -4,6 +4,7 @@ message that names the fix (exit code 2, no traceback) and leaves no half-writte
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import socket
 import subprocess
@@ -31,7 +32,11 @@ for line in sys.stdin:
         try:
             runpy.run_module("rpt", run_name="__main__", alter_sys=True)
         except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (exc.code is not None)
+            if isinstance(exc.code, int):
+                code = exc.code
+            elif exc.code is not None:  # sys.exit("message"): printed, status 1, as Python does
+                print(exc.code, file=sys.stderr)
+                code = 1
         except BaseException:
             traceback.print_exc()
             code = 1
@@ -46,15 +51,15 @@ class Forker:
     """One fork server per thread of the pool below."""
 
     def __init__(self, folder: Path):
-        self.folder, self.local, self.servers, self.count = folder, threading.local(), [], 0
+        self.folder, self.local, self.servers, self.numbers = folder, threading.local(), [], itertools.count()
 
     def __call__(self, *args: str) -> subprocess.CompletedProcess:
         if not hasattr(self.local, "server"):
             self.local.server = subprocess.Popen([sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE,
                                                  stdout=subprocess.PIPE, text=True)
             self.servers.append(self.local.server)
-        self.count += 1
-        out, err = self.folder / f"{self.count}.out", self.folder / f"{self.count}.err"
+        n = next(self.numbers)  # atomic: the two threads never share a case's files
+        out, err = self.folder / f"{n}.out", self.folder / f"{n}.err"
         server = self.local.server
         server.stdin.write(json.dumps({"argv": list(args), "out": str(out), "err": str(err)}) + "\n")
         server.stdin.flush()
