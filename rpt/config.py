@@ -62,6 +62,10 @@ class ModelConfig:
     embed_dropout: float = 0.0
     weight_drop: float = 0.0  # DropConnect on the recurrent matrix (lstm): one mask per sequence, AWD-LSTM's
     tie_embeddings: bool = True
+    # 0: a softmax over the whole vocabulary. S: a two-level softmax, the S most frequent training tokens and one
+    # entry for the rest in the first, the rest in the second (rpt/models/head.py): exact, and about a third of
+    # the cost where the S cover most of the text
+    head_shortlist: int = 0
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     mlp_ratio: float = 0.0  # gated MLP sub-layer of this width ratio in every block; 0: none
     attention_every: int = 0  # causal sliding-window attention sub-layer in every k-th block; 0: none
@@ -83,7 +87,7 @@ class ModelConfig:
         """This section's own values (the cell's options are the registry's: rpt.models.registry.check_names)."""
         _positive("model.n_layers", self.n_layers)
         _positive("model.d_model", self.d_model)
-        for name in ("vocab_size", "d_hidden", "mlp_ratio", "attention_every"):
+        for name in ("vocab_size", "d_hidden", "mlp_ratio", "attention_every", "head_shortlist"):
             _non_negative(f"model.{name}", getattr(self, name))
         if self.attention_every:
             _positive("model.attention_window", self.attention_window)
@@ -91,6 +95,9 @@ class ModelConfig:
             if self.d_model % self.attention_heads:
                 raise RptError(f"model.d_model = {self.d_model} is not divisible by model.attention_heads = "
                                f"{self.attention_heads}", "choose a head count that divides d_model")
+        if self.vocab_size and self.head_shortlist >= self.vocab_size:
+            raise RptError(f"model.head_shortlist = {self.head_shortlist} is not below the vocabulary "
+                           f"({self.vocab_size})", "use a shortlist of about a tenth of the vocabulary, or 0 for none")
         for name in ("dropout", "embed_dropout", "weight_drop"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise RptError(f"model.{name} = {getattr(self, name)} is outside [0, 1)",
@@ -357,6 +364,9 @@ class Config:
                            f"model.n_layers = {m.n_layers}: each needs at least one block",
                            "use fewer stages_per_rank, a smaller pp, or more layers")
         if p.pp != 1:
+            if m.head_shortlist:
+                raise RptError(f"model.head_shortlist = {m.head_shortlist} with parallel.pp = {p.pp}: the pipeline's "
+                               "last stage computes its loss from full logits", "set model.head_shortlist = 0")
             if c.mode in ("ps", "ps-sharded"):
                 raise RptError(f"comm.mode = '{c.mode}' with parallel.pp = {p.pp}: the parameter servers do not run "
                                "over a pipeline's data-parallel dimension yet",

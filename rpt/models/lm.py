@@ -1,8 +1,8 @@
 """`RecurrentLM`: embedding -> blocks -> norm -> head, carrying a recurrent state between calls.
 
-    logits, state = model(tokens, state, reset_mask)   # training: the whole chunk, fast paths
-    logits, state = model.step(token, state)           # generation: one token, constant memory
-    loss = next_token_loss(logits, targets)            # the one loss of rpt
+    nats, state = model(tokens, state, reset_mask, targets)  # training, evaluation: each target's loss
+    logits, state = model(tokens, state, reset_mask)    # the whole chunk's logits (a pipeline stage's loss)
+    logits, state = model.step(token, state)            # generation: one token, constant memory
 
 The state is a list with one entry per block (the cell's state, and the attention cache where a block has
 one). Training carries it from batch to batch, detached (truncated BPTT).
@@ -23,6 +23,7 @@ from torch import nn
 from rpt.config import ModelConfig
 from rpt.errors import RptError
 from rpt.models.block import Block, make_norm
+from rpt.models.head import ClusteredHead, Head
 from rpt.models.sampling import sample_next
 
 
@@ -81,9 +82,11 @@ class RecurrentLM(nn.Module):
     def init_state(self, batch: int, device=None, dtype=None) -> list:
         return [b.init_state(batch, device, dtype) for b in self.blocks.values()]
 
-    def forward(self, x: torch.Tensor, state: list | None = None, reset_mask: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, state: list | None = None, reset_mask: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None):
         """x: [B, T] int64 tokens (activations [B, T, D] where the embedding is not built);
-        reset_mask: [B, T] bool (reset the state before reading that token)."""
+        reset_mask: [B, T] bool (reset the state before reading that token); targets: [B, T] next tokens, to
+        return each one's loss in nats (float32) in place of the logits (the head's cheaper form)."""
         if self.embed is not None:
             x = self.embed_dropout(self.embed(x))
         state = state if state is not None else self.init_state(x.shape[0], x.device)
@@ -93,7 +96,10 @@ class RecurrentLM(nn.Module):
             new_state.append(s)
         if self.norm is not None:
             x = self.norm(x)
-        return (self.head(self.embed_dropout(x)) if self.head is not None else x), new_state
+        if self.head is None:
+            return x, new_state
+        x = self.embed_dropout(x)
+        return (self.head(x) if targets is None else self.head.nats(x, targets)), new_state
 
     def step(self, token: torch.Tensor, state: list | None = None):
         """token: [B] int64. The single-step forms of every cell: what generation runs."""
@@ -131,13 +137,13 @@ class RecurrentLM(nn.Module):
         """Matrix-product FLOPs per token: every block's cell (recurrent products included), attention,
         MLP and the output head; x3 for forward + backward when training. The embedding lookup is free."""
         forward = sum(b.flops_per_token() for b in self.blocks.values())
-        forward += 2 * self.cfg.d_model * self.cfg.vocab_size if self.head is not None else 0
+        forward += self.head.flops_per_token() if self.head is not None else 0
         return 3 * forward if training else forward
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of each position's next token, in float32 whatever the autocast dtype: the one loss of rpt
-    (training, the pipeline's last stage, evaluation)."""
+    """Cross-entropy of each position's next token from full logits, in float32 whatever the autocast dtype: the
+    pipeline's last stage (everything else asks the model for `targets`' nats, which its head computes alike)."""
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction=reduction)
 
 
@@ -147,12 +153,7 @@ def _embedding(cfg: ModelConfig) -> nn.Embedding:
     return embed
 
 
-def _head(cfg: ModelConfig, tied: nn.Parameter | None) -> nn.Linear:
-    if tied is not None:  # the embedding's matrix: nothing to allocate
-        with torch.device("meta"):
-            head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        head.weight = tied
-        return head
-    head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-    nn.init.normal_(head.weight, std=0.02)
-    return head
+def _head(cfg: ModelConfig, tied: nn.Parameter | None) -> nn.Module:
+    if cfg.head_shortlist:
+        return ClusteredHead(cfg.d_model, cfg.vocab_size, cfg.head_shortlist, tied)
+    return Head(cfg.d_model, cfg.vocab_size, tied)

@@ -211,15 +211,15 @@ class Pipeline:
 
 
 class PipelineEval(nn.Module):
-    """`model(x, state, reset) -> (logits, state)` across the stages, forward only: what evaluate() calls.
-    Logits exist on the last rank; the other ranks return None for them."""
+    """`model(x, state, reset, targets) -> (nats, state)` across the stages, forward only: what evaluate()
+    calls. The losses exist on the last rank; the other ranks return None for them."""
 
     def __init__(self, pipeline: Pipeline):
         super().__init__()
         self.__dict__["pipe"] = pipeline
         self.model = pipeline.model
 
-    def forward(self, x, state=None, reset=None):
+    def forward(self, x, state=None, reset=None, targets=None):
         pipe, mesh = self.pipe, self.pipe.mesh
         state = state if state is not None else self.model.init_state(x.shape[0], x.device)
         new, out = [], None
@@ -232,7 +232,9 @@ class PipelineEval(nn.Module):
             new.extend(s)
             if not st.last:
                 dist.send(out.float().contiguous(), group=mesh.pp_group, group_dst=(st.index + 1) % mesh.pp)
-        return (out if pipe.last else None), new
+        if not pipe.last:
+            return None, new
+        return (out if targets is None else next_token_loss(out, targets, "none").view(targets.shape)), new
 
 
 def check_layout(cfg, world_size: int) -> None:

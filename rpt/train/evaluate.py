@@ -16,7 +16,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from rpt.errors import RptError
-from rpt.models.lm import next_token_loss
 
 
 @torch.no_grad()
@@ -45,10 +44,10 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
         x, y = chunk[:, :-1], chunk[:, 1:]
         reset = (x == eot_id) if eot_id is not None else None
         with autocast():
-            logits, state = model(x.to(device), state, None if reset is None else reset.to(device))
-        if logits is None:  # a pipeline stage before the last: it passed its activations on
+            losses, state = model(x.to(device), state, None if reset is None else reset.to(device), y.to(device))
+        if losses is None:  # a pipeline stage before the last: it passed its activations on
             continue
-        nats += next_token_loss(logits, y.to(device), reduction="sum").double()
+        nats += losses.sum().double()
         n_bytes += lengths[y].sum().double().to(device)
         n_tokens += y.numel()
     counts = torch.stack([nats, n_bytes, n_tokens])

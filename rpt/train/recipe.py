@@ -1,14 +1,15 @@
 """The default recipe: what `rpt train` chooses for the settings nobody gave (no --config, or a preset with
 `train.recipe = "auto"`).
 
-Rank 0 times an optimiser step of one size on this machine (random tokens, the run's batch shape), scales that
-speed by FLOPs to a ladder of sizes (and times the size it picks), reads the corpus's training tokens, and from
-the budget derives how many passes over the data each size would make. A corpus the budget passes over many
-times is over-fitted long before the budget ends, so the recipe regularises by the passes (dropout, embedding
-dropout, weight drop; SGD with momentum for AdamW; early stopping armed); a corpus larger than the budget gets
-none of them, and the widest model that still sees enough tokens per parameter (width before depth). A
-regulariser the cell does not take (weight drop beside lstm) is left out. The periodic validation is sized to
-cost a small share of the budget.
+First the head: a two-level softmax's shortlist where it costs at most half a full softmax (token frequencies
+of the training split). Then rank 0 times an optimiser step of one size on this machine (random tokens drawn as
+often as the corpus has them, the run's batch shape), scales that speed by FLOPs to a ladder of sizes (and
+times the size it picks), reads the corpus's training tokens, and from the budget derives how many passes over
+the data each size would make. A corpus the budget passes over many times is over-fitted long before the
+budget ends, so the recipe regularises by the passes (dropout, embedding dropout, weight drop; SGD with
+momentum for AdamW; early stopping armed); a corpus larger than the budget gets none of them, and the widest
+model that still sees enough tokens per parameter (width before depth). A regulariser the cell does not take
+(weight drop beside lstm) is left out. The periodic validation is sized to cost a small share of the budget.
 Every choice is printed with its reason, written into the run's config.toml, and a key given with --set (or by
 a file) is never touched.
 The rules and the runs that set them: benchmarks/RESULTS.md, "Quality per second against peers" (issue 22).
@@ -20,6 +21,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rpt.models.registry import CELL_OPTIONS, get_cell
@@ -33,6 +35,7 @@ FREE_PASSES = 2.0  # passes over the data that need no regularisation; then 0.1 
 REGULARISERS = {"model.dropout": 1.0, "model.embed_dropout": 1.5, "model.weight_drop": 2.0}
 # and, past FREE_PASSES too, SGD with momentum in place of AdamW (word_language_model's clip)
 MANY_PASSES_OPTIMIZER = {"train.optimizer": "sgd", "train.lr": 1.0, "train.grad_clip": 0.25}
+HEAD_SAVING = 2.0  # a two-level softmax only where its expected cost is at most 1 / this of the full one
 EVAL_SHARE = 0.025  # of the budget, for the recipe's own timing and the periodic validations together
 MIN_EVAL_SHARE = 0.01  # what the validations keep however long the timing took
 EVAL_TOKENS = 4096  # of a periodic validation (the whole split when that is smaller)
@@ -102,22 +105,52 @@ def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, token
     return [c for c in choices if c.key not in given]
 
 
-def measure_speed(cfg, size, device: torch.device, steps: int = 1) -> float:
+def shortlist_for(counts: np.ndarray) -> Choice:
+    """The two-level softmax's shortlist (rpt/models/head.py) of the least expected cost: a power of two S from
+    256 to a quarter of the vocabulary, costing S + 1 logits a token plus the vocabulary beyond S for the share
+    of tokens outside it; none (0) unless that saves HEAD_SAVING x of the full softmax."""
+    V = len(counts)
+    frequent = np.cumsum(np.sort(np.asarray(counts, dtype=np.float64))[::-1]) / max(1.0, float(np.sum(counts)))
+    best, cost = 0, float(V)
+    for S in (1 << k for k in range(8, max(8, V.bit_length() - 2))):
+        c = S + 1 + (1 - frequent[S - 1]) * (V - S)
+        if c < cost:
+            best, cost = S, c
+    if best and cost * HEAD_SAVING <= V:
+        return Choice("model.head_shortlist", best, f"the {best:,} most frequent tokens are {frequent[best - 1]:.0%} "
+                      f"of the training text: a two-level softmax costs {cost / V:.0%} of a full one over {V:,}")
+    return Choice("model.head_shortlist", 0, f"no shortlist of this vocabulary ({V:,}) saves {HEAD_SAVING:g} x "
+                  "of a full softmax")
+
+
+def head_choice(cfg, counts: np.ndarray) -> list[Choice]:
+    """The shortlist, unless given or the run is a pipeline (whose last stage computes its loss from logits)."""
+    if "model.head_shortlist" in cfg.given or cfg.parallel.pp != 1:
+        return []
+    return [shortlist_for(counts)]
+
+
+def measure_speed(cfg, size, device: torch.device, counts: np.ndarray, steps: int = 1) -> float:
     """Training tokens per second of one size: one warm-up step, then `steps` timed ones (forward, backward,
-    AdamW) on random tokens of the run's batch shape."""
+    AdamW) on random tokens of the run's batch shape, drawn as often as `counts` (per token id) has them (a
+    two-level head's cost depends on how often the targets fall outside its shortlist)."""
     from rpt.models import RecurrentLM
 
-    B, T, V = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size
+    B, T = cfg.train.batch_size, cfg.train.seq_len
     model = RecurrentLM(sized(cfg.model, size)).to(device)
+    if cfg.model.head_shortlist:
+        model.head.assign(counts)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    x = torch.randint(0, V, (B, T + 1), device=device)
+    frequency = torch.from_numpy(np.asarray(counts, dtype=np.float64) + 1e-9)
+    x = torch.multinomial(frequency, B * (T + 1), replacement=True,
+                          generator=torch.Generator().manual_seed(0)).view(B, T + 1).to(device)
     for k in range(steps + 1):
         if k == 1:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             began = time.perf_counter()
-        logits, _ = model(x[:, :-1])
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+        nats, _ = model(x[:, :-1], targets=x[:, 1:])
+        nats.mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     if device.type == "cuda":
@@ -129,11 +162,14 @@ def sized(model_cfg, size):
     return type(model_cfg)(**{**vars(model_cfg), "n_layers": size[0], "d_model": size[1]})
 
 
-def flops_of(model_cfg, size) -> int:
+def flops_of(model_cfg, size, counts: np.ndarray) -> int:
     from rpt.models import RecurrentLM
 
     with torch.device("meta"):
-        return RecurrentLM(sized(model_cfg, size)).flops_per_token()
+        model = RecurrentLM(sized(model_cfg, size))
+    if model_cfg.head_shortlist:  # its tail's cost is the share of tokens outside the shortlist
+        model.head.assign(counts)
+    return model.flops_per_token()
 
 
 def budget_of(train) -> dict:
@@ -143,15 +179,17 @@ def budget_of(train) -> dict:
     return {"tokens": train.max_tokens} if train.max_tokens else {"steps": train.max_steps}
 
 
-def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, vocab_size: int) -> None:
+def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, counts: np.ndarray) -> None:
     """Apply the recipe to `cfg` alike on every rank: rank 0 measures and chooses, the others receive its
-    choices. The lines that say what was chosen and why join cfg.notes; the time it took comes off a time budget."""
+    choices. `counts`: occurrences of each token id in (a sample of) the training split, its length the
+    vocabulary. The lines that say what was chosen and why join cfg.notes; the time it took comes off a time
+    budget."""
     import torch.distributed as dist
 
     began = time.perf_counter()
     choices = None
     if dist_info.rank == 0:
-        choices = _choose_here(cfg, dist_info.device, train_tokens, val_tokens, vocab_size)
+        choices = _choose_here(cfg, dist_info.device, train_tokens, val_tokens, counts)
         takes = get_cell(cfg.model.cell).options  # the cell options this cell does not take are left out
         choices = [c for c in choices if c.key.removeprefix("model.") not in CELL_OPTIONS or
                    c.key.removeprefix("model.") in takes]
@@ -172,28 +210,34 @@ def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, vocab_size: int)
     cfg.validate()
 
 
-def _choose_here(cfg, device, train_tokens: int, val_tokens: int, vocab_size: int) -> list[Choice]:
+def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.ndarray) -> list[Choice]:
     """Speeds by FLOPs from one measured size (the run's own, or 2 x 256), the chosen size measured too."""
     began = time.perf_counter()
+    measure = type(cfg)()  # the run's settings with the data's vocabulary, for timing
+    head = head_choice(cfg, counts)
+    measure.model = type(cfg.model)(**{**vars(cfg.model), "vocab_size": len(counts),
+                                       **{"head_shortlist": c.value for c in head}})
+    measure.train = cfg.train
+    return head + _sized(cfg, measure, device, train_tokens, val_tokens, counts, began)
+
+
+def _sized(cfg, measure, device, train_tokens: int, val_tokens: int, counts: np.ndarray, began: float) -> list:
     budget = budget_of(cfg.train)
     per_step = cfg.train.batch_size * cfg.train.seq_len
-    measure = type(cfg)()  # the run's settings with the data's vocabulary, for timing
-    measure.model = type(cfg.model)(**{**vars(cfg.model), "vocab_size": vocab_size})
-    measure.train = cfg.train
     own = (cfg.model.n_layers, cfg.model.d_model)
     if "model.d_model" in cfg.given or "model.n_layers" in cfg.given:
-        speeds = {own: measure_speed(measure, own, device) if "seconds" in budget else 1.0}
+        speeds = {own: measure_speed(measure, own, device, counts) if "seconds" in budget else 1.0}
         return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent_since(began, budget))
     if "seconds" not in budget:
         return choose(train_tokens, val_tokens, budget, dict.fromkeys(LADDER, 1.0), per_step, cfg.given)
     reference = (2, 256)
-    speed = measure_speed(measure, reference, device)
-    flops = {size: flops_of(measure.model, size) for size in LADDER}
+    speed = measure_speed(measure, reference, device, counts)
+    flops = {size: flops_of(measure.model, size, counts) for size in LADDER}
     speeds = {size: speed * flops[reference] / flops[size] for size in LADDER}
     picked = max([s for s in LADDER if fits(s, budget, speeds[s], per_step)] or [LADDER[0]],
                  key=lambda s: recurrent_params(*s))
     if picked != reference:  # measure it: FLOPs leave out what does not scale with them
-        speeds[picked] = measure_speed(measure, picked, device)
+        speeds[picked] = measure_speed(measure, picked, device, counts)
         if not fits(picked, budget, speeds[picked], per_step):  # slower than its FLOPs said: a size smaller
             speeds = {s: v for s, v in speeds.items() if recurrent_params(*s) < recurrent_params(*picked)} or {
                 picked: speeds[picked]}

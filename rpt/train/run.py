@@ -74,11 +74,13 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, pr
 def apply_recipe(cfg: Config, d) -> None:
     """The default recipe, from the prepared data's token counts (rpt/train/recipe.py)."""
     from rpt.data.dataset import PreparedData
+    from rpt.models.head import token_counts
     from rpt.train.recipe import resolve
 
     data = PreparedData(cfg.data.path)
     splits = data.meta["splits"]
-    resolve(cfg, d, splits["train"]["tokens"], splits["val"]["tokens"], cfg.model.vocab_size or data.vocab_size)
+    counts = token_counts(data.tokens("train"), cfg.model.vocab_size or data.vocab_size)
+    resolve(cfg, d, splits["train"]["tokens"], splits["val"]["tokens"], counts)
 
 
 def train(cfg: Config, run_dir: Path, resume: bool, nproc: int, max_restarts: int, device: str | None) -> dict | None:

@@ -3,7 +3,7 @@
     for each step:
         batch = next(loader)                                # [B, T] per rank, rows continue the last batch
         for each micro-batch (rows of the batch):           # gradient accumulation, no sync until the last
-            logits, state = model(x, state, reset)          # autocast; the state carries over, detached
+            nats, state = model(x, state, reset, y)         # autocast; the state carries over, detached
             scaler.scale(loss / accum).backward()           # gradient transfers start as buckets fill
         wait for the gradients (rpt.comm: all-reduce or parameter server, with its codec)
         unscale, clip the global norm, AdamW step (skipped when the gradients are not finite)
@@ -37,7 +37,7 @@ from rpt.data.stream import TokenStream
 from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
-from rpt.models.lm import next_token_loss
+from rpt.models.head import token_counts
 from rpt.models.state import all_finite, cat_rows, detach_state, map_state, rows
 from rpt.monitor import sinks
 from rpt.monitor.metrics import PhaseClock
@@ -68,9 +68,13 @@ class Trainer:
         self.data = open_data(cfg)
         with torch.device("meta"):  # shapes only: what the run counts
             shape = RecurrentLM(cfg.model)
-        self.params, self.flops_per_token = shape.num_params(), shape.flops_per_token()
         par = parallelize(cfg, dist_info.rank, dist_info.world_size, self.device, dist_info.enabled)
         self.model, self.sync, self.pipe = par.model, par.sync, par.pipe
+        if cfg.model.head_shortlist:  # the two-level softmax's shortlist: this corpus's most frequent tokens
+            counts = token_counts(self.data.tokens("train"), cfg.model.vocab_size)
+            for model in (shape, self.model):  # (a resumed run then loads the order it trained with)
+                model.head.assign(counts)
+        self.params, self.flops_per_token = shape.num_params(), shape.flops_per_token()
         self.dp_rank, self.dp_size = par.dp_rank, par.dp_size
         self.optimizer = build_optimizer(self.model, t, self.sync.owned)  # None where a rank owns nothing
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
@@ -122,9 +126,9 @@ class Trainer:
                 part = slice(k * micro, (k + 1) * micro)
                 with nullcontext() if k == t.grad_accum - 1 else self.sync.no_sync():  # sync on the last only
                     with self._autocast(), self.clock("forward"):
-                        logits, state = self.sync.module(x[part], rows(self.state, part),
-                                                         None if reset is None else reset[part])
-                        loss = self.hooks.in_forward(self.step, next_token_loss(logits, y[part]))
+                        nats, state = self.sync.module(x[part], rows(self.state, part),
+                                                       None if reset is None else reset[part], y[part])
+                        loss = self.hooks.in_forward(self.step, nats.mean())
                     with self.clock("backward"):
                         self.scaler.scale(loss / t.grad_accum).backward()
                 losses.append(loss.detach())

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from rpt.train import recipe
@@ -85,7 +86,7 @@ def test_a_cell_without_weight_drop_is_regularised_without_it(make_cfg):
     for cell, expected in (("lstm", True), ("gru", False)):
         cfg = make_cfg(f"model.cell={cell}", "train.max_steps=2000", "train.recipe=auto")
         cfg.given = frozenset()
-        recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 50_000, 10_000, 512)
+        recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 50_000, 10_000, np.ones(512))
         assert cfg.model.embed_dropout > 0 and (cfg.model.weight_drop > 0) == expected
         assert any("model.embed_dropout" in note for note in cfg.notes)
 
@@ -106,3 +107,18 @@ def test_the_time_the_recipe_took_comes_off_the_validations_share():
     share = recipe.EVAL_TOKENS * recipe.FORWARD_SHARE / (slow * 1024)
     assert share + 0.013 <= recipe.EVAL_SHARE + 1e-9
     assert recipe.EVAL_TOKENS * recipe.FORWARD_SHARE / (slower * 1024) == pytest.approx(recipe.MIN_EVAL_SHARE, rel=0.1)
+
+
+def test_the_head_gets_a_shortlist_where_it_halves_the_softmax(make_cfg):
+    zipf = 1e7 / np.arange(1, 8193) ** 1.1  # token frequencies of a text, most frequent first
+    rng = np.random.default_rng(0)
+    choice = recipe.shortlist_for(rng.permutation(zipf))
+    S = choice.value
+    assert S in (512, 1024, 2048) and "two-level softmax" in choice.why
+    cost = lambda s: s + 1 + (1 - zipf[:s].sum() / zipf.sum()) * (8192 - s)  # noqa: E731
+    assert cost(S) <= min(cost(S // 2), cost(2 * S)) and cost(S) <= 8192 / 2
+    assert recipe.shortlist_for(np.ones(8192)).value == 0  # flat frequencies: no shortlist pays
+    assert recipe.shortlist_for(zipf[:300]).value == 0  # too small a vocabulary for one
+    assert recipe.head_choice(make_cfg(), zipf)[0].value == S
+    assert recipe.head_choice(make_cfg("model.head_shortlist=0"), zipf) == []  # given: left alone
+    assert recipe.head_choice(make_cfg("parallel.pp=2"), zipf) == []  # a pipeline's last stage needs logits

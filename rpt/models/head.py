@@ -1,0 +1,116 @@
+"""The output head: final hidden states -> log-probabilities of the next token, in two forms side by side.
+
+    logits = head(h)             # [..., V]: generation and sampling (for ClusteredHead, log-probabilities)
+    nats = head.nats(h, targets) # [...]: each target's negative log-probability, float32 (training, evaluation)
+
+`Head` is one linear map over the whole vocabulary (tied to the embedding by default).
+
+`ClusteredHead` (`model.head_shortlist = S`) is a two-level softmax: the S most frequent training tokens and one
+entry for "a rarer token" share the first softmax, the rarer ones have their own, so that
+log p(t) = log p_head(t) for a frequent token and log p_head(rest) + log p_tail(t) for a rare one: still an exact
+distribution over the whole vocabulary. `nats` computes the tail only for the rows whose target is in it, so on
+text whose S most frequent tokens cover 80-90% of it the head costs about a third of a full softmax (on a CPU it
+is two thirds of an lstm 2 x 256 step at V = 8192). It is the shortlist and tail of Grave et al.'s adaptive
+softmax with the tail kept at full width, so that both levels read the (tied) embedding matrix; torch's
+AdaptiveLogSoftmaxWithLoss projects its tail clusters to narrower widths and cannot share the embedding.
+Which tokens are frequent is a buffer (`order`), set from the training tokens at a fresh start (`assign`) and
+saved in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Head(nn.Linear):
+    """The full softmax: logits = h @ W^T over the whole vocabulary."""
+
+    def __init__(self, d_model: int, vocab_size: int, tied: nn.Parameter | None = None):
+        if tied is not None:  # the embedding's matrix: nothing to allocate
+            with torch.device("meta"):
+                super().__init__(d_model, vocab_size, bias=False)
+            self.weight = tied
+        else:
+            super().__init__(d_model, vocab_size, bias=False)
+            nn.init.normal_(self.weight, std=0.02)
+
+    def nats(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(at_least_fp32(self(h)).flatten(0, -2), targets.flatten(), reduction="none").view(
+            targets.shape)
+
+    def flops_per_token(self) -> int:
+        return 2 * self.in_features * self.out_features
+
+
+class ClusteredHead(nn.Module):
+    """The two-level softmax: `shortlist` frequent tokens and a "rarer token" entry, then the rarer tokens."""
+
+    def __init__(self, d_model: int, vocab_size: int, shortlist: int, tied: nn.Parameter | None = None):
+        super().__init__()
+        self.shortlist, self.vocab_size = shortlist, vocab_size
+        if tied is not None:
+            self.weight = tied
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
+            nn.init.normal_(self.weight, std=0.02)
+        self.rest = nn.Linear(d_model, 1)  # the logit of "a token outside the shortlist"
+        nn.init.zeros_(self.rest.weight)
+        nn.init.zeros_(self.rest.bias)
+        self.register_buffer("order", torch.arange(vocab_size))  # token ids, the most frequent first
+        self.tail_share = 1.0 - shortlist / vocab_size  # of training tokens outside the shortlist (for FLOPs)
+
+    @torch.no_grad()
+    def assign(self, counts: np.ndarray) -> None:
+        """Put the most frequent tokens of `counts` (occurrences per token id) in the shortlist; ties by id."""
+        order = np.argsort(-np.asarray(counts, dtype=np.int64), kind="stable")
+        self.order.copy_(torch.from_numpy(order))
+        self.tail_share = float(np.asarray(counts)[order[self.shortlist:]].sum() / max(1, np.sum(counts)))
+
+    def _rank(self) -> torch.Tensor:
+        """Each token id's place in `order`."""
+        rank = torch.empty_like(self.order)
+        rank[self.order] = torch.arange(len(self.order), device=self.order.device)
+        return rank
+
+    def _head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        short = self.weight.index_select(0, self.order[:self.shortlist])
+        return at_least_fp32(torch.cat([F.linear(h, short), self.rest(h)], dim=-1))
+
+    def _tail_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return at_least_fp32(F.linear(h, self.weight.index_select(0, self.order[self.shortlist:])))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities over the whole vocabulary, in token-id order."""
+        S = self.shortlist
+        head = self._head_logits(h).log_softmax(-1)
+        tail = self._tail_logits(h).log_softmax(-1) + head[..., S:]
+        return torch.cat([head[..., :S], tail], dim=-1).index_select(-1, self._rank())
+
+    def nats(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        S, shape = self.shortlist, targets.shape
+        h, rank = h.flatten(0, -2), self._rank()[targets.flatten()]
+        in_tail = rank >= S
+        nats = F.cross_entropy(self._head_logits(h), torch.where(in_tail, S, rank), reduction="none")
+        rows = in_tail.nonzero().squeeze(1)
+        if rows.numel():
+            tail = F.cross_entropy(self._tail_logits(h[rows]), rank[rows] - S, reduction="none")
+            nats = nats.index_add(0, rows, tail)
+        return nats.view(shape)
+
+    def flops_per_token(self) -> int:
+        d = self.weight.shape[1]
+        return int(2 * d * (self.shortlist + 1) + 2 * d * (self.vocab_size - self.shortlist) * self.tail_share)
+
+
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Softmax and loss in float32 whatever the autocast dtype (float64 stays float64)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def token_counts(tokens: np.ndarray, vocab_size: int, sample: int = 1 << 24) -> np.ndarray:
+    """Occurrences of each token id in `tokens` (an evenly strided sample of at most `sample` of them)."""
+    stride = max(1, len(tokens) // sample)
+    return np.bincount(np.asarray(tokens[::stride], dtype=np.int64), minlength=vocab_size)[:vocab_size]

@@ -1,0 +1,112 @@
+"""The output heads: the two-level softmax against its definition written out, its cheap loss against its full
+log-probabilities (values and gradients), the shortlist it assigns, and the model and trainer that carry it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rpt.config import ModelConfig
+from rpt.models import RecurrentLM
+from rpt.models.head import ClusteredHead, Head, token_counts
+from rpt.models.lm import next_token_loss
+
+V, D, S = 40, 8, 6
+
+
+def clustered(seed: int = 0) -> ClusteredHead:
+    torch.manual_seed(seed)
+    head = ClusteredHead(D, V, S).double()
+    torch.nn.init.normal_(head.rest.weight)
+    counts = np.random.default_rng(seed).zipf(1.5, size=V * 50) % V  # a skewed corpus, shuffled ids
+    head.assign(np.bincount(counts, minlength=V))
+    return head
+
+
+def test_the_two_level_softmax_is_its_definition():
+    head = clustered()
+    h = torch.randn(3, D, dtype=torch.float64)
+    W, order = head.weight.detach(), head.order.tolist()
+    short, tail = order[:S], order[S:]
+    for i in range(3):
+        first = torch.softmax(torch.cat([W[short] @ h[i], head.rest(h[i]).detach()]), 0)
+        second = torch.softmax(W[tail] @ h[i], 0)
+        want = torch.empty(V, dtype=torch.float64)
+        want[short], want[tail] = first[:S], first[S] * second
+        torch.testing.assert_close(head(h[i:i + 1]).detach().exp()[0], want)
+    assert torch.allclose(head(h).exp().sum(-1), torch.ones(3, dtype=torch.float64))
+
+
+def test_nats_equal_the_full_log_probabilities_in_value_and_gradient():
+    head = clustered(1)
+    h = torch.randn(5, 7, D, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, V, (5, 7))
+    rank = {t: r for r, t in enumerate(head.order.tolist())}
+    assert 0 < sum(rank[t] >= S for t in y.flatten().tolist()) < y.numel()  # both levels have targets
+    nats = head.nats(h, y)
+    want = -head(h).gather(-1, y[..., None]).squeeze(-1)
+    torch.testing.assert_close(nats, want)
+    grads = torch.autograd.grad(nats.sum(), [h, head.weight, head.rest.weight])
+    wants = torch.autograd.grad(want.sum(), [h, head.weight, head.rest.weight])
+    for got, expected in zip(grads, wants):
+        torch.testing.assert_close(got, expected)
+
+
+def test_only_shortlist_targets_need_no_tail():
+    head = clustered(2)
+    y = head.order[:S].repeat(2)[None]
+    h = torch.randn(1, y.shape[1], D, dtype=torch.float64)
+    torch.testing.assert_close(head.nats(h, y), -head(h).gather(-1, y[..., None]).squeeze(-1))
+
+
+def test_assign_puts_the_most_frequent_tokens_in_the_shortlist():
+    tokens = np.array([5] * 50 + [3] * 40 + [9] * 30 + [1] * 5 + [2] * 5 + list(range(V)), dtype=np.uint16)
+    head = ClusteredHead(D, V, 3)
+    counts = token_counts(tokens, V)
+    head.assign(counts)
+    assert head.order[:3].tolist() == [5, 3, 9]
+    assert head.tail_share == pytest.approx((len(tokens) - 123) / len(tokens))
+    assert sorted(head.order.tolist()) == list(range(V))
+    assert token_counts(tokens, V, sample=len(tokens) // 4).sum() == pytest.approx(len(tokens) / 4, abs=2)
+
+
+def test_the_full_head_nats_are_the_cross_entropy():
+    torch.manual_seed(0)
+    head = Head(D, V)
+    h, y = torch.randn(2, 3, D), torch.randint(0, V, (2, 3))
+    torch.testing.assert_close(head.nats(h, y).mean(), next_token_loss(head(h), y))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_model_with_a_shortlist_steps_as_it_runs_and_scores_as_it_samples(tie):
+    torch.manual_seed(0)
+    model = RecurrentLM(ModelConfig(vocab_size=V, d_model=D, n_layers=2, head_shortlist=S,
+                                    tie_embeddings=tie)).double().eval()
+    model.head.assign(np.arange(V)[::-1] + 1)
+    assert (model.head.weight is model.embed.weight) == tie
+    x = torch.randint(0, V, (2, 9))
+    log_probs, _ = model(x)
+    nats, _ = model(x[:, :-1], targets=x[:, 1:])
+    torch.testing.assert_close(nats, -log_probs[:, :-1].gather(-1, x[:, 1:, None]).squeeze(-1))
+    state = None
+    for t in range(9):
+        out, state = model.step(x[:, t], state)
+        torch.testing.assert_close(out, log_probs[:, t])
+    assert len(list(model.generate(x[0], 5))) == 5
+    assert "head.order" in model.state_dict()
+
+
+def test_a_run_with_a_shortlist_learns_and_resumes_with_its_order(make_cfg, tmp_path, solo):
+    from rpt.data.dataset import PreparedData
+    from rpt.train.checkpoint import Checkpointer
+    from rpt.train.trainer import Trainer
+
+    cfg = make_cfg("model.head_shortlist=32", "train.max_steps=30", "train.lr=1e-2")
+    summary = Trainer(cfg, tmp_path / "r", solo, progress=False).run()
+    counts = token_counts(PreparedData(cfg.data.path).tokens("train"), 300)
+    model = RecurrentLM(ModelConfig(**{**vars(cfg.model), "vocab_size": 300}))
+    checkpoints = Checkpointer(str(tmp_path / "r" / "checkpoints"))
+    checkpoints.load(checkpoints.resolve("latest", str(tmp_path / "r")), model)
+    assert set(model.head.order[:32].tolist()) == set(np.argsort(-counts, kind="stable")[:32].tolist())
+    assert summary["val_loss"] < np.log(300) - 1.0  # learned well beyond a uniform guess
