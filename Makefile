@@ -27,7 +27,7 @@ demo: $(STAMP)
 	@echo "  $(PY) -m rpt monitor $(DEMO_RUN)                   # dashboard on http://127.0.0.1:8765/"
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) data runs .pytest_cache
