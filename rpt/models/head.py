@@ -110,7 +110,12 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def token_counts(tokens: np.ndarray, vocab_size: int, sample: int = 1 << 24) -> np.ndarray:
-    """Occurrences of each token id in `tokens` (an evenly strided sample of at most `sample` of them)."""
-    stride = max(1, len(tokens) // sample)
-    return np.bincount(np.asarray(tokens[::stride], dtype=np.int64), minlength=vocab_size)[:vocab_size]
+def token_counts(tokens: np.ndarray, vocab_size: int, sample: int = 1 << 24, blocks: int = 256) -> np.ndarray:
+    """Occurrences of each token id in `tokens`, or in `sample` of them read as `blocks` evenly spaced runs (a
+    memory-mapped corpus is read in a few long runs, not one token from each of millions of pages)."""
+    if len(tokens) > sample:
+        blocks = min(blocks, sample)
+        size = sample // blocks
+        starts = np.linspace(0, len(tokens) - size, blocks).astype(np.int64)
+        tokens = np.concatenate([tokens[s:s + size] for s in starts])
+    return np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)[:vocab_size]
