@@ -38,8 +38,7 @@ class Head(nn.Linear):
             nn.init.normal_(self.weight, std=0.02)
 
     def nats(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(at_least_fp32(self(h)).flatten(0, -2), targets.flatten(), reduction="none").view(
-            targets.shape)
+        return next_token_loss(self(h), targets, reduction="none")
 
     def flops_per_token(self) -> int:
         return 2 * self.in_features * self.out_features
@@ -103,6 +102,13 @@ class ClusteredHead(nn.Module):
     def flops_per_token(self) -> int:
         d = self.weight.shape[1]
         return int(2 * d * (self.shortlist + 1) + 2 * d * (self.vocab_size - self.shortlist) * self.tail_share)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of each position's next token from full logits, in float32 whatever the autocast dtype (with
+    reduction "none", in the targets' shape): the full head's nats and the pipeline's last stage."""
+    loss = F.cross_entropy(at_least_fp32(logits).flatten(0, -2), targets.flatten(), reduction=reduction)
+    return loss.view(targets.shape) if reduction == "none" else loss
 
 
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,6 @@ import contextlib
 from typing import Collection, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rpt.config import ModelConfig
@@ -139,12 +138,6 @@ class RecurrentLM(nn.Module):
         forward = sum(b.flops_per_token() for b in self.blocks.values())
         forward += self.head.flops_per_token() if self.head is not None else 0
         return 3 * forward if training else forward
-
-
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of each position's next token from full logits, in float32 whatever the autocast dtype: the
-    pipeline's last stage (everything else asks the model for `targets`' nats, which its head computes alike)."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction=reduction)
 
 
 def _embedding(cfg: ModelConfig) -> nn.Embedding:

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rpt.comm.sync import clip_global_norm
 from rpt.errors import RptError
-from rpt.models.lm import next_token_loss
+from rpt.models.head import next_token_loss
 from rpt.models.state import cat_rows, detach_state, rows
 from rpt.parallel.plan import Plan
 
@@ -234,7 +234,7 @@ class PipelineEval(nn.Module):
                 dist.send(out.float().contiguous(), group=mesh.pp_group, group_dst=(st.index + 1) % mesh.pp)
         if not pipe.last:
             return None, new
-        return (out if targets is None else next_token_loss(out, targets, "none").view(targets.shape)), new
+        return (out if targets is None else next_token_loss(out, targets, "none")), new
 
 
 def check_layout(cfg, world_size: int) -> None:
