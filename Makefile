@@ -26,8 +26,9 @@ demo: $(STAMP)
 	@echo "  $(PY) -m rpt train --run-dir $(DEMO_RUN) --resume --set train.max_time=600   # train on"
 	@echo "  $(PY) -m rpt monitor $(DEMO_RUN)                   # dashboard on http://127.0.0.1:8765/"
 
+# one pytest worker a core, at most 4 (each worker's torch on one thread: tests/conftest.py)
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --durations=25 tests
 
 clean:
 	rm -rf $(VENV) data runs .pytest_cache

@@ -11,6 +11,10 @@ import torch
 from rpt.config import Config
 from rpt.parallel.launch import Dist
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker a core: one thread each, children included
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 REPO = Path(__file__).resolve().parents[1]
 
 
