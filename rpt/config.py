@@ -200,8 +200,8 @@ class ParallelConfig:
 class CommConfig:
     """Gradient synchronisation across data-parallel ranks."""
 
-    mode: Literal["allreduce", "ps", "ps-sharded", "auto"] = "allreduce"
-    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = "none"
+    mode: Literal["allreduce", "ps", "ps-sharded", "diloco", "auto"] = "allreduce"
+    compression: Literal["none", "fp16", "bf16", "int8", "powersgd", "topk"] = "none"  # int8: diloco only
     powersgd_rank: int = 4
     topk_fraction: float = 0.01
     adaptive: bool = False
@@ -210,8 +210,26 @@ class CommConfig:
     adaptive_keep: float = 0.5     # share of the groups (by count) that stay important
     adaptive_pin: list[str] = field(default_factory=lambda: ["embed", "head"])  # always important (name prefixes)
     bucket_mb: float = 25.0
+    diloco_steps: int = 50         # diloco: inner steps between outer steps (H)
+    diloco_outer_lr: float = 0.7   # diloco: the outer SGD's learning rate
+    diloco_momentum: float = 0.9   # diloco: the outer SGD's Nesterov momentum (0: none)
 
     def check(self) -> None:
+        if self.mode == "diloco":
+            _positive("comm.diloco_steps", self.diloco_steps)
+            if self.diloco_outer_lr <= 0 or not 0.0 <= self.diloco_momentum < 1.0:
+                raise RptError(f"comm.diloco_outer_lr = {self.diloco_outer_lr}, comm.diloco_momentum = "
+                               f"{self.diloco_momentum}: the rate must be positive and the momentum in [0, 1)",
+                               "DiLoCo's published values: outer lr 0.7, momentum 0.9")
+            if self.compression not in ("none", "fp16", "bf16", "int8") or self.adaptive:
+                raise RptError(f"comm.mode = 'diloco' with comm.compression = '{self.compression}'"
+                               + (" and comm.adaptive" if self.adaptive else "") + ": DiLoCo sends the outer "
+                               "step's pseudo-gradient whole, at the width the compression gives",
+                               "use compression none, fp16, bf16 or int8 with diloco, and comm.adaptive = false")
+        elif self.compression == "int8":
+            raise RptError(f"comm.compression = 'int8' with comm.mode = '{self.mode}': int8 is DiLoCo's outer "
+                           "payload; gradients every step take fp16, bf16, powersgd or topk",
+                           "use comm.mode = 'diloco', or another compression")
         if self.compression == "powersgd":
             _positive("comm.powersgd_rank", self.powersgd_rank)
         if self.compression == "topk" and not 0.0 < self.topk_fraction <= 1.0:
@@ -367,8 +385,8 @@ class Config:
             if m.head_shortlist:
                 raise RptError(f"model.head_shortlist = {m.head_shortlist} with parallel.pp = {p.pp}: the pipeline's "
                                "last stage computes its loss from full logits", "set model.head_shortlist = 0")
-            if c.mode in ("ps", "ps-sharded"):
-                raise RptError(f"comm.mode = '{c.mode}' with parallel.pp = {p.pp}: the parameter servers do not run "
+            if c.mode in ("ps", "ps-sharded", "diloco"):
+                raise RptError(f"comm.mode = '{c.mode}' with parallel.pp = {p.pp}: this mode does not run "
                                "over a pipeline's data-parallel dimension yet",
                                "use comm.mode = 'allreduce' (any compression, adaptive too) with a pipeline")
             if t.precision == "fp16":
@@ -381,6 +399,10 @@ class Config:
         if t.batch_size % p.microbatches:
             raise RptError(f"train.batch_size = {t.batch_size} is not divisible by parallel.microbatches = "
                            f"{p.microbatches}", "choose a micro-batch count that divides the batch size")
+        if c.mode == "diloco" and t.eval_interval % c.diloco_steps:
+            raise RptError(f"train.eval_interval = {t.eval_interval} with comm.mode = 'diloco' and comm.diloco_steps = "
+                           f"{c.diloco_steps}: the replicas agree only at outer steps, where validation must fall",
+                           f"use a multiple of {c.diloco_steps} (or 0) for train.eval_interval")
         if t.precision == "fp16" and c.mode in ("ps", "ps-sharded"):
             raise RptError(f"train.precision = 'fp16' with comm.mode = '{c.mode}': the loss scaler's overflow check "
                            "needs every gradient on every rank, which a parameter server does not keep",

@@ -79,6 +79,20 @@ def test_impossible_combination_names_the_fix():
     assert "allreduce" in info.value.fix
 
 
+@pytest.mark.parametrize("overrides, message, fix", [
+    (["comm.mode=diloco", "comm.diloco_steps=30"], "agree only at outer steps", "multiple of 30"),
+    (["comm.mode=diloco", "comm.compression=topk"], "pseudo-gradient whole", "int8"),
+    (["comm.mode=diloco", "comm.diloco_momentum=1"], "momentum in [0, 1)", "0.9"),
+    (["comm.compression=int8"], "DiLoCo's outer payload", "comm.mode = 'diloco'"),
+    (["comm.mode=diloco", "parallel.pp=2"], "data-parallel dimension", "allreduce"),
+])
+def test_diloco_settings_that_cannot_work_are_refused_with_the_fix(overrides, message, fix):
+    Config.load(None, ["comm.mode=diloco", "comm.compression=int8", "train.eval_interval=100"])  # a valid one
+    with pytest.raises(RptError) as info:
+        Config.load(None, overrides)
+    assert message in info.value.message and fix in info.value.fix
+
+
 def test_malformed_toml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[model\ncell = lstm\n")

@@ -58,8 +58,9 @@ class CommMeter:
         with self._lock:
             self.exposed += max(0.0, seconds)
 
-    def end_step(self) -> dict:
-        """The step's figures; starts the next step."""
+    def end_step(self, count: bool = True) -> dict:
+        """The step's figures; starts the next step. `count=False`: transfers after the last step (DiLoCo's
+        closing outer step) join the totals without counting as a step."""
         with self._lock:
             comm = _union_length(self.intervals)
             step_bytes = sum(self.by_bucket.values())
@@ -67,7 +68,7 @@ class CommMeter:
                       "comm_seconds_by_bucket": dict(sorted(self.seconds_by_bucket.items())),
                       "comm_seconds": comm, "exposed_comm_seconds": min(self.exposed, comm) if comm else self.exposed,
                       "hidden_comm_fraction": (1.0 - min(self.exposed, comm) / comm) if comm > 0 else None}
-            self.steps += 1
+            self.steps += count
             self.total_bytes += step_bytes
             self.total_seconds += record["comm_seconds"]
             self.total_exposed += record["exposed_comm_seconds"]

@@ -11,8 +11,11 @@ the bucket averaged over ranks and reports the bytes it sent and when to `CommMe
   uncompressed tensor it all-reduces. Plain all-reduce until `start_iter`, as PowerSGD requires.
   Its hook issues its second and third all-reduce from a completion callback, which gloo runs on
   its own threads; with several buckets, ranks then issue collectives in different orders and
-  hang (seen here). On CPU rpt therefore finishes each bucket's PowerSGD round before the next
-  bucket starts: correct, with less overlap. CUDA buckets keep the hook's own chaining.
+  hang (seen here). On CPU rpt therefore runs the rounds on one worker thread and a process group
+  of their own, one bucket after another in bucket order: ranks issue them alike, and backward goes
+  on meanwhile (overlap). Over a pipeline's dp group each round is still waited for in the hook
+  (a group of its own there would need every rank to create every dp group's). CUDA buckets keep
+  the hook's own chaining.
 - `topk`: written here because torch ships no sparse codec: each rank keeps the k largest
   entries of (gradient + its error), all-gathers (values, indices), scatters them back into a
   dense average; what it did not send stays in its error buffer for the next step (error feedback).
@@ -24,6 +27,7 @@ The hooks carry no return annotation: DDP checks it at registration, and under
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +45,7 @@ class HookState:
     topk_fraction: float = 0.01
     powersgd: psgd.PowerSGDState | None = None
     errors: dict[int, torch.Tensor] = field(default_factory=dict)
+    worker: ThreadPoolExecutor | None = None  # PowerSGD's rounds on the CPU, one bucket after another
 
     def state_dict(self) -> dict:
         """What carries from step to step on this rank: top-k's error buffers, PowerSGD's state (its error
@@ -85,17 +90,33 @@ def _half_hook(dtype: torch.dtype):
 
 
 def powersgd_hook(state: HookState, bucket):
+    if state.worker is None:
+        fut = _powersgd_round(state, bucket)  # on the GPU, torch's own chaining
+        if not bucket.buffer().is_cuda:  # a pipeline's dp group on gloo: each round waited for (module docstring)
+            waited = time.perf_counter()
+            fut.wait()
+            state.meter.add_exposed(time.perf_counter() - waited)
+        return fut
+    # gloo: see the module docstring. One bucket's round at a time, in bucket order (the same on every rank), on
+    # a worker thread and a process group of its own, so that backward goes on meanwhile.
+    done = torch.futures.Future()
+    state.meter.launched()  # the exposed wait counts from the last bucket handed over, however long it queues
+
+    def run():
+        try:
+            done.set_result(_powersgd_round(state, bucket, time.perf_counter()).wait())
+        except BaseException as e:  # noqa: BLE001 (DDP raises it where it waits for the bucket)
+            done.set_exception(e)
+    state.worker.submit(run)
+    return done
+
+
+def _powersgd_round(state: HookState, bucket, start: float | None = None):
     ps = state.powersgd
     vanilla = ps.iter < ps.start_powerSGD_iter
     before = ps.total_numel_after_compression
-    start = state.meter.launched()
+    start = state.meter.launched() if start is None else start
     fut = psgd.powerSGD_hook(ps, bucket)
-    if not bucket.buffer().is_cuda:
-        # see the module docstring: on gloo, chained collectives must not race the next bucket's. Backward
-        # stands still meanwhile, so this wait is exposed communication, not hidden.
-        waited = time.perf_counter()
-        fut.wait()
-        state.meter.add_exposed(time.perf_counter() - waited)
     numel = bucket.buffer().numel() if vanilla else ps.total_numel_after_compression - before
     wire = allreduce_wire_bytes(numel * bucket.buffer().element_size(), state.world_size)
     return fut.then(_finish(state, bucket, start, wire))
@@ -132,7 +153,13 @@ def register(ddp: torch.nn.parallel.DistributedDataParallel, compression: str, m
              seed: int = 0, group=None) -> HookState:
     state = HookState(meter=meter, world_size=world_size, group=group, topk_fraction=topk_fraction)
     if compression == "powersgd":
-        state.powersgd = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
+        rounds = group
+        if group is None and not next(ddp.module.parameters()).is_cuda:
+            # the rounds' collectives get a process group of their own: on the main thread DDP all-reduces its
+            # unused-parameter map meanwhile, and two threads on one gloo group interleave differently per rank
+            rounds = dist.new_group(backend="gloo")
+            state.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rpt-powersgd")
+        state.powersgd = psgd.PowerSGDState(process_group=rounds, matrix_approximation_rank=powersgd_rank,
                                             start_powerSGD_iter=max(2, powersgd_start), use_error_feedback=True,
                                             warm_start=True, random_seed=seed)
     hook = {"none": allreduce_hook, "fp16": _half_hook(torch.float16), "bf16": _half_hook(torch.bfloat16),

@@ -21,6 +21,8 @@ The trainer drives every mode through the same five calls, in this order each st
   owns everything; `ps-sharded`: buckets go to the least-loaded rank, largest first, which
   partitions the optimiser state as ZeRO-1 does). `comm.compression` fp16/bf16 sends the
   gradients at half width; parameters always travel in full precision, so replicas stay identical.
+- `DiLoCoSync` (`diloco`, rpt/comm/diloco.py): local steps, and every H steps an outer step on the averaged
+  change of the parameters.
 - `auto` (`choose_mode`): the links are measured and each mode's traffic pattern timed at start
   (rpt/comm/topology.py); every rank gets the same numbers and takes the same mode.
 """
@@ -64,6 +66,12 @@ class LocalSync:
 
     def share_parameters(self) -> None:
         pass
+
+    def bind(self, optimizer) -> None:
+        """The optimiser the trainer built over `owned` (DiLoCo keeps its state per rank)."""
+
+    def finish(self) -> None:
+        """The end of training: whatever a mode still owes the replicas (DiLoCo's last outer step)."""
 
     def schedule_in_force(self) -> dict:
         """Adaptive synchronisation's current schedule, for the metrics (empty without it)."""
@@ -323,7 +331,11 @@ def build_sync(model: torch.nn.Module, cfg: CommConfig, *, rank: int, world_size
         mode = "allreduce"  # the links are measured over the whole world, not per dp group: not yet
     if mode == "auto":
         mode, predictions = choose_mode(model, cfg, precision)
-    if mode == "allreduce":
+    if mode == "diloco":
+        from rpt.comm.diloco import DiLoCoSync  # it builds on this module's LocalSync
+
+        sync = DiLoCoSync(model, cfg, world_size, group=group)
+    elif mode == "allreduce":
         sync = AllReduceSync(model, cfg, world_size, powersgd_start=powersgd_start, seed=seed, group=group,
                              parts=parts)
     else:

@@ -218,7 +218,13 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.nda
     measure.model = type(cfg.model)(**{**vars(cfg.model), "vocab_size": len(counts),
                                        **{"head_shortlist": c.value for c in head}})
     measure.train = cfg.train
-    return head + _sized(cfg, measure, device, train_tokens, val_tokens, counts, began)
+    choices = head + _sized(cfg, measure, device, train_tokens, val_tokens, counts, began)
+    if cfg.comm.mode == "diloco":  # the replicas agree only at outer steps, where validations must fall
+        every = cfg.comm.diloco_steps
+        choices = [Choice(c.key, math.ceil(c.value / every) * every,
+                          f"{c.why}; a multiple of comm.diloco_steps = {every}")
+                   if c.key == "train.eval_interval" else c for c in choices]
+    return choices
 
 
 def _sized(cfg, measure, device, train_tokens: int, val_tokens: int, counts: np.ndarray, began: float) -> list:

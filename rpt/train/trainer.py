@@ -77,6 +77,7 @@ class Trainer:
         self.params, self.flops_per_token = shape.num_params(), shape.flops_per_token()
         self.dp_rank, self.dp_size = par.dp_rank, par.dp_size
         self.optimizer = build_optimizer(self.model, t, self.sync.owned)  # None where a rank owns nothing
+        self.sync.bind(self.optimizer)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
         self.loader = TokenStream(self.data.tokens("train"), t.batch_size, t.seq_len, rank=self.dp_rank,
@@ -240,6 +241,7 @@ class Trainer:
         self.stopped = time.perf_counter()
         wall = self.stopped - self.started
         profile = tel.profile()
+        self.sync.finish()
         log.info("parameter digest %s", param_digest(self.model))  # ranks compare equal under data parallel
         ev = self.evaluation
         if ev.last is not None and ev.ranking(self.step) is None:
@@ -426,6 +428,7 @@ def check_mixed_devices(cfg: Config, dist_info: Dist) -> None:
     if cfg.comm.mode == "auto":  # the servers' sends are not among gloo's CUDA collectives: all-reduce is the choice
         cfg.comm.mode = "allreduce"
     uses = [what for what, on in (("comm.mode = " + repr(cfg.comm.mode), cfg.comm.mode in ("ps", "ps-sharded")),
+                                  ("comm.compression = 'int8'", cfg.comm.compression == "int8"),
                                   ("comm.compression = 'topk'", cfg.comm.compression == "topk"),
                                   (f"parallel.pp = {cfg.parallel.pp}", cfg.parallel.pp != 1)) if on]
     if uses:

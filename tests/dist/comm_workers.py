@@ -63,3 +63,49 @@ def build_auto_with_timings(timed: dict) -> dict:
                 "total": sum(p.numel() for p in model.parameters())}
     finally:
         launch.teardown()
+
+
+def powersgd_overlap(blocking: bool, steps: int) -> dict:
+    """PowerSGD over several DDP buckets on gloo for `steps` steps: how many layers' gradients backward computed
+    while some bucket's round was under way, and the final parameters. `blocking`: each round
+    waited for inside the hook, as before the worker thread (the reference the results must equal)."""
+    import time
+
+    import torch.distributed as dist
+    from rpt.comm import compress
+    from rpt.comm.sync import AllReduceSync
+    from rpt.config import CommConfig
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    try:
+        if blocking:
+            def waited(state, bucket):
+                fut = compress._powersgd_round(state, bucket)
+                fut.wait()
+                return fut
+            compress.powersgd_hook = waited
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
+        sync = AllReduceSync(model, CommConfig(compression="powersgd", powersgd_rank=2, bucket_mb=0.3),
+                             dist.get_world_size(), powersgd_start=2, seed=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        ready = []  # when each weight's gradient was computed
+        for layer in model:
+            layer.weight.register_post_accumulate_grad_hook(lambda p: ready.append(time.perf_counter()))
+        overlapped = []
+        for step in range(steps):
+            x = torch.randn(512, 256, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            sync.module(x).pow(2).mean().backward()
+            sync.wait_gradients()
+            intervals = list(sync.meter.intervals)
+            record = sync.meter.end_step()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step >= 2:  # PowerSGD proper (plain all-reduce before start_powerSGD_iter)
+                overlapped.append({"buckets": len(intervals), "hidden": record["hidden_comm_fraction"],
+                                   "computed_during_a_round": sum(any(a < t < b for a, b in intervals) for t in ready)})
+            ready.clear()
+        return {"overlapped": overlapped, "params": [p.detach().clone() for p in model.parameters()]}
+    finally:
+        dist.destroy_process_group()

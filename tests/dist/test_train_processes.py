@@ -140,11 +140,13 @@ def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_the_uninte
     ("comm.compression=powersgd", "comm.powersgd_rank=1"),
     ("comm.compression=topk", "comm.topk_fraction=0.05"),
     ("comm.adaptive=true", "comm.adaptive_interval=2", "comm.adaptive_period=3", "comm.adaptive_pin=[]"),
-], ids=["powersgd", "topk", "adaptive"])
+    ("comm.mode=diloco", "comm.diloco_steps=4", "comm.compression=int8"),  # the checkpoint of step 6: mid-phase
+], ids=["powersgd", "topk", "adaptive", "diloco"])
 def test_a_killed_run_with_stateful_gradient_sync_resumes_exactly(tmp_path, tiny_data, comm):
-    """PowerSGD's error feedback and warm-started factors, top-k's error buffers and the adaptive schedule's
-    accumulated gradients differ per rank and carry from step to step: each rank checkpoints its own, and the
-    run killed after the checkpoint of step 6 ends bit-identical to the uninterrupted one."""
+    """PowerSGD's error feedback and warm-started factors, top-k's error buffers, the adaptive schedule's
+    accumulated gradients and DiLoCo's replicas, inner optimisers and outer momentum differ per rank and carry from
+    step to step: each rank checkpoints its own, and the run killed after the checkpoint of step 6 ends
+    bit-identical to the uninterrupted one."""
     common = ("--nproc", "2", "--set", "checkpoint.interval=3", "--set", "train.max_steps=10",
               *[arg for kv in comm for arg in ("--set", kv)])
     full = rpt_train(tmp_path / "full", tiny_data, *common)

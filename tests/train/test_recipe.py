@@ -91,6 +91,20 @@ def test_a_cell_without_weight_drop_is_regularised_without_it(make_cfg):
         assert any("model.embed_dropout" in note for note in cfg.notes)
 
 
+def test_with_diloco_validations_fall_on_outer_steps(make_cfg):
+    from types import SimpleNamespace
+
+    for every in (1, 7, 64):
+        cfg = make_cfg("train.max_steps=2000", "train.recipe=auto", "comm.mode=diloco", f"comm.diloco_steps={every}",
+                       "train.eval_interval=0")
+        cfg.given = frozenset({"comm.mode", "comm.diloco_steps"})
+        recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 50_000, 10_000, np.ones(512))
+        plain = recipe.choose(50_000, 10_000, {"steps": 2000}, dict.fromkeys(recipe.LADDER, 1.0),
+                              cfg.train.batch_size * cfg.train.seq_len, frozenset())
+        interval = chosen(plain)["train.eval_interval"]
+        assert cfg.train.eval_interval % every == 0 and interval <= cfg.train.eval_interval < interval + every
+
+
 def test_the_recipe_runs_only_without_a_preset(make_cfg):
     assert make_cfg().train.recipe == "fixed"
     with pytest.raises(Exception, match="recipe"):

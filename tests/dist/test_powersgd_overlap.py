@@ -1,0 +1,24 @@
+"""PowerSGD on gloo overlaps backward (its rounds run on a worker thread) and learns exactly what the blocking
+rounds learned, on 2 real processes."""
+
+from __future__ import annotations
+
+import torch
+
+from comm_workers import powersgd_overlap
+from harness import run_ranks
+
+
+def test_powersgd_rounds_overlap_backward_and_change_nothing_learned(tmp_path):
+    threaded = run_ranks(powersgd_overlap, 2, tmp_path / "threaded", False, 5)
+    blocking = run_ranks(powersgd_overlap, 2, tmp_path / "blocking", True, 5)
+    for rank in range(2):
+        for a, b in zip(threaded[rank]["params"], blocking[rank]["params"]):
+            assert torch.equal(a, b)
+        steps = threaded[rank]["overlapped"]
+        assert all(s["buckets"] >= 4 for s in steps)
+        # backward computed earlier layers while later layers' rounds were on the wire; blocking rounds stall it
+        assert all(s["computed_during_a_round"] >= 1 for s in steps), steps
+        assert all(s["computed_during_a_round"] == 0 for s in blocking[rank]["overlapped"])
+        assert all(s["hidden"] > 0 for s in steps), steps
+    assert torch.equal(threaded[0]["params"][0], threaded[1]["params"][0])  # replicas agree
