@@ -344,10 +344,18 @@ def build_sync(model: torch.nn.Module, cfg: CommConfig, *, rank: int, world_size
     return sync
 
 
+# the share of a mode's fp32 synchronisation time that half-width gradients take: all of an all-reduce's traffic
+# is gradients; a server's is half gradients, half parameters (which always travel in full precision)
+HALF_WIDTH_SHARE = {"allreduce": 0.5, "ps": 0.75, "ps-sharded": 0.75}
+HALF_WIDTH_WORTH = 0.005  # seconds a step a half-width codec must save to be chosen
+
+
 def choose_mode(model: torch.nn.Module, cfg: CommConfig, precision: str) -> tuple[str, dict]:
     """`comm.mode = "auto"`: measure the links and time each mode's traffic pattern (every rank gets the same
     numbers), and take the fastest mode the other settings allow (the servers take neither fp16 loss
-    scaling nor powersgd/topk)."""
+    scaling nor powersgd/topk). With `comm.compression = "none"` it chooses the codec too, among those that
+    do not change what a step learns: bf16 gradients where they save at least HALF_WIDTH_WORTH a step (the
+    choice is written into `cfg.compression`). powersgd, topk and diloco stay the user's to choose."""
     topo = topology.measure(message_mb=1.0, repeats=2)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     predictions = topology.predict(topo, grad_bytes)
@@ -356,6 +364,13 @@ def choose_mode(model: torch.nn.Module, cfg: CommConfig, precision: str) -> tupl
     if precision != "fp16" and cfg.compression in ("none", "fp16", "bf16") and not cfg.adaptive:
         allowed += ["ps", "ps-sharded"]
     mode = topology.choose({m: t for m, t in timed.items() if m in allowed})
-    log.info("comm.mode auto: model %s, timed %s (seconds per step); chose %s\n%s", predictions, timed, mode,
-             topology.format_table(topo, predictions, grad_bytes, timed))
-    return mode, {"model": predictions, "timed": timed}
+    codec = cfg.compression
+    if codec == "none" and not cfg.adaptive:
+        saved = timed[mode] - min(timed[m] * HALF_WIDTH_SHARE[m] for m in allowed)
+        if saved >= HALF_WIDTH_WORTH:
+            mode = topology.choose({m: timed[m] * HALF_WIDTH_SHARE[m] for m in allowed})
+            codec = cfg.compression = "bf16"
+    log.info("comm.mode auto: model %s, timed %s (seconds per step); chose %s with compression %s\n%s", predictions,
+             timed, mode, codec, topology.format_table(topo, predictions, grad_bytes, timed))
+    return mode, {"model": predictions, "timed": timed, "compression": codec,
+                  "predicted_seconds": timed[mode] * (HALF_WIDTH_SHARE[mode] if codec in ("fp16", "bf16") else 1)}

@@ -57,10 +57,12 @@ def build_auto_with_timings(timed: dict) -> dict:
     try:
         topology.time_modes = lambda grad_bytes, **_: dict(timed)
         model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
-        sync = build_sync(model, CommConfig(mode="auto", bucket_mb=0.0005), rank=d.rank, world_size=d.world_size,
-                          distributed=True)
+        cfg = CommConfig(mode="auto", bucket_mb=0.0005)
+        sync = build_sync(model, cfg, rank=d.rank, world_size=d.world_size, distributed=True)
         return {"mode": sync.mode, "owned": sum(p.numel() for p in sync.owned),
-                "total": sum(p.numel() for p in model.parameters())}
+                "total": sum(p.numel() for p in model.parameters()), "compression": cfg.compression,
+                "wire": str(getattr(sync, "wire_dtype", None)),
+                "hooks": [type(h).__name__ for h in getattr(sync, "hooks", [])]}
     finally:
         launch.teardown()
 

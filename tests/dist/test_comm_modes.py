@@ -107,7 +107,9 @@ def test_auto_measures_and_every_rank_takes_the_same_mode(runs):
             assert all(t > 0 for t in s0["comm_auto"][kind].values())
         r0, r1 = runs[0][name]["params"], runs[1][name]["params"]
         assert all(torch.equal(r0[k], r1[k]) for k in r0)
-    assert runs[0]["auto"]["summary"]["comm_mode"] == choose(runs[0]["auto"]["summary"]["comm_auto"]["timed"])
+    auto = runs[0]["auto"]["summary"]
+    if auto["compression"] == "none":  # loopback: a half-width codec saves less than its threshold here
+        assert auto["comm_mode"] == choose(auto["comm_auto"]["timed"])
     assert runs[0]["auto-topk"]["summary"]["comm_mode"] == "allreduce"  # the servers do not take topk
     # two ranks on one machine: in the model the ring and the sharded server tie, a central server costs twice
     model = runs[0]["auto"]["summary"]["comm_auto"]["model"]
@@ -133,3 +135,10 @@ def test_auto_builds_the_mode_it_chose(tmp_path):
     assert all(0 < r["owned"] < r["total"] for r in sharded) and sum(r["owned"] for r in sharded) == sharded[0]["total"]
     central = run_ranks(build_auto_with_timings, 2, tmp_path / "c", {"allreduce": 2.0, "ps": 1.0, "ps-sharded": 3.0})
     assert [r["owned"] for r in central] == [central[0]["total"], 0]
+    # seconds a step: a half-width codec pays, and the servers send only their gradients at half width
+    assert {(r["mode"], r["compression"], r["wire"]) for r in sharded + central} == {
+        ("ps-sharded", "bf16", "torch.bfloat16"), ("ps", "bf16", "torch.bfloat16")}
+    ring = run_ranks(build_auto_with_timings, 2, tmp_path / "r", {"allreduce": 1.4, "ps": 1.0, "ps-sharded": 1.2})
+    assert [(r["mode"], r["compression"]) for r in ring] == [("allreduce", "bf16")] * 2  # 0.70 s against ps' 0.75
+    fast = run_ranks(build_auto_with_timings, 2, tmp_path / "f", {"allreduce": 0.004, "ps": 0.002, "ps-sharded": 0.003})
+    assert [(r["mode"], r["compression"]) for r in fast] == [("ps", "none")] * 2  # bf16 would save 1 ms: not worth it
