@@ -386,7 +386,7 @@ class Config:
                 raise RptError(f"model.head_shortlist = {m.head_shortlist} with parallel.pp = {p.pp}: the pipeline's "
                                "last stage computes its loss from full logits", "set model.head_shortlist = 0")
             if c.mode in ("ps", "ps-sharded", "diloco"):
-                raise RptError(f"comm.mode = '{c.mode}' with parallel.pp = {p.pp}: this mode does not run "
+                raise RptError(f"comm.mode = '{c.mode}' with parallel.pp = {p.pp}: the parameter servers and DiLoCo do not run "
                                "over a pipeline's data-parallel dimension yet",
                                "use comm.mode = 'allreduce' (any compression, adaptive too) with a pipeline")
             if t.precision == "fp16":
