@@ -17,13 +17,11 @@ config validation asks for `train.eval_interval` in multiples of H.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
-
 import torch
 import torch.distributed as dist
 
 from rpt.comm.accounting import allgather_wire_bytes, allreduce_wire_bytes
-from rpt.comm.sync import LocalSync, clip_global_norm
+from rpt.comm.sync import LocalSync
 
 WIRE = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
 
@@ -43,14 +41,10 @@ class DiLoCoSync(LocalSync):
         self.outer_optimizer = torch.optim.SGD(self.outer, lr=cfg.diloco_outer_lr, momentum=momentum,
                                                nesterov=momentum > 0)
 
+    # no_sync and clip_grad_norm: LocalSync's (nothing to hold back; each replica clips its own gradients)
+
     def bind(self, optimizer) -> None:
         self.inner_optimizer = optimizer
-
-    def no_sync(self):
-        return nullcontext()
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return clip_global_norm(self.owned, max_norm)  # this replica's own gradients
 
     def share_parameters(self) -> None:
         self.inner_steps += 1
