@@ -36,6 +36,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from rpt.comm.accounting import CommMeter, allgather_wire_bytes, allreduce_wire_bytes
 
+# PowerSGD's callbacks hold their process group and are released on that group's own gloo threads. Were one of
+# them to drop the last reference, gloo's destructor would join the thread it runs on and abort the process
+# ("Resource deadlock avoided"), which it did at the end of a run. The groups made here live as long as the process.
+_ROUND_GROUPS: list = []
+
 
 @dataclass
 class HookState:
@@ -158,6 +163,7 @@ def register(ddp: torch.nn.parallel.DistributedDataParallel, compression: str, m
             # the rounds' collectives get a process group of their own: on the main thread DDP all-reduces its
             # unused-parameter map meanwhile, and two threads on one gloo group interleave differently per rank
             rounds = dist.new_group(backend="gloo")
+            _ROUND_GROUPS.append(rounds)
             state.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rpt-powersgd")
         state.powersgd = psgd.PowerSGDState(process_group=rounds, matrix_approximation_rank=powersgd_rank,
                                             start_powerSGD_iter=max(2, powersgd_start), use_error_feedback=True,

@@ -24,13 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rpt.models.shapes import on_meta
+
 
 class Head(nn.Linear):
     """The full softmax: logits = h @ W^T over the whole vocabulary."""
 
     def __init__(self, d_model: int, vocab_size: int, tied: nn.Parameter | None = None):
         if tied is not None:  # the embedding's matrix: nothing to allocate
-            with torch.device("meta"):
+            with on_meta():
                 super().__init__(d_model, vocab_size, bias=False)
             self.weight = tied
         else:

@@ -75,20 +75,27 @@ def forward_to_workers():
 
 
 def _children() -> list[int]:
-    """This process's child processes (Linux /proc), multiprocessing's resource tracker left out (SIGUSR1 would
-    end it)."""
+    """The workers: this process's child processes (Linux /proc), or the children of the fork server that
+    launch.py starts them from (they share its command line); multiprocessing's resource tracker and the fork
+    server left out (SIGUSR1 would end them)."""
+    workers = []
+    for child in _child_pids(os.getpid()):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing.forkserver" in cmdline:
+            workers += _child_pids(child)
+        elif b"resource_tracker" not in cmdline:
+            workers.append(child)
+    return workers
+
+
+def _child_pids(pid: int) -> list[int]:
     pids = []
-    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+    for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             pids += [int(p) for p in (task / "children").read_text().split()]
         except OSError:
             continue
-    workers = []
-    for pid in pids:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"resource_tracker" not in cmdline:
-            workers.append(pid)
-    return workers
+    return pids

@@ -27,6 +27,7 @@ import torch
 from rpt.config import Config
 from rpt.errors import RptError
 from rpt.comm.accounting import allreduce_wire_bytes
+from rpt.models.shapes import on_meta
 
 GiB = 2**30
 _ACTIVATIONS: dict[tuple, float] = {}  # (model config, seq_len, has attention) -> saved bytes per token
@@ -113,7 +114,7 @@ def _meta_model(cfg: Config):
 
     if cfg.model.vocab_size <= 0:
         raise RptError("model.vocab_size is not set", "take it from the data (meta.json) or set model.vocab_size")
-    with torch.device("meta"):
+    with on_meta():
         return RecurrentLM(cfg.model)
 
 

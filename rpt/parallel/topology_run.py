@@ -16,6 +16,7 @@ from rpt.config import Config
 from rpt.errors import RptError
 from rpt.comm import topology
 from rpt.parallel import launch
+from rpt.models.shapes import on_meta
 
 
 def resolve_vocab_size(cfg: Config) -> None:
@@ -33,7 +34,7 @@ def gradient_bytes(cfg: Config) -> int:
     from rpt.models import RecurrentLM
 
     resolve_vocab_size(cfg)
-    with torch.device("meta"):
+    with on_meta():
         model = RecurrentLM(cfg.model)
     return 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from rpt.models.registry import CELL_OPTIONS, get_cell
+from rpt.models.shapes import on_meta
 
 # width before depth: each size is (n_layers, d_model)
 LADDER = ((2, 128), (2, 192), (2, 256), (2, 384), (2, 512), (2, 768), (3, 1024), (4, 1536), (4, 2048))
@@ -165,7 +166,7 @@ def sized(model_cfg, size):
 def flops_of(model_cfg, size, counts: np.ndarray) -> int:
     from rpt.models import RecurrentLM
 
-    with torch.device("meta"):
+    with on_meta():
         model = RecurrentLM(sized(model_cfg, size))
     if model_cfg.head_shortlist:  # its tail's cost is the share of tokens outside the shortlist
         model.head.assign(counts)

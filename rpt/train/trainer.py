@@ -38,6 +38,7 @@ from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
 from rpt.models.head import token_counts
+from rpt.models.shapes import on_meta
 from rpt.models.state import all_finite, cat_rows, detach_state, map_state, rows
 from rpt.monitor import sinks
 from rpt.monitor.metrics import PhaseClock
@@ -66,7 +67,7 @@ class Trainer:
         check_layout(cfg, dist_info.world_size)
         check_mixed_devices(cfg, dist_info)
         self.data = open_data(cfg)
-        with torch.device("meta"):  # shapes only: what the run counts
+        with on_meta():  # shapes only: what the run counts
             shape = RecurrentLM(cfg.model)
         par = parallelize(cfg, dist_info.rank, dist_info.world_size, self.device, dist_info.enabled)
         self.model, self.sync, self.pipe = par.model, par.sync, par.pipe

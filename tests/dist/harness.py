@@ -1,12 +1,15 @@
 """Run a function in N real processes joined by a gloo process group, with a timeout and full cleanup.
 
 The function must be importable by a fresh interpreter (a top-level function of a module on
-sys.path); spawn copies sys.path, so modules beside the tests work. Each worker's return value
-comes back through a file; a worker that raises fails the call with its traceback.
+sys.path). The workers fork from a fork server that imported torch and the first function's module once
+(as `rpt train --nproc` starts its workers; the server has sys.path, so modules beside the tests work), not
+spawned: spawn imported torch again in every worker. Each worker's return value comes back through a file;
+a worker that raises fails the call with its traceback.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import time
@@ -30,7 +33,8 @@ def _entry(fn, rank: int, world_size: int, port: int, out: str, args: tuple) -> 
 
 def run_ranks(fn, world_size: int, out_dir: Path, *args, timeout: float = 240) -> list:
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
+    multiprocessing.set_forkserver_preload(["torch", fn.__module__])  # read when the server starts (once)
+    ctx = mp.get_context("forkserver")
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, str(out_dir), args)) for r in range(world_size)]
     for p in procs:

@@ -16,7 +16,9 @@ flash-linear-attention keeps for its ops, and the tests hold them equal, gradien
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -129,7 +131,23 @@ def reset_columns(reset: torch.Tensor | None) -> list[int]:
     return _last_mask[1]
 
 
-@torch.compiler.disable
+def eager_under_compile(fn):
+    """`torch.compiler.disable(fn)`, made at the first call once torch._dynamo is loaded: the decorator itself
+    imports torch._dynamo, two seconds of every process's start, which only a compiled model needs (and nothing
+    is compiled before torch._dynamo is loaded)."""
+    disabled = []
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+    return call
+
+
+@eager_under_compile
 def over_segments(run, x: torch.Tensor, state: State, reset: torch.Tensor | None):
     """Run a whole-sequence kernel that cannot reset mid-sequence (nn.LSTM, nn.GRU) between reset columns.
 
