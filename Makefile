@@ -26,10 +26,10 @@ demo: $(STAMP)
 	@echo "  $(PY) -m rpt train --run-dir $(DEMO_RUN) --resume --set train.max_time=600   # train on"
 	@echo "  $(PY) -m rpt monitor $(DEMO_RUN)                   # dashboard on http://127.0.0.1:8765/"
 
-# one pytest worker a core, at most 4 (each worker's torch on one thread: tests/conftest.py); the modules marked
-# xdist_group run on one worker each, so that their module fixture runs once
+# one pytest worker a core, at most 4 (each worker's torch on one thread: tests/conftest.py); each test file runs
+# on one worker, so that its module fixture runs once
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup --durations=25 tests
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25 tests
 
 clean:
 	rm -rf $(VENV) data runs .pytest_cache

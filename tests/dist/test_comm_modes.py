@@ -13,8 +13,6 @@ import torch
 from comm_workers import build_auto_with_timings, train_variants
 from harness import run_ranks
 
-pytestmark = pytest.mark.xdist_group("test_comm_modes")  # one worker runs the module fixture (make test)
-
 MODES = [("allreduce", []), ("ps", ["comm.mode=ps"]), ("ps-sharded", ["comm.mode=ps-sharded"])]
 ACCUM = [("allreduce-accum", ["train.grad_accum=2"]), ("ps-sharded-accum", ["comm.mode=ps-sharded", "train.grad_accum=2"])]
 CODECS = [("fp16", ["comm.compression=fp16"]), ("bf16", ["comm.compression=bf16"]),

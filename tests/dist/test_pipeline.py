@@ -17,8 +17,6 @@ from rpt.parallel.launch import Dist
 from rpt.train.run import eval_run
 from rpt.train.trainer import Trainer
 
-pytestmark = pytest.mark.xdist_group("test_pipeline")  # one worker runs the module fixture (make test)
-
 SOLO = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 

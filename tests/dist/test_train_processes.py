@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.xdist_group("test_train_processes")  # one worker runs the module fixture (make test)
 
 TIMEOUT = 300
 

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.xdist_group("test_first_day")  # one worker runs the module fixture (make test)
-
 TIMEOUT = 300
 SMALL = ["--set", "model.d_model=32", "--set", "train.batch_size=4", "--set", "train.seq_len=16",
          "--set", "monitor.log_interval=5"]
