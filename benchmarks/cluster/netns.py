@@ -126,15 +126,26 @@ class Cluster:
             signal.signal(signal.SIGTERM, self._old_term)
 
     # ------------------------------------------------------------------ running things on a node
-    def command(self, node: int, argv: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.names[node], *argv]
+    def cores(self, node: int) -> list[int]:
+        """The cores a node's processes run on: an equal share each, or (more nodes than cores) one, shared."""
+        cpus = sorted(os.sched_getaffinity(0))
+        share = len(cpus) // self.n
+        return cpus[node * share:(node + 1) * share] if share else [cpus[node % len(cpus)]]
 
-    def env(self, extra: dict | None = None) -> dict:
-        """The environment for a process on a node: gloo talks over the emulated link."""
-        return {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", **(extra or {})}
+    def command(self, node: int, argv: list[str]) -> list[str]:
+        """`argv` inside the node's namespace, on the node's cores only: nodes of a real cluster do not share
+        CPUs, and a torch process per node that sees every core oversubscribes them (seconds-long stalls)."""
+        cores = ",".join(map(str, self.cores(node)))
+        return ["ip", "netns", "exec", self.names[node], "taskset", "-c", cores, *argv]
+
+    def env(self, node: int, extra: dict | None = None) -> dict:
+        """The environment for a process on a node: gloo talks over the emulated link, torch uses the node's
+        cores."""
+        return {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
+                "OMP_NUM_THREADS": str(len(self.cores(node))), **(extra or {})}
 
     def popen(self, node: int, argv: list[str], **kwargs) -> subprocess.Popen:
-        kwargs.setdefault("env", self.env())
+        kwargs.setdefault("env", self.env(node))
         proc = subprocess.Popen(self.command(node, argv), **kwargs)
         self.procs.append(proc)
         return proc
@@ -147,7 +158,7 @@ class Cluster:
                 f"--local-addr={self.address(node)}", *args]
 
     def run(self, node: int, argv: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-        kwargs.setdefault("env", self.env())
+        kwargs.setdefault("env", self.env(node))
         return subprocess.run(self.command(node, argv), timeout=timeout, capture_output=True, text=True, **kwargs)
 
 
