@@ -9,7 +9,8 @@ wall time to the target (from the end of step 1: start-up left out), steps and t
 rank, the share of the step spent in exposed communication, and the validation loss at the baseline's step
 count. The learning rate is constant after warm-up, so a run's schedule does not depend on when it stops. The model is
 an lstm of 2 x 512 (8.4M parameters, vocabulary 8192) at batch 8 x 64 per rank: one core computes such a step
-in about 0.8 s while bf16 gradients take about 1.35 s at 100 Mbit/s, the network-bound regime the modes are for.
+in about 0.27 s (DiLoCo's inner steps) while bf16 gradients take about 1.35 s at 100 Mbit/s, the network-bound
+regime the modes are for.
 
     sudo .venv/bin/python benchmarks/cluster/time_to_loss.py --data DATA                    # every case, both rates
     .venv/bin/python benchmarks/cluster/time_to_loss.py --data DATA --rates 100 --cases bf16,diloco
