@@ -6,6 +6,7 @@ Skips, saying why, where the machine cannot make namespaces (no root, no iproute
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -28,6 +29,12 @@ def test_two_nodes_over_shaped_links_train_with_identical_replicas(tmp_path, tin
             "--set", "comm.mode=ps-sharded"]
     with Cluster(2, rates_mbit=200) as cluster:
         namespaces = cluster.names + [cluster.switch]
+        probe = "import os; print(sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'])"
+        seen = [cluster.run(i, [sys.executable, "-c", probe]).stdout.split() for i in cluster.nodes]
+        cores = [set(cluster.cores(i)) for i in cluster.nodes]
+        assert all(c for c in cores) and (len(os.sched_getaffinity(0)) < 2 or not cores[0] & cores[1])
+        assert [" ".join(s[:-1]) for s in seen] == [str(sorted(c)) for c in cores]  # each node on its own cores
+        assert [s[-1] for s in seen] == [str(len(c)) for c in cores]  # and torch's threads to match
         procs = [cluster.popen(i, cluster.torchrun(i, 1, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True) for i in cluster.nodes]
         outs = [p.communicate(timeout=240)[0] for p in procs]
