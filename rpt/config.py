@@ -173,9 +173,10 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    """Layer pipeline parallelism; data parallelism takes the remaining ranks."""
+    """Layer pipeline parallelism and FSDP2 sharding; plain data parallelism (replicas) takes the remaining ranks."""
 
     pp: Union[int, Literal["auto"]] = 1   # pipeline stages; "auto": the fewest whose memory fits (rpt plan)
+    fsdp: Union[int, Literal["auto"]] = 1  # ranks that shard each stage's parameters, gradients and optimiser state
     microbatches: int = 1                 # micro-batches per step through the pipeline (batch_size divisible)
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     stages_per_rank: int = 2              # schedule "interleaved": virtual stages (block chunks) on each rank
@@ -184,7 +185,12 @@ class ParallelConfig:
         _positive("parallel.microbatches", self.microbatches)
         if isinstance(self.pp, int):
             _positive("parallel.pp", self.pp)
+        if isinstance(self.fsdp, int):
+            _positive("parallel.fsdp", self.fsdp)
         if self.schedule == "interleaved":
+            if self.fsdp != 1:
+                raise RptError(f"parallel.fsdp = {self.fsdp!r} with the interleaved schedule: FSDP shards one "
+                               "pipeline stage per rank", "use parallel.schedule = '1f1b' (or 'gpipe') with FSDP")
             if self.stages_per_rank < 2:
                 raise RptError(f"parallel.stages_per_rank = {self.stages_per_rank} with the interleaved schedule",
                                "use 2 or more virtual stages per rank, or parallel.schedule = '1f1b'")
@@ -396,6 +402,16 @@ class Config:
                 raise RptError(f"train.grad_accum = {t.grad_accum} with parallel.pp = {p.pp}: the pipeline's "
                                "micro-batches are its gradient accumulation",
                                "set train.grad_accum = 1 and parallel.microbatches to the micro-batch count")
+        if p.fsdp != 1:
+            if c.mode not in ("allreduce", "auto") or c.compression != "none" or c.adaptive:
+                raise RptError(f"parallel.fsdp = {p.fsdp!r} with comm.mode = '{c.mode}', compression = "
+                               f"'{c.compression}'" + (", adaptive" if c.adaptive else "") + ": FSDP reduce-scatters "
+                               "the gradients itself (the parameter servers shard them another way; codecs and the "
+                               "adaptive schedule hook into DDP, which FSDP replaces)",
+                               "use comm.mode = 'allreduce' and compression 'none' with FSDP, or parallel.fsdp = 1")
+            if t.precision == "fp16":
+                raise RptError(f"train.precision = 'fp16' with parallel.fsdp = {p.fsdp!r}: loss scaling over "
+                               "sharded gradients is not built", "use precision bf16 (no loss scaling) or fp32")
         if t.batch_size % p.microbatches:
             raise RptError(f"train.batch_size = {t.batch_size} is not divisible by parallel.microbatches = "
                            f"{p.microbatches}", "choose a micro-batch count that divides the batch size")

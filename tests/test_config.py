@@ -93,6 +93,23 @@ def test_diloco_settings_that_cannot_work_are_refused_with_the_fix(overrides, me
     assert message in info.value.message and fix in info.value.fix
 
 
+@pytest.mark.parametrize("overrides, message, fix", [
+    (["comm.mode=ps-sharded"], "FSDP reduce-scatters the gradients itself", "comm.mode = 'allreduce'"),
+    (["comm.mode=diloco", "train.eval_interval=100"], "FSDP reduce-scatters", "parallel.fsdp = 1"),
+    (["comm.compression=powersgd"], "compression = 'powersgd'", "compression 'none'"),
+    (["comm.adaptive=true"], "adaptive", "comm.mode = 'allreduce'"),
+    (["train.precision=fp16"], "loss scaling over sharded gradients", "bf16"),
+    (["parallel.pp=2", "parallel.schedule=interleaved", "model.n_layers=4"], "one pipeline stage per rank", "1f1b"),
+    (["parallel.fsdp=0"], "parallel.fsdp", ""),
+])
+def test_fsdp_settings_that_cannot_work_are_refused_with_the_fix(overrides, message, fix):
+    Config.load(None, ["parallel.fsdp=2", "parallel.pp=2", "model.n_layers=4"])  # valid ones
+    Config.load(None, ["parallel.fsdp=auto", "train.precision=bf16"])
+    with pytest.raises(RptError) as info:
+        Config.load(None, ["parallel.fsdp=2", *overrides])
+    assert message in info.value.message and fix in info.value.fix
+
+
 def test_malformed_toml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[model\ncell = lstm\n")

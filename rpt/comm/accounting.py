@@ -27,6 +27,16 @@ def allgather_wire_bytes(own_nbytes: int, world_size: int) -> int:
     return (world_size - 1) * own_nbytes
 
 
+def fsdp_wire_bytes(param_bytes: int, fsdp: int, replicas: int, grad_accum: int = 1) -> dict:
+    """What one rank sends a step under FSDP for `param_bytes` of a stage's parameters, counted from the shard
+    sizes: all-gathers, (f - 1) / f of the parameters each, before the first forward and before every backward
+    (accumulation keeps them gathered from one backward to the next forward); one reduce-scatter of the
+    gradients; under HSDP an all-reduce of the gradient shards across the replicas."""
+    share = param_bytes * (fsdp - 1) // fsdp
+    return {"all_gather": share * (grad_accum + 1), "reduce_scatter": share,
+            "replica_all_reduce": allreduce_wire_bytes(param_bytes // fsdp, replicas) if replicas > 1 else 0}
+
+
 class CommMeter:
     def __init__(self):
         self._lock = threading.Lock()

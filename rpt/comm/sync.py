@@ -274,7 +274,8 @@ class ParameterServerSync(LocalSync):
 def clip_global_norm(counted: list, max_norm: float, *, device=None, reduce: bool = False, group=None,
                      scale: list | None = None) -> torch.Tensor:
     """The global gradient norm: the square root of the summed squares of the `counted` parameters'
-    gradients, summed over the ranks of `group` when `reduce` (each rank holding a share). When it is
+    gradients, summed over the ranks of `group` (or of each group of a tuple, in turn) when `reduce` (each rank
+    holding a share). When it is
     finite, the gradients of `scale` (default: `counted`) are multiplied by min(1, max_norm / norm).
     Written here rather than torch.nn.utils.clip_grad_norm_ because shards must add up across ranks, and
     because torch's fp32 CPU norm lost 1.6e-4 relative on a 8192 x 64 embedding gradient here (fp32 sums of
@@ -285,7 +286,8 @@ def clip_global_norm(counted: list, max_norm: float, *, device=None, reduce: boo
     else:
         total = torch.zeros((), device=device)
     if reduce:
-        dist.all_reduce(total, group=group)
+        for g in group if isinstance(group, tuple) else (group,):
+            dist.all_reduce(total, group=g)
     norm = total.sqrt()
     if max_norm and torch.isfinite(norm):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

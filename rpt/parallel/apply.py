@@ -1,6 +1,6 @@
 """What a run asks for, applied from outside the model, in order: the pipeline stage (the model built with the
-parts this rank owns), activation checkpointing, compile, then data parallelism (DDP or a comm mode of rpt.comm)
-and the pipeline's schedule around what it wrapped. The model code has no branch for any of them."""
+parts this rank owns), activation checkpointing, compile, then data parallelism (FSDP2 shards, or DDP or a comm
+mode of rpt.comm) and the pipeline's schedule around what it wrapped. The model code has no branch for any of them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from torch.utils.checkpoint import checkpoint
 from rpt.comm.sync import LocalSync, build_sync
 from rpt.models import RecurrentLM
 from rpt.models.block import Block
-from rpt.parallel import pipeline
+from rpt.parallel import fsdp, pipeline
+from rpt.parallel.mesh import Mesh
 
 
 @dataclass
@@ -27,27 +28,53 @@ class Parallel:
     pipe: pipeline.Pipeline | None
     dp_rank: int
     dp_size: int
+    layout: dict  # pp, dp (replicas) and fsdp: what a checkpoint records, to reshard on another one
 
 
 def parallelize(cfg, rank: int, world_size: int, device: torch.device, distributed: bool) -> Parallel:
     t = cfg.train
-    plan, mesh = pipeline.plan_for(cfg, rank, world_size, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    plan, mesh = layout_for(cfg, rank, world_size, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    staged = plan is not None and plan.pp > 1
     torch.manual_seed(t.seed)  # every rank the same initial values; a stage's parts the whole model's
-    model = RecurrentLM(cfg.model, pipeline.parts_of(plan, mesh.pp_rank) if plan else None).to(device)
+    model = RecurrentLM(cfg.model, pipeline.parts_of(plan, mesh.pp_rank) if staged else None).to(device)
     if cfg.model.activation_checkpointing:
         checkpoint_blocks(model)
     if t.compile:
         compile_blocks(model, t.compile)
     pipe = None
-    if plan:
+    if staged:
         pipe = pipeline.Pipeline(model, plan, mesh, t.batch_size, t.seq_len, device, cfg.parallel.schedule)
     dp_rank, dp_size = (mesh.dp_rank, mesh.dp) if mesh else (rank, world_size)
-    sync = build_sync(model, cfg.comm, rank=dp_rank, world_size=dp_size, distributed=distributed,
-                      powersgd_start=t.warmup_steps, seed=t.seed, precision=t.precision,
-                      group=mesh.dp_group if mesh else None, parts=pipe.stages if pipe else None)
+    if mesh is not None and mesh.fsdp > 1:  # FSDP2 in place of DDP: the stage (or the model) is the root
+        root = pipe.stages[0] if pipe else model
+        fsdp.shard(root, model, mesh, t.precision, device)
+        sync = fsdp.FSDPSync(root, model, mesh, 1 if pipe else t.grad_accum)
+    else:
+        sync = build_sync(model, cfg.comm, rank=dp_rank, world_size=dp_size, distributed=distributed,
+                          powersgd_start=t.warmup_steps, seed=t.seed, precision=t.precision,
+                          group=mesh.dp_group if mesh else None, parts=pipe.stages if pipe else None)
     if pipe:  # the schedule runs each stage as data parallelism wrapped it (one DDP each), or as it is
         pipe.build_schedule(sync.module if isinstance(sync.module, list) else pipe.stages)
-    return Parallel(model, sync, pipe, dp_rank, dp_size)
+    layout = {"pp": mesh.pp, "dp": mesh.replicas, "fsdp": mesh.fsdp} if mesh else {"pp": 1, "dp": dp_size, "fsdp": 1}
+    return Parallel(model, sync, pipe, dp_rank, dp_size, layout)
+
+
+def layout_for(cfg, rank: int, world_size: int, device: torch.device, local_world: int = 1):
+    """The plan for this job (printed by rank 0) and this rank's place in the mesh, when it has pipeline stages
+    or FSDP shards; (None, None) for plain data parallelism. Pipelines balance their stages by costs timed on
+    this device at start."""
+    from rpt.parallel.plan import choose_plan, device_memory_bytes, format_plan
+
+    p = cfg.parallel
+    if p.pp == 1 and p.fsdp == 1:
+        return None, None
+    costs = pipeline.measure_costs(cfg, device) if p.pp != 1 else None
+    plan = choose_plan(cfg, world_size, device_memory_bytes(device, local_world), costs)
+    if rank == 0:
+        print(format_plan(plan), flush=True)
+    if plan.pp == 1 and plan.fsdp == 1:
+        return None, None
+    return plan, Mesh(device, world_size, plan.pp, plan.fsdp)
 
 
 def checkpoint_blocks(model: nn.Module) -> None:

@@ -1,7 +1,6 @@
 """Layer pipeline parallelism: torch.distributed.pipelining, with the recurrent state carried per micro-batch.
 
-The ranks form a 2-D mesh `pp x dp` (DeviceMesh; pipeline outermost as torchtitan lays it out, so the
-heavier data-parallel all-reduce runs among neighbouring ranks). Each rank builds the `RecurrentLM` with the
+The ranks form a mesh `pp x dp x fsdp` (rpt/parallel/mesh.py). Each rank builds the `RecurrentLM` with the
 parts the plan (rpt/parallel/plan.py) gives it: its blocks, the embedding on the first rank, the final norm and
 head on the last; the model's own forward runs them, and a part it builds has the values the whole model would
 have given it. Each stage of the schedule is a view of that model (one per rank, or `v` under the interleaved
@@ -37,26 +36,9 @@ from rpt.comm.sync import clip_global_norm
 from rpt.errors import RptError
 from rpt.models.head import next_token_loss
 from rpt.models.state import cat_rows, detach_state, rows
+from rpt.parallel.fsdp import LocalGrad, gathered, local
+from rpt.parallel.mesh import Mesh
 from rpt.parallel.plan import Plan
-
-
-class Mesh:
-    """This rank's place in the `pp x dp` layout and the process groups along each dimension."""
-
-    def __init__(self, device: torch.device, world_size: int, pp: int):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self.pp, self.dp = pp, world_size // pp
-        self.mesh = init_device_mesh(device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp"))
-        self.pp_group, self.dp_group = self.mesh.get_group("pp"), self.mesh.get_group("dp")
-        self.pp_rank, self.dp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("dp")
-        layout = self.mesh.mesh.tolist()  # [pp][dp] -> global rank
-        self.tie_group = None
-        for j in range(self.dp):  # every rank creates every group, in the same order
-            ends = sorted({layout[0][j], layout[-1][j]})
-            group = dist.new_group(ends) if len(ends) > 1 else None
-            if j == self.dp_rank and self.pp_rank in (0, pp - 1):
-                self.tie_group = group
 
 
 class _BackwardClock(torch.autograd.Function):
@@ -191,7 +173,7 @@ class Pipeline:
         weight = self.model.embed.weight if self.first else self.model.head.weight
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
-        dist.all_reduce(weight.grad, group=self.mesh.tie_group)
+        dist.all_reduce(local(weight.grad), group=self.mesh.tie_group)  # under FSDP both ends hold one shard
 
     def counted_params(self) -> list[nn.Parameter]:
         """This stage's parameters for the global norm, the tied head copy left out (the embedding counts it)."""
@@ -201,8 +183,11 @@ class Pipeline:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The norm of the whole model's gradient (every stage's share added once), clipped on every stage."""
-        return clip_global_norm(self.counted_params(), max_norm, device=self.device, reduce=True,
-                                group=self.mesh.pp_group, scale=list(self.model.parameters()))
+        counted, scale, groups = self.counted_params(), list(self.model.parameters()), (self.mesh.pp_group,)
+        if self.mesh.fsdp > 1:  # each rank's shards, added over the shard group too
+            counted, scale = [LocalGrad(p) for p in counted], [LocalGrad(p) for p in scale]
+            groups = (self.mesh.shard_group, self.mesh.pp_group)
+        return clip_global_norm(counted, max_norm, device=self.device, reduce=True, group=groups, scale=scale)
 
     def take_bubble(self) -> float | None:
         """Mean idle share of this stage over the steps since the last call."""
@@ -228,7 +213,8 @@ class PipelineEval(nn.Module):
             if not st.first:
                 h = torch.empty(x.shape[0], x.shape[1], self.model.cfg.d_model, device=x.device)
                 dist.recv(h, group=mesh.pp_group, group_src=(st.index - 1) % mesh.pp)
-            out, s = st.lm(h, st.state_of(state), reset)
+            with gathered(st):  # FSDP: the stage's own parameters (embedding, head), unsharded
+                out, s = st.lm(h, st.state_of(state), reset)
             new.extend(s)
             if not st.last:
                 dist.send(out.float().contiguous(), group=mesh.pp_group, group_dst=(st.index + 1) % mesh.pp)
@@ -244,21 +230,6 @@ def check_layout(cfg, world_size: int) -> None:
         raise RptError(f"world size {world_size} is not divisible by parallel.pp = {pp}",
                        f"run a multiple of {pp} ranks (e.g. --nproc {pp * max(1, world_size // int(pp))}), "
                        "or choose a parallel.pp that divides the world size")
-
-
-def plan_for(cfg, rank: int, world_size: int, device: torch.device,
-             local_world: int = 1) -> tuple[Plan | None, Mesh | None]:
-    """The plan for this job (printed by rank 0) and this rank's place in the mesh, when it has more than one
-    pipeline stage; (None, None) otherwise."""
-    from rpt.parallel.plan import choose_plan, device_memory_bytes, format_plan
-
-    if cfg.parallel.pp == 1:
-        return None, None
-    costs = measure_costs(cfg, device)
-    plan = choose_plan(cfg, world_size, device_memory_bytes(device, local_world), costs)
-    if rank == 0:
-        print(format_plan(plan), flush=True)
-    return (plan, Mesh(device, world_size, plan.pp)) if plan.pp > 1 else (None, None)
 
 
 def measure_costs(cfg, device: torch.device, repeats: int = 3):

@@ -11,7 +11,8 @@ the first stage and the output layer to the last; among equally good splits the 
 even stage costs wins (12 equal blocks on 3 stages: 4 + 4 + 4).
 
 Memory per rank (fp32 master weights, gradients and AdamW state, 16 bytes per parameter; the
-parameter-server modes move the optimiser state as they do in training) plus activations of the
+parameter-server modes move the optimiser state as they do in training; FSDP keeps 1 / fsdp of all three and
+gathers one unit at a time) plus activations of the
 micro-batches in flight: 1F1B keeps min(m, pp - s) on stage s, GPipe all m. The output layer's
 logits (and their softmax for the loss) are charged to the last stage.
 """
@@ -26,7 +27,7 @@ import torch
 
 from rpt.config import Config
 from rpt.errors import RptError
-from rpt.comm.accounting import allreduce_wire_bytes
+from rpt.comm.accounting import allreduce_wire_bytes, fsdp_wire_bytes
 from rpt.models.shapes import on_meta
 
 GiB = 2**30
@@ -46,7 +47,7 @@ class StagePlan:
 class Plan:
     world_size: int
     pp: int
-    dp: int
+    dp: int                       # data-parallel ranks of a stage: replicas x fsdp
     microbatches: int
     schedule: str
     params: int
@@ -57,6 +58,12 @@ class Plan:
     bubble_theory: float          # idle share (p - 1) / (v m + p - 1): v = 1 for 1F1B and GPipe
     cost_unit: str = "FLOP"       # how the stages were balanced: counted FLOPs, or seconds measured at start
     stages_per_rank: int = 1      # v: virtual stages per rank (interleaved); stage j runs on pipeline rank j % pp
+    fsdp: int = 1                 # ranks sharding each stage's parameters, gradients and optimiser state
+    mode: str = "allreduce"       # the comm.mode counted (auto: as allreduce); "fsdp" when fsdp > 1
+
+    @property
+    def replicas(self) -> int:
+        return self.dp // self.fsdp
 
     def rank_stages(self, pp_rank: int) -> list[StagePlan]:
         return self.stages[pp_rank::self.pp]
@@ -70,7 +77,13 @@ class Plan:
         return self.peak_memory <= 0.9 * self.device_memory
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "peak_memory": self.peak_memory, "fits": self.fits}
+        return {**asdict(self), "replicas": self.replicas, "peak_memory": self.peak_memory, "fits": self.fits,
+                "bytes_per_step": self.bytes_per_step}
+
+    @property
+    def bytes_per_step(self) -> int:
+        """What the busiest rank sends a step in the mode the config asks for, pipeline activations included."""
+        return self.grad_bytes_per_step[self.mode] + self.pipeline_bytes_per_step
 
 
 def balance(costs: list[float], stages: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
@@ -161,12 +174,14 @@ def counted_costs(cfg: Config, model=None) -> Costs:
     return Costs(block, embed=3.0 * m.d_model, head=3.0 * 2 * m.d_model * m.vocab_size)
 
 
-def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: Costs | None = None) -> Plan:
-    """The plan for `pp` stages; `costs` measured at start by training, else counted FLOPs."""
-    if world_size % pp:
-        raise RptError(f"world size {world_size} is not divisible by parallel.pp = {pp}",
-                       "choose a pipeline degree that divides the number of ranks")
-    model = _meta_model(cfg)
+def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: Costs | None = None,
+              fsdp: int = 1, model=None) -> Plan:
+    """The plan for `pp` stages, each sharded over `fsdp` ranks; `costs` measured at start by training, else
+    counted FLOPs; `model`: the meta model, when the caller has built it."""
+    if world_size % pp or (world_size // pp) % fsdp:
+        raise RptError(f"world size {world_size} is not divisible by parallel.pp x parallel.fsdp = {pp} x {fsdp}",
+                       "choose pipeline and FSDP degrees whose product divides the number of ranks")
+    model = model if model is not None else _meta_model(cfg)
     m, t, p = cfg.model, cfg.train, cfg.parallel
     dp, micro = world_size // pp, p.microbatches
     costs = costs or counted_costs(cfg, model)
@@ -177,13 +192,14 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
     counts = balance(block_costs, n, embed_cost, head_cost)
     tokens_per_micro = t.batch_size // micro * t.seq_len
     embed_params = model.embed.weight.numel()
+    block_params = [sum(q.numel() for q in b.parameters()) for b in model.blocks.values()]
     stages, start = [], 0
     for s, count in enumerate(counts):
-        blocks = list(model.blocks.values())[start:start + count]
-        params = sum(q.numel() for b in blocks for q in b.parameters())
+        params = sum(block_params[start:start + count])
         params += sum(q.numel() for q in model.norm.parameters()) if s == n - 1 else 0
         params += embed_params if s == 0 else 0
-        params += model.head.weight.numel() if s == n - 1 and (pp > 1 or not m.tie_embeddings) else 0
+        head = model.head.weight.numel() if s == n - 1 and (pp > 1 or not m.tie_embeddings) else 0
+        params += head
         act = recompute = 0.0  # bytes per token kept per micro-batch in flight; one block's, while it recomputes
         for b in range(start, start + count):
             key = (repr(m), t.seq_len, model.blocks[str(b)].attn is not None)  # blocks differ only by attention
@@ -200,25 +216,36 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
         cost = (sum(block_costs[start:start + count]) + (embed_cost if s == 0 else 0)
                 + (head_cost if s == n - 1 else 0))
         activations = (act * in_flight + recompute) * tokens_per_micro
+        units = block_params[start:start + count] + [embed_params if s == 0 else 0, head]  # FSDP's units
         stages.append(StagePlan(s, (start, start + count), cost, params,
-                                _memory(params, activations, cfg.comm.mode, dp)))
+                                _memory(params, activations, cfg.comm.mode, dp, fsdp, max(units))))
         start += count
     grad = 4 * max(sum(c.params for c in stages[r::pp]) for r in range(pp))
     share = (dp - 1) * grad // dp if dp > 1 else 0
-    grad_bytes = {"allreduce": allreduce_wire_bytes(grad, dp) if dp > 1 else 0,
-                  "ps": (dp - 1) * grad if dp > 1 else 0,   # the server sends every worker the parameters
-                  "ps-sharded": 2 * share}                   # gradients to the owners, parameters back
+    if fsdp > 1:
+        grad_bytes = {"fsdp": sum(fsdp_wire_bytes(grad, fsdp, dp // fsdp, t.grad_accum).values())}
+    else:
+        grad_bytes = {"allreduce": allreduce_wire_bytes(grad, dp) if dp > 1 else 0,
+                      "ps": (dp - 1) * grad if dp > 1 else 0,   # the server sends every worker the parameters
+                      "ps-sharded": 2 * share}                   # gradients to the owners, parameters back
     pipe_bytes = 2 * 4 * t.batch_size * t.seq_len * m.d_model if pp > 1 else 0
+    mode = "fsdp" if fsdp > 1 else cfg.comm.mode if cfg.comm.mode in grad_bytes else "allreduce"
     return Plan(world_size, pp, dp, micro, p.schedule, model.num_params(), stages, grad_bytes, pipe_bytes,
-                device_memory, (pp - 1) / (v * micro + pp - 1), costs.unit, v)
+                device_memory, (pp - 1) / (v * micro + pp - 1), costs.unit, v, fsdp, mode)
 
 
-def _memory(params: int, activations: float, mode: str, dp: int) -> dict:
-    weights, grads = 4 * params, 4 * params
-    optimizer = 8 * params
+def _memory(params: int, activations: float, mode: str, dp: int, fsdp: int = 1, largest_unit: int = 0) -> dict:
+    """Bytes per rank: fp32 weights and gradients, AdamW's two moments; FSDP keeps 1 / fsdp of each and, while it
+    works, the largest unit whole (its parameters and the next unit's, prefetched, and its gradient before the
+    reduce-scatter)."""
+    weights, grads, optimizer = 4 * params, 4 * params, 8 * params
     if mode == "ps-sharded" and dp > 1:
         optimizer = math.ceil(8 * params / dp)
-    mem = {"weights": weights, "grads": grads, "optimizer": optimizer, "activations": int(activations)}
+    mem = {"weights": weights, "grads": grads, "optimizer": optimizer}
+    if fsdp > 1:
+        mem = {k: math.ceil(v / fsdp) for k, v in mem.items()}
+    mem["gathered"] = 3 * 4 * largest_unit if fsdp > 1 else 0
+    mem["activations"] = int(activations)
     mem["total"] = sum(mem.values())
     return mem
 
@@ -228,20 +255,30 @@ def candidate_degrees(world_size: int, n_layers: int) -> list[int]:
 
 
 def choose_plan(cfg: Config, world_size: int, device_memory: int, costs: Costs | None = None) -> Plan:
-    """`parallel.pp`: as set, or "auto": the smallest pipeline degree whose per-rank memory fits the device."""
-    if cfg.parallel.pp != "auto":
-        return make_plan(cfg, world_size, int(cfg.parallel.pp), device_memory, costs)
-    last = None
-    for pp in candidate_degrees(world_size, cfg.model.n_layers):
-        if cfg.train.batch_size % cfg.parallel.microbatches:
-            break
-        last = make_plan(cfg, world_size, pp, device_memory, costs)
-        if last.fits:
-            return last
-    need = f"{last.peak_memory / GiB:.1f} GiB" if last else "?"
-    raise RptError(f"no pipeline degree fits {device_memory / GiB:.1f} GiB per rank on {world_size} ranks "
-                   f"(the deepest possible split still needs {need} on its busiest rank)",
-                   "use more ranks, a smaller model, fewer micro-batches in flight (train.batch_size) or a larger device")
+    """`parallel.pp` and `parallel.fsdp`, as set or "auto": the fewest pipeline stages (the least bubble) with
+    which some FSDP degree fits the device, and then the smallest FSDP degree that fits. At a given pp that is
+    also the least traffic: a rank sends 2 (n - 1) / n of its stage's gradients under DDP, and under FSDP
+    3 (f - 1) / f of its parameters (two all-gathers and a reduce-scatter) plus 2 / f across the replicas,
+    which grows with f; pipelines deeper than needed send fewer gradient bytes but idle longer."""
+    p = cfg.parallel
+    n_data = lambda pp: world_size // pp  # noqa: E731
+    pps = candidate_degrees(world_size, cfg.model.n_layers) if p.pp == "auto" else [int(p.pp)]
+    model, last = _meta_model(cfg), None
+    for pp in pps:
+        if world_size % pp:
+            break  # make_plan explains
+        fsdps = [k for k in range(1, n_data(pp) + 1) if n_data(pp) % k == 0] if p.fsdp == "auto" else [int(p.fsdp)]
+        for fsdp in fsdps:
+            last = make_plan(cfg, world_size, pp, device_memory, costs, fsdp, model)
+            if last.fits or (p.pp != "auto" and p.fsdp != "auto"):
+                return last
+    if last is None:
+        return make_plan(cfg, world_size, pps[0], device_memory, costs, 1 if p.fsdp == "auto" else int(p.fsdp), model)
+    need = f"{last.peak_memory / GiB:.1f} GiB"
+    raise RptError(f"no layout of pp {p.pp!r} x fsdp {p.fsdp!r} fits {device_memory / GiB:.1f} GiB per rank on "
+                   f"{world_size} ranks (the most divided one still needs {need} on its busiest rank)",
+                   "use more ranks, parallel.fsdp = 'auto' or a larger one, a smaller model, fewer micro-batches in "
+                   "flight (train.batch_size), model.activation_checkpointing, or a larger device")
 
 
 def device_memory_bytes(device: torch.device, local_world: int = 1) -> int:
@@ -257,19 +294,21 @@ def device_memory_bytes(device: torch.device, local_world: int = 1) -> int:
 def format_plan(plan: Plan) -> str:
     gib = lambda b: f"{b / GiB:,.2f}"  # noqa: E731
     cost_head, scale = ("GFLOP/tok", 1e-9) if plan.cost_unit == "FLOP" else ("us/tok", 1e6)
-    lines = [f"world size {plan.world_size}: pp {plan.pp} x dp {plan.dp}, {plan.microbatches} micro-batches, "
+    data = f"dp {plan.replicas} x fsdp {plan.fsdp}" if plan.fsdp > 1 else f"dp {plan.dp}"
+    lines = [f"world size {plan.world_size}: pp {plan.pp} x {data}, {plan.microbatches} micro-batches, "
              f"{plan.schedule}; {plan.params:,} parameters; bubble (theory) {plan.bubble_theory:.1%}",
              f"{'stage':>5} {'rank':>4} {'blocks':>9} {'params':>15} {cost_head:>10} {'weights':>9} {'grads':>9} "
-             f"{'optim':>9} {'activ.':>9} {'total GiB':>10}"]
+             f"{'optim':>9} {'gathered':>9} {'activ.':>9} {'total GiB':>10}"]
     for s in plan.stages:
         mem = s.memory
         lines.append(f"{s.index:>5} {s.index % plan.pp:>4} {f'{s.blocks[0]}-{s.blocks[1] - 1}':>9} {s.params:>15,} {s.cost * scale:>10.3f} "
-                     f"{gib(mem['weights']):>9} {gib(mem['grads']):>9} {gib(mem['optimizer']):>9} "
+                     f"{gib(mem['weights']):>9} {gib(mem['grads']):>9} {gib(mem['optimizer']):>9} {gib(mem['gathered']):>9} "
                      f"{gib(mem['activations']):>9} {gib(mem['total']):>10}")
     lines.append(f"peak per rank (its stages together) {gib(plan.peak_memory)} GiB of {gib(plan.device_memory)} GiB: "
                  + ("fits" if plan.fits else "DOES NOT FIT (90% rule)"))
     grads = ", ".join(f"{mode} {b / 2**20:,.1f} MiB" for mode, b in plan.grad_bytes_per_step.items())
-    lines.append(f"gradient bytes sent per step by the busiest rank over dp: {grads}")
+    over = "FSDP's all-gathers, reduce-scatters and replica all-reduce" if plan.fsdp > 1 else "dp"
+    lines.append(f"gradient bytes sent per step by the busiest rank over {over}: {grads}")
     if plan.pp > 1:
         lines.append(f"pipeline activations + gradients sent per step by a middle stage: "
                      f"{plan.pipeline_bytes_per_step / 2**20:,.1f} MiB")

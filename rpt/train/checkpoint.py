@@ -48,11 +48,12 @@ PREFIX = "step_"
 
 class Checkpointer:
     def __init__(self, root: str, rank: int = 0, world_size: int = 1, keep_last: int = 2, keep_best: int = 1,
-                 async_save: bool = False):
+                 async_save: bool = False, layout: dict | None = None):
         self.fs, self.root = fsspec.core.url_to_fs(str(root))
         protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
         self.local = "file" in protocols
         self.rank, self.world_size = rank, world_size
+        self.layout = {"world_size": world_size, **(layout or {})}  # how the ranks were arranged (manifest)
         self.keep_last, self.keep_best = keep_last, keep_best
         self.async_save = async_save
         self._pending: tuple[Future, str, int, tuple[float, int] | None] | None = None
@@ -103,7 +104,7 @@ class Checkpointer:
                 if not rel.startswith(MANIFEST):
                     files[rel] = {"bytes": self.fs.size(full), "sha256": self._sha256(full)}
             manifest = {"step": step, "val_loss": val[0] if val else None, "val_tokens": val[1] if val else None,
-                        "world_size": self.world_size, "time": time.time(), "files": files}
+                        "world_size": self.world_size, "layout": self.layout, "time": time.time(), "files": files}
             self._write_manifest(path, manifest)
             self._retain()
         _barrier()
@@ -241,9 +242,22 @@ class Checkpointer:
         return f"step {m['step']}, ranked by val loss {m['val_loss']:.4f}{tokens}"
 
     # ------------------------------------------------------------------ loading
+    def saved_layout(self, path: str) -> dict:
+        """The layout a checkpoint was written with (older ones recorded the world size alone)."""
+        with self.fs.open(f"{path}/{MANIFEST}") as f:
+            manifest = json.loads(f.read())
+        return manifest.get("layout") or {"world_size": manifest.get("world_size")}
+
+    def resharded(self, path: str) -> bool:
+        """Whether `path` was written with another layout than this run's (world size, pp, dp, fsdp)."""
+        saved = self.saved_layout(path)
+        return any(saved.get(k, v) != v for k, v in self.layout.items())
+
     def load(self, path: str, model, optimizer=None, partial: bool = False) -> dict:
-        """Load model (and optimiser) state into place; returns this rank's extras. `partial`: the model is
-        one pipeline stage, holding some of the checkpoint's keys."""
+        """Load model (and optimiser) state into place, resharded by DCP to this run's layout; returns this
+        rank's extras, or rank 0's when the checkpoint has another layout (its parts that hold for every rank:
+        the step, the loader's global position, the budget). `partial`: the model is one pipeline stage, holding
+        some of the checkpoint's keys."""
         if optimizer is not None:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
         else:
@@ -256,12 +270,7 @@ class Checkpointer:
                            options=FLAT)
         else:
             model.load_state_dict(state["model"])
-        extras_path = f"{path}/extras/rank{self.rank}.pt"
-        if not self.fs.exists(extras_path):
-            with self.fs.open(f"{path}/{MANIFEST}") as f:
-                saved = json.loads(f.read()).get("world_size")
-            raise RptError(f"{path} has no state for rank {self.rank} (saved with world size {saved}, now "
-                           f"{self.world_size})", f"resume with --nproc {saved} (or torchrun with {saved} ranks)")
+        extras_path = f"{path}/extras/rank{0 if self.resharded(path) else self.rank}.pt"
         with self.fs.open(extras_path, "rb") as f:
             return torch.load(io.BytesIO(f.read()), weights_only=False)
 

@@ -22,10 +22,11 @@ log = logging.getLogger("rpt.train")
 
 
 class Checkpointing:
-    def __init__(self, cfg, default_root: str, rank: int, world_size: int, is_main: bool, hooks: StepHooks):
+    def __init__(self, cfg, default_root: str, rank: int, world_size: int, is_main: bool, hooks: StepHooks,
+                 layout: dict | None = None):
         self.cfg, self.is_main, self.hooks = cfg, is_main, hooks
         self.checkpointer = Checkpointer(cfg.path or default_root, rank, world_size, cfg.keep_last, cfg.keep_best,
-                                         cfg.async_save)
+                                         cfg.async_save, layout)
         self.last_saved_step = -1
 
     def should_save(self, step: int) -> bool:
@@ -48,9 +49,11 @@ class Checkpointing:
             self.save(step, model, optimizer, parts, val)
         self.checkpointer.finish_pending()
 
-    def resume(self, model, optimizer, parts: dict, partial: bool) -> str | None:
+    def resume(self, model, optimizer, parts: dict, partial: bool, per_rank: tuple = ()) -> str | None:
         """Load the newest complete checkpoint into the model, the optimiser and every part; its path, or None
-        (a run with no complete checkpoint starts from step 0, and says so)."""
+        (a run with no complete checkpoint starts from step 0, and says so). A checkpoint of another layout
+        loads resharded, and the parts named in `per_rank` (state of one rank's place: random generators,
+        codec state) start afresh, as they would in a new run."""
         path = self.checkpointer.latest()
         for damaged, problem in self.checkpointer.damaged.items():
             self._say(f"skipping the damaged checkpoint {damaged}: {problem}")
@@ -58,7 +61,15 @@ class Checkpointing:
             log.info("no complete checkpoint to resume from; starting fresh")
             self._say(f"no complete checkpoint in {self.checkpointer.root}: this run starts fresh from step 0")
             return None
+        resharded = self.checkpointer.resharded(path)
         extras = self.checkpointer.load(path, model, optimizer, partial=partial)
+        if resharded:
+            parts = {name: part for name, part in parts.items() if name not in per_rank}
+            saved = ", ".join(f"{k} {v}" for k, v in self.checkpointer.saved_layout(path).items())
+            now = ", ".join(f"{k} {v}" for k, v in self.checkpointer.layout.items())
+            self._say(f"resuming {path} (written with {saved}) on {now}: model and optimiser resharded, the data "
+                      f"continues from its global position; the recurrent state and {', '.join(per_rank)} start "
+                      "afresh")
         missing = [name for name in parts if name not in extras]
         if missing:
             raise RptError(f"{path} holds no state for {', '.join(missing)}: it was written by an older rpt",

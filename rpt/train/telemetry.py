@@ -23,6 +23,7 @@ from rpt.monitor import sinks
 from rpt.monitor.metrics import (InputProbe, gate_saturation, gather_rows, memory_bytes, pack, state_rms, stragglers,
                                  unpack)
 from rpt.monitor.store import MetricsWriter
+from rpt.parallel.fsdp import gathered
 from rpt.models.state import rows
 
 log = logging.getLogger("rpt.train")
@@ -165,7 +166,8 @@ class Telemetry:
         first_row = rows(self.tr.state, slice(0, 1))
         saturated = [math.nan] * n
         for (lm, state_of), inputs in zip(self.probed, self.probe.inputs):
-            shares = gate_saturation(lm, inputs, state_of(first_row), n, int(next(iter(lm.blocks))))
+            with gathered(self.tr.sync.module):  # FSDP: the root's parameters, which the step forms read directly
+                shares = gate_saturation(lm, inputs, state_of(first_row), n, int(next(iter(lm.blocks))))
             saturated = [b if math.isnan(a) else a for a, b in zip(shares, saturated)]
         return saturated
 
@@ -252,7 +254,7 @@ class Telemetry:
         mine = torch.tensor([sum(c for c, _ in steps), sum(w for _, w in steps), len(steps)], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(self.d.world_size)]
         dist.all_gather(every, mine)
-        layout = pipe.mesh.mesh.mesh.tolist()  # [stage][replica] -> rank
+        layout = pipe.mesh.layout  # [stage][data rank] -> rank
         compute = [sum(float(every[r][0] / every[r][2]) for r in reps) / len(reps) for reps in layout]  # per step
         wall = [sum(float(every[r][1] / every[r][2]) for r in reps) / len(reps) for reps in layout]
         m = pipe.plan.microbatches

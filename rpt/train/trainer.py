@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from rpt.config import Config
 from rpt.data.dataset import PreparedData, raise_bad_id
@@ -97,8 +98,9 @@ class Trainer:
         self.profiler = StepProfiler(cfg.monitor.profile, self.run_dir, dist_info.rank, self.device)
         self.evaluation = Evaluation(t, self.data, token_byte_lengths(self.data.tokenizer), self.device,
                                      self.dp_rank, self.dp_size, cfg.data.reset_at_documents, self._autocast)
+        self.layout = par.layout
         self.checkpoints = Checkpointing(cfg.checkpoint, str(self.run_dir / "checkpoints"), dist_info.rank,
-                                         dist_info.world_size, dist_info.is_main, self.hooks)
+                                         dist_info.world_size, dist_info.is_main, self.hooks, par.layout)
         self.checkpointer = self.checkpoints.checkpointer
         self.telemetry = Telemetry(self, progress)
         # what a checkpoint holds beside the model and the optimiser: save and resume walk this one registry
@@ -370,15 +372,17 @@ class Trainer:
     def state_dict(self) -> dict:
         """The trainer's own part of a checkpoint: how far the run is, and the recurrent state it carries."""
         return {"step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
-                "elapsed": self.elapsed(), "state": self.state}
+                "elapsed": self.elapsed(), "state": self.state, "layout": {**self.layout, "rank": self.d.rank}}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens, self.skipped_steps = state["step"], state["tokens"], state["skipped_steps"]
         self.elapsed_before = state["elapsed"]
-        self.state = map_state(lambda t: t.to(self.device), state["state"])
+        if state.get("layout", {**self.layout, "rank": self.d.rank}) == {**self.layout, "rank": self.d.rank}:
+            self.state = map_state(lambda t: t.to(self.device), state["state"])  # else another rank's rows: afresh
 
     def _resume(self) -> None:
-        path = self.checkpoints.resume(self.model, self.optimizer, self.stateful, partial=self.pipe is not None)
+        path = self.checkpoints.resume(self.model, self.optimizer, self.stateful, partial=self.pipe is not None,
+                                       per_rank=("rng", "sync"))
         if path is None:
             return
         extending = self.budget.resume(self.step, self.tokens, self.elapsed_before,
@@ -416,7 +420,8 @@ def param_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()  # FSDP: the whole parameter
+        h.update(full.cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 

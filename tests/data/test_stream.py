@@ -67,10 +67,10 @@ def test_exact_resume(mode):
         assert torch.equal(e.x, got.x) and torch.equal(e.y, got.y) and torch.equal(e.reset, got.reset)
 
 
-def test_resume_refuses_another_geometry():
+def test_resume_refuses_another_seed():
     s = TokenStream(positions(), 4, 16)
-    other = TokenStream(positions(), 8, 16)
-    with pytest.raises(RptError, match="batch_size: saved 4 now 8"):
+    other = TokenStream(positions(), 4, 16, seed=5)
+    with pytest.raises(RptError, match="seed: saved 0 now 5"):
         other.load_state_dict(s.state_dict())
 
 

@@ -93,7 +93,7 @@ def test_auto_takes_the_fewest_stages_that_fit():
     need_two = make_plan(cfg, 8, 2, 64 * GiB).peak_memory
     tight = choose_plan(cfg, 8, int((need_one + need_two) / 2 / 0.9))
     assert tight.pp == 2 and tight.fits
-    with pytest.raises(RptError, match="no pipeline degree fits"):
+    with pytest.raises(RptError, match="no layout of pp .* fits"):
         choose_plan(cfg, 8, 1000)
 
 
@@ -142,3 +142,45 @@ def test_interleaved_settings_that_cannot_work_are_refused(overrides, message):
     with pytest.raises(RptError, match=message):
         Config.load(None, ["model.n_layers=4", "parallel.pp=2", "parallel.schedule=interleaved",
                            "parallel.microbatches=2", *overrides])
+
+
+def test_fsdp_divides_weights_gradients_and_optimiser_state_and_counts_its_traffic():
+    from rpt.comm.accounting import fsdp_wire_bytes
+
+    ddp, fsdp = make_plan(_cfg(), 4, 1, 64 * GiB), make_plan(_cfg(), 4, 1, 64 * GiB, fsdp=2)
+    a, b = ddp.stages[0].memory, fsdp.stages[0].memory
+    for key in ("weights", "grads", "optimizer"):
+        assert b[key] == -(-a[key] // 2)
+    assert a["gathered"] == 0 < b["gathered"] < a["weights"]  # one unit whole at a time, not the model
+    assert b["activations"] == a["activations"] and (fsdp.fsdp, fsdp.replicas, fsdp.dp) == (2, 2, 4)
+    grads = 4 * fsdp.params
+    assert fsdp.grad_bytes_per_step == {"fsdp": sum(fsdp_wire_bytes(grads, 2, 2).values())}
+    # two all-gathers and a reduce-scatter of half the model, and the halves all-reduced over 2 replicas
+    assert fsdp.bytes_per_step == grads // 2 * 3 + grads // 2
+    with pytest.raises(RptError, match="not divisible by parallel.pp x parallel.fsdp"):
+        make_plan(_cfg(), 4, 1, 64 * GiB, fsdp=3)
+
+
+def test_auto_takes_the_fewest_stages_then_the_smallest_fsdp_that_fits():
+    cfg = _cfg("parallel.pp=auto", "parallel.fsdp=auto")
+    assert (choose_plan(cfg, 8, 64 * GiB).pp, choose_plan(cfg, 8, 64 * GiB).fsdp) == (1, 1)
+    need = [make_plan(cfg, 8, 1, 64 * GiB, fsdp=f).peak_memory for f in (1, 2, 4)]
+    assert need[0] > need[1] > need[2]
+    tight = choose_plan(cfg, 8, int((need[1] + need[2]) / 2 / 0.9))  # only fsdp 4 (or deeper pipelines) fits
+    assert (tight.pp, tight.fsdp, tight.replicas) == (1, 4, 2) and tight.fits
+    fixed = choose_plan(_cfg("parallel.fsdp=2"), 8, 64 * GiB)
+    assert (fixed.pp, fixed.fsdp) == (1, 2)
+
+
+def test_rpt_plan_for_a_hundred_billion_parameters_on_4096_ranks_in_80_gib():
+    code = ("import resource, sys, time; t = time.perf_counter(); from rpt.cli import main; "
+            "main(['plan', '--config', 'configs/100b-multinode.toml', '--world-size', '4096', '--json']); "
+            "print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    import json
+
+    plan = json.loads(out.rsplit("maxrss_kb", 1)[0])
+    assert 95e9 < plan["params"] < 105e9 and plan["fits"] and plan["peak_memory"] <= 0.9 * 80 * GiB
+    assert plan["pp"] * plan["dp"] == 4096 and plan["fsdp"] > 1  # 16 bytes a parameter cannot sit on one rank
+    assert plan["stages"][0]["memory"]["weights"] * plan["fsdp"] >= 4 * plan["params"] / plan["pp"] * 0.99
+    assert int(out.rsplit("maxrss_kb", 1)[1]) / 2**20 < 2.0
