@@ -5,7 +5,9 @@ new activation buffer of a training step page-faults its memory back in: on the 
 that costs 5-25% of a recurrent layer's forward+backward (measured with benchmarks/cells.py;
 nn.LSTM itself gains 20%). Telling malloc to serve large blocks from its heap and not to trim
 it keeps the pages mapped across steps. PyTorch's CPU tuning guide reaches the same effect with
-jemalloc or tcmalloc through LD_PRELOAD; this needs no extra library. A no-op off glibc.
+jemalloc or tcmalloc through LD_PRELOAD; this needs no extra library. A no-op off glibc. Not under FSDP: its
+units' parameters are gathered and freed in turn, and a heap that keeps every freed block grew to more than
+DDP's whole state (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

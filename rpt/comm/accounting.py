@@ -27,13 +27,15 @@ def allgather_wire_bytes(own_nbytes: int, world_size: int) -> int:
     return (world_size - 1) * own_nbytes
 
 
-def fsdp_wire_bytes(param_bytes: int, fsdp: int, replicas: int, grad_accum: int = 1) -> dict:
+def fsdp_wire_bytes(param_bytes: int, fsdp: int, replicas: int, grad_accum: int = 1, kept_bytes: int = 0) -> dict:
     """What one rank sends a step under FSDP for `param_bytes` of a stage's parameters, counted from the shard
     sizes: all-gathers, (f - 1) / f of the parameters each, before the first forward and before every backward
-    (accumulation keeps them gathered from one backward to the next forward); one reduce-scatter of the
-    gradients; under HSDP an all-reduce of the gradient shards across the replicas."""
-    share = param_bytes * (fsdp - 1) // fsdp
-    return {"all_gather": share * (grad_accum + 1), "reduce_scatter": share,
+    (accumulation keeps them gathered from one backward to the next forward), except `kept_bytes` (the last
+    block and the root's own, which stay gathered from forward to backward: once a step); one reduce-scatter of
+    the gradients; under HSDP an all-reduce of the gradient shards across the replicas."""
+    share = lambda b: b * (fsdp - 1) // fsdp  # noqa: E731
+    return {"all_gather": share(param_bytes - kept_bytes) * (grad_accum + 1) + share(kept_bytes),
+            "reduce_scatter": share(param_bytes),
             "replica_all_reduce": allreduce_wire_bytes(param_bytes // fsdp, replicas) if replicas > 1 else 0}
 
 

@@ -34,9 +34,11 @@ class Parallel:
 def parallelize(cfg, rank: int, world_size: int, device: torch.device, distributed: bool) -> Parallel:
     t = cfg.train
     plan, mesh = layout_for(cfg, rank, world_size, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    staged = plan is not None and plan.pp > 1
+    staged, sharded = plan is not None and plan.pp > 1, mesh is not None and mesh.fsdp > 1
     torch.manual_seed(t.seed)  # every rank the same initial values; a stage's parts the whole model's
-    model = RecurrentLM(cfg.model, pipeline.parts_of(plan, mesh.pp_rank) if staged else None).to(device)
+    model = RecurrentLM(cfg.model, pipeline.parts_of(plan, mesh.pp_rank) if staged else None)
+    if not sharded:  # FSDP moves each unit to the device as it shards it: a GPU never holds the whole stage
+        model = model.to(device)
     if cfg.model.activation_checkpointing:
         checkpoint_blocks(model)
     if t.compile:
@@ -45,7 +47,7 @@ def parallelize(cfg, rank: int, world_size: int, device: torch.device, distribut
     if staged:
         pipe = pipeline.Pipeline(model, plan, mesh, t.batch_size, t.seq_len, device, cfg.parallel.schedule)
     dp_rank, dp_size = (mesh.dp_rank, mesh.dp) if mesh else (rank, world_size)
-    if mesh is not None and mesh.fsdp > 1:  # FSDP2 in place of DDP: the stage (or the model) is the root
+    if sharded:  # FSDP2 in place of DDP: the stage (or the model) is the root
         root = pipe.stages[0] if pipe else model
         fsdp.shard(root, model, mesh, t.precision, device)
         sync = fsdp.FSDPSync(root, model, mesh, 1 if pipe else t.grad_accum)

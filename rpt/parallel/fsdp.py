@@ -37,11 +37,12 @@ def shard(root: nn.Module, model, mesh, precision: str, device: torch.device) ->
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     on = mesh.shard_mesh
     units = [b for b in model.modules() if isinstance(b, Block)]
+    last = units[-1] if units else None
     tied = model.cfg.tie_embeddings and model.embed is not None and model.head is not None
     if not tied:
         units += [part for part in (model.embed, model.head) if part is not None]
-    for unit in units:
-        fully_shard(unit, mesh=on, mp_policy=policy)
+    for unit in units:  # the last block's backward comes at once: it stays gathered (as torchtitan)
+        fully_shard(unit, mesh=on, mp_policy=policy, reshard_after_forward=unit is not last)
     fully_shard(root, mesh=on, mp_policy=policy)
     if dist.get_backend() == "gloo":
         for module in root.modules():
@@ -76,8 +77,12 @@ class FSDPSync(LocalSync):
         self.module, self.mesh, self.mode = root, mesh, "fsdp"
         self.device = next(model.parameters()).device
         self.roots = [m for m in root.modules() if isinstance(m, FSDPModule)]
-        self.bytes_by_kind = fsdp_wire_bytes(sum(p.numel() * p.element_size() for p in model.parameters()),
-                                             mesh.fsdp, mesh.replicas, grad_accum)
+        size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+        units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not root]
+        blocks = [b for b in units if isinstance(b, Block)]
+        own = size(model) - sum(size(u) for u in units)  # the root's own parameters (norm, a tied embedding)
+        kept = own + (size(blocks[-1]) if blocks else 0)  # with the last block: gathered once a step
+        self.bytes_by_kind = fsdp_wire_bytes(size(model), mesh.fsdp, mesh.replicas, grad_accum, kept)
 
     @contextmanager
     def no_sync(self):

@@ -220,10 +220,12 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
         stages.append(StagePlan(s, (start, start + count), cost, params,
                                 _memory(params, activations, cfg.comm.mode, dp, fsdp, max(units))))
         start += count
-    grad = 4 * max(sum(c.params for c in stages[r::pp]) for r in range(pp))
+    busiest = max(range(pp), key=lambda r: sum(c.params for c in stages[r::pp]))
+    grad = 4 * sum(c.params for c in stages[busiest::pp])
     share = (dp - 1) * grad // dp if dp > 1 else 0
     if fsdp > 1:
-        grad_bytes = {"fsdp": sum(fsdp_wire_bytes(grad, fsdp, dp // fsdp, t.grad_accum).values())}
+        kept = 4 * sum(block_params[c.blocks[1] - 1] for c in stages[busiest::pp])  # last blocks: gathered once
+        grad_bytes = {"fsdp": sum(fsdp_wire_bytes(grad, fsdp, dp // fsdp, t.grad_accum, kept).values())}
     else:
         grad_bytes = {"allreduce": allreduce_wire_bytes(grad, dp) if dp > 1 else 0,
                       "ps": (dp - 1) * grad if dp > 1 else 0,   # the server sends every worker the parameters

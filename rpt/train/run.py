@@ -47,7 +47,8 @@ def setup_logging(run_dir: Path, rank: int) -> None:
 def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, progress: bool = True) -> dict:
     from rpt.train.trainer import Trainer
 
-    keep_freed_memory()
+    if cfg.parallel.fsdp == 1:  # FSDP frees each unit's gathered parameters: they go back to the OS
+        keep_freed_memory()
     run_dir = Path(run_dir)
     d = launch.setup(device)
     setup_logging(run_dir, d.rank)

@@ -23,7 +23,6 @@ from rpt.monitor import sinks
 from rpt.monitor.metrics import (InputProbe, gate_saturation, gather_rows, memory_bytes, pack, state_rms, stragglers,
                                  unpack)
 from rpt.monitor.store import MetricsWriter
-from rpt.parallel.fsdp import gathered
 from rpt.models.state import rows
 
 log = logging.getLogger("rpt.train")
@@ -38,6 +37,8 @@ class Telemetry:
         self.last_train_loss: float | None = None
         pipe = trainer.pipe  # the gate probe: each stage's first input of a logged step, through its blocks
         self.probed = [(st.lm, st.state_of) for st in pipe.stages] if pipe else [(trainer.model, lambda s: s)]
+        if trainer.sync.mode == "fsdp":  # its step forms would all-gather every block once per probed token
+            self.probed = []
         self.probe = InputProbe([lm for lm, _ in self.probed])
         self.store: MetricsWriter | None = None
         self.sinks: list = []
@@ -166,8 +167,7 @@ class Telemetry:
         first_row = rows(self.tr.state, slice(0, 1))
         saturated = [math.nan] * n
         for (lm, state_of), inputs in zip(self.probed, self.probe.inputs):
-            with gathered(self.tr.sync.module):  # FSDP: the root's parameters, which the step forms read directly
-                shares = gate_saturation(lm, inputs, state_of(first_row), n, int(next(iter(lm.blocks))))
+            shares = gate_saturation(lm, inputs, state_of(first_row), n, int(next(iter(lm.blocks))))
             saturated = [b if math.isnan(a) else a for a, b in zip(shares, saturated)]
         return saturated
 

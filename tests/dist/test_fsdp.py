@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from harness import run_ranks
 from pipeline_workers import train_runs, train_runs_with_env
-import torch
 from test_pipeline import assert_same_training, reference
+
+from rpt.comm.accounting import fsdp_wire_bytes
 
 CLIP = ["train.grad_clip=0.05"]  # below the gradient norms of these runs: every step clips
 
@@ -45,7 +47,11 @@ def test_fsdp2_on_two_processes_trains_exactly_as_one(tiny_data, tmp_path, refer
                                  ref_params)
             assert_params_within(r[run]["params"], ref_params)  # after 6 clipped AdamW steps
         s = ranks[0][run]["summary"]
-        assert s["comm_mode"] == "fsdp" and s["comm_bytes_per_step"] > 0
+        every = 4 * sum(p.numel() for p in ref_params.values())
+        kept = 4 * sum(p.numel() for k, p in ref_params.items() if k.startswith(("blocks.3.", "embed.", "norm.")))
+        accum = 2 if run == "accum" else 1  # the tied embedding and norm are the root's own; blocks.3 is the last
+        assert s["comm_mode"] == "fsdp"
+        assert s["comm_bytes_per_step"] == sum(fsdp_wire_bytes(every, 2, 1, accum, kept).values())
         assert s["val_loss"] == pytest.approx(json.loads((ref_dir / "ref" / "summary.json").read_text())["val_loss"],
                                               abs=1e-5)
 

@@ -153,10 +153,13 @@ def test_fsdp_divides_weights_gradients_and_optimiser_state_and_counts_its_traff
         assert b[key] == -(-a[key] // 2)
     assert a["gathered"] == 0 < b["gathered"] < a["weights"]  # one unit whole at a time, not the model
     assert b["activations"] == a["activations"] and (fsdp.fsdp, fsdp.replicas, fsdp.dp) == (2, 2, 4)
-    grads = 4 * fsdp.params
-    assert fsdp.grad_bytes_per_step == {"fsdp": sum(fsdp_wire_bytes(grads, 2, 2).values())}
-    # two all-gathers and a reduce-scatter of half the model, and the halves all-reduced over 2 replicas
-    assert fsdp.bytes_per_step == grads // 2 * 3 + grads // 2
+    from rpt.parallel.plan import _meta_model
+
+    grads, last = 4 * fsdp.params, 4 * sum(p.numel() for p in _meta_model(_cfg()).blocks["7"].parameters())
+    assert fsdp.grad_bytes_per_step == {"fsdp": sum(fsdp_wire_bytes(grads, 2, 2, 1, last).values())}
+    # two all-gathers (one of the last block, which stays gathered for backward) and a reduce-scatter of half
+    # the model, and the halves all-reduced over 2 replicas
+    assert fsdp.bytes_per_step == (grads - last) // 2 * 2 + last // 2 + grads // 2 + grads // 2
     with pytest.raises(RptError, match="not divisible by parallel.pp x parallel.fsdp"):
         make_plan(_cfg(), 4, 1, 64 * GiB, fsdp=3)
 
