@@ -177,6 +177,7 @@ class ParallelConfig:
 
     pp: Union[int, Literal["auto"]] = 1   # pipeline stages; "auto": the fewest whose memory fits (rpt plan)
     fsdp: Union[int, Literal["auto"]] = 1  # ranks that shard each stage's parameters, gradients and optimiser state
+    fsdp_reshard_microsteps: bool = False  # accumulation: reshard the parameters after every micro-step's backward
     microbatches: int = 1                 # micro-batches per step through the pipeline (batch_size divisible)
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     stages_per_rank: int = 2              # schedule "interleaved": virtual stages (block chunks) on each rank

@@ -27,14 +27,20 @@ def allgather_wire_bytes(own_nbytes: int, world_size: int) -> int:
     return (world_size - 1) * own_nbytes
 
 
-def fsdp_wire_bytes(param_bytes: int, fsdp: int, replicas: int, grad_accum: int = 1, kept_bytes: int = 0) -> dict:
+def fsdp_wire_bytes(param_bytes: int, fsdp: int, replicas: int, grad_accum: int = 1, kept_bytes: int = 0,
+                    reshard_microsteps: bool = False) -> dict:
     """What one rank sends a step under FSDP for `param_bytes` of a stage's parameters, counted from the shard
     sizes: all-gathers, (f - 1) / f of the parameters each, before the first forward and before every backward
     (accumulation keeps them gathered from one backward to the next forward), except `kept_bytes` (the last
     block and the root's own, which stay gathered from forward to backward: once a step); one reduce-scatter of
-    the gradients; under HSDP an all-reduce of the gradient shards across the replicas."""
+    the gradients; under HSDP an all-reduce of the gradient shards across the replicas. `reshard_microsteps`:
+    every micro-step gathers as a whole step does."""
     share = lambda b: b * (fsdp - 1) // fsdp  # noqa: E731
-    return {"all_gather": share(param_bytes - kept_bytes) * (grad_accum + 1) + share(kept_bytes),
+    if reshard_microsteps:
+        gathers = grad_accum * (2 * share(param_bytes - kept_bytes) + share(kept_bytes))
+    else:
+        gathers = share(param_bytes - kept_bytes) * (grad_accum + 1) + share(kept_bytes)
+    return {"all_gather": gathers,
             "reduce_scatter": share(param_bytes),
             "replica_all_reduce": allreduce_wire_bytes(param_bytes // fsdp, replicas) if replicas > 1 else 0}
 

@@ -50,7 +50,7 @@ def parallelize(cfg, rank: int, world_size: int, device: torch.device, distribut
     if sharded:  # FSDP2 in place of DDP: the stage (or the model) is the root
         root = pipe.stages[0] if pipe else model
         fsdp.shard(root, model, mesh, t.precision, device)
-        sync = fsdp.FSDPSync(root, model, mesh, 1 if pipe else t.grad_accum)
+        sync = fsdp.FSDPSync(root, model, mesh, 1 if pipe else t.grad_accum, cfg.parallel.fsdp_reshard_microsteps)
     else:
         sync = build_sync(model, cfg.comm, rank=dp_rank, world_size=dp_size, distributed=distributed,
                           powersgd_start=t.warmup_steps, seed=t.seed, precision=t.precision,

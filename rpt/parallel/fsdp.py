@@ -72,7 +72,7 @@ class FSDPSync(LocalSync):
     """The sync calls over an FSDP2 model: FSDP communicates inside forward and backward; here the
     accumulation switch, the exposed wait, the norm and the bytes moved."""
 
-    def __init__(self, root: nn.Module, model: nn.Module, mesh, grad_accum: int = 1):
+    def __init__(self, root: nn.Module, model: nn.Module, mesh, grad_accum: int = 1, reshard_microsteps: bool = False):
         super().__init__(model)
         self.module, self.mesh, self.mode = root, mesh, "fsdp"
         self.device = next(model.parameters()).device
@@ -82,14 +82,17 @@ class FSDPSync(LocalSync):
         blocks = [b for b in units if isinstance(b, Block)]
         own = size(model) - sum(size(u) for u in units)  # the root's own parameters (norm, a tied embedding)
         kept = own + (size(blocks[-1]) if blocks else 0)  # with the last block: gathered once a step
-        self.bytes_by_kind = fsdp_wire_bytes(size(model), mesh.fsdp, mesh.replicas, grad_accum, kept)
+        self.reshard_microsteps = reshard_microsteps
+        self.bytes_by_kind = fsdp_wire_bytes(size(model), mesh.fsdp, mesh.replicas, grad_accum, kept,
+                                             reshard_microsteps)
 
     @contextmanager
     def no_sync(self):
-        """Inner micro-steps: gradients accumulate unsharded, parameters stay gathered; the last one reduces."""
+        """Inner micro-steps: gradients accumulate unsharded and parameters stay gathered (unless
+        `parallel.fsdp_reshard_microsteps`: gathered again each micro-step, to hold less); the last one reduces."""
         for m in self.roots:
             m.set_requires_gradient_sync(False, recurse=False)
-            m.set_reshard_after_backward(False, recurse=False)
+            m.set_reshard_after_backward(self.reshard_microsteps, recurse=False)
         try:
             yield
         finally:

@@ -225,7 +225,8 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
     share = (dp - 1) * grad // dp if dp > 1 else 0
     if fsdp > 1:
         kept = 4 * sum(block_params[c.blocks[1] - 1] for c in stages[busiest::pp])  # last blocks: gathered once
-        grad_bytes = {"fsdp": sum(fsdp_wire_bytes(grad, fsdp, dp // fsdp, t.grad_accum, kept).values())}
+        grad_bytes = {"fsdp": sum(fsdp_wire_bytes(grad, fsdp, dp // fsdp, t.grad_accum, kept,
+                                                  p.fsdp_reshard_microsteps).values())}
     else:
         grad_bytes = {"allreduce": allreduce_wire_bytes(grad, dp) if dp > 1 else 0,
                       "ps": (dp - 1) * grad if dp > 1 else 0,   # the server sends every worker the parameters

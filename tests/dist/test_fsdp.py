@@ -38,10 +38,12 @@ def reference_run(tiny_data, tmp_path_factory):
 def test_fsdp2_on_two_processes_trains_exactly_as_one(tiny_data, tmp_path, reference_run):
     ref_dir, ref_losses, ref_params = reference_run
     runs = [("fsdp", ["parallel.fsdp=2", *CLIP], False),
-            ("accum", ["parallel.fsdp=2", "train.grad_accum=2", *CLIP], False)]
+            ("accum", ["parallel.fsdp=2", "train.grad_accum=2", *CLIP], False),
+            ("reshard", ["parallel.fsdp=2", "train.grad_accum=2", "parallel.fsdp_reshard_microsteps=true", *CLIP],
+             False)]
     ranks = run_ranks(train_runs, 2, tmp_path / "ranks", str(tiny_data), str(tmp_path), runs, timeout=240)
     assert all(n > 0.05 for n in grad_norms(ref_dir / "ref"))  # clipping was active
-    for run in ("fsdp", "accum"):
+    for run in ("fsdp", "accum", "reshard"):
         for r in ranks:  # every rank's gathered parameters, and rank 0's losses
             assert_same_training({"losses": ranks[0][run]["losses"], "params": r[run]["params"]}, ref_losses,
                                  ref_params)
@@ -49,9 +51,9 @@ def test_fsdp2_on_two_processes_trains_exactly_as_one(tiny_data, tmp_path, refer
         s = ranks[0][run]["summary"]
         every = 4 * sum(p.numel() for p in ref_params.values())
         kept = 4 * sum(p.numel() for k, p in ref_params.items() if k.startswith(("blocks.3.", "embed.", "norm.")))
-        accum = 2 if run == "accum" else 1  # the tied embedding and norm are the root's own; blocks.3 is the last
+        accum = 1 if run == "fsdp" else 2  # the tied embedding and norm are the root's own; blocks.3 is the last
         assert s["comm_mode"] == "fsdp"
-        assert s["comm_bytes_per_step"] == sum(fsdp_wire_bytes(every, 2, 1, accum, kept).values())
+        assert s["comm_bytes_per_step"] == sum(fsdp_wire_bytes(every, 2, 1, accum, kept, run == "reshard").values())
         assert s["val_loss"] == pytest.approx(json.loads((ref_dir / "ref" / "summary.json").read_text())["val_loss"],
                                               abs=1e-5)
 
