@@ -1,7 +1,11 @@
 """Finding a corpus and reading it as a stream of documents.
 
 Inputs are files, folders (walked recursively) and glob patterns; `.jsonl` files hold one
-document per line in a text field; `.gz` of either is read through gzip. With no input the
+document per line in a text field; `.gz` and `.zst` of either are read through gzip and zstandard; `.parquet`
+files hold one document per row in a text column, read a batch of rows at a time (pyarrow), never whole; so
+does a Hugging Face `datasets` dataset saved with `save_to_disk` (a folder with state.json and its .arrow files),
+read with pyarrow alone.
+With no input the
 embedded default is used: the source of the running Python's standard library, tests
 excluded, which exists on every machine with Python.
 
@@ -48,9 +52,21 @@ class Source:
         return self.path.name.lower().endswith(".gz")
 
     @property
+    def zstd(self) -> bool:
+        return self.path.name.lower().endswith(".zst")
+
+    @property
     def is_jsonl(self) -> bool:
-        name = self.path.name.lower().removesuffix(".gz")
+        name = self.path.name.lower().removesuffix(".gz").removesuffix(".zst")
         return name.endswith((".jsonl", ".ndjson"))
+
+    @property
+    def is_parquet(self) -> bool:
+        return self.path.name.lower().endswith(".parquet")
+
+    @property
+    def is_arrow(self) -> bool:
+        return self.path.name.lower().endswith(".arrow")
 
 
 @dataclass
@@ -78,7 +94,9 @@ def discover(inputs: list[str] | None) -> list[Source]:
     found: list[Path] = []
     for item in inputs:
         path = Path(item).expanduser()
-        if path.is_dir():
+        if path.is_dir() and (saved := _saved_dataset(path)) is not None:
+            found.extend(saved)
+        elif path.is_dir():
             found.extend(_walk(path))
         elif path.is_file():
             found.append(path)
@@ -103,6 +121,27 @@ def discover(inputs: list[str] | None) -> list[Source]:
     return sources
 
 
+def _saved_dataset(folder: Path) -> list[Path] | None:
+    """The .arrow files of a dataset saved by Hugging Face `datasets` (`save_to_disk`), in its order; None for
+    any other folder."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        raise RptError(f"{folder} holds a DatasetDict of the splits {', '.join(splits)}",
+                       f"pass one split's folder, e.g. --input {folder / (splits[0] if splits else 'train')} "
+                       "(rpt prepare makes its own validation split)")
+    state = folder / "state.json"
+    if not state.is_file():
+        return None
+    try:
+        files = [folder / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    except (ValueError, KeyError, TypeError):
+        raise RptError(f"{state} is not the state file of a saved dataset", "save it again with save_to_disk") from None
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise RptError(f"the saved dataset {folder} lacks {', '.join(missing)}", "save it again with save_to_disk")
+    return files
+
+
 def _walk(root: Path, suffix: str | None = None, excluded: set[str] = frozenset()) -> list[Path]:
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -117,15 +156,21 @@ def _walk(root: Path, suffix: str | None = None, excluded: set[str] = frozenset(
 def iter_pieces(sources: list[Source], report: ReadReport, text_field: str = "text") -> Iterator[tuple[str, bool]]:
     """Yield (piece, starts_document) over all documents of all sources, in order."""
     for source in sources:
+        if source.is_parquet or source.is_arrow:
+            yield from _table_pieces(source, report, text_field)
+            continue
         with _open_binary(source) as raw:
-            head = raw.peek(8192)[:8192] if hasattr(raw, "peek") else b""
-            if b"\x00" in head and not source.is_jsonl:
-                report.skipped_binary.append(str(source.path))
-                continue
-            if source.is_jsonl:
-                yield from _jsonl_pieces(raw, report, text_field, source)
-            else:
-                yield from _text_pieces(raw, report)
+            try:
+                head = raw.peek(8192)[:8192] if hasattr(raw, "peek") else b""
+                if b"\x00" in head and not source.is_jsonl:
+                    report.skipped_binary.append(str(source.path))
+                    continue
+                if source.is_jsonl:
+                    yield from _jsonl_pieces(raw, report, text_field, source)
+                else:
+                    yield from _text_pieces(raw, report)
+            except (OSError, EOFError) as exc:  # a damaged or cut-short .gz or .zst
+                raise RptError(f"cannot read {source.path}: {exc}", "re-create or remove the damaged file") from None
 
 
 def _open_binary(source: Source) -> BinaryIO:
@@ -133,9 +178,92 @@ def _open_binary(source: Source) -> BinaryIO:
         raw: BinaryIO = open(source.path, "rb")
         if source.gzipped:
             raw = io.BufferedReader(gzip.GzipFile(fileobj=raw))
+        elif source.zstd:
+            raw = io.BufferedReader(_ZstdReader(raw, source.path), READ_BYTES)
         return raw
     except OSError as exc:
         raise RptError(f"cannot read {source.path}: {exc.strerror}", "check the file's permissions") from None
+
+
+class _ZstdReader(io.RawIOBase):
+    """A .zst file as a stream of its decompressed bytes, frame after frame. Written here rather than zstandard's
+    `stream_reader`, which ends a cut-off file quietly where its data stops; this one says it was cut."""
+
+    def __init__(self, raw: BinaryIO, path: Path):
+        import zstandard
+
+        self.raw, self.path, self.zstandard = raw, path, zstandard
+        self.frame, self.pending, self.partial = zstandard.ZstdDecompressor().decompressobj(), b"", False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.pending:
+            block = self.raw.read(READ_BYTES)
+            if not block:
+                if self.partial:
+                    raise EOFError(f"{self.path} ends in the middle of a zstd frame (the file was cut short)")
+                return 0
+            self.pending = self._decompress(block)
+        n = min(len(buffer), len(self.pending))
+        buffer[:n], self.pending = self.pending[:n], self.pending[n:]
+        return n
+
+    def _decompress(self, block: bytes) -> bytes:
+        out = []
+        while block:
+            try:
+                out.append(self.frame.decompress(block))
+            except self.zstandard.ZstdError as exc:
+                raise EOFError(f"{self.path} is not valid zstd data ({exc})") from None
+            self.partial = not self.frame.eof
+            if self.partial:
+                break
+            block = self.frame.unused_data  # the next frame, if any
+            self.frame = self.zstandard.ZstdDecompressor().decompressobj()
+        return b"".join(out)
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+def _table_pieces(source: Source, report: ReadReport, text_field: str) -> Iterator[tuple[str, bool]]:
+    """One document per row of the text column of a parquet file or of a saved dataset's .arrow file (Arrow's
+    IPC stream, memory-mapped), a batch of rows at a time; a null or non-string value is counted as a record
+    without the text field."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    kind = "parquet" if source.is_parquet else "an Arrow stream (a saved dataset's shard)"
+    try:
+        if source.is_parquet:
+            file = pq.ParquetFile(source.path)
+            columns = file.schema_arrow.names
+            batches = lambda: file.iter_batches(batch_size=1024, columns=[text_field])  # noqa: E731
+        else:
+            reader = pa.ipc.open_stream(pa.memory_map(str(source.path)))
+            columns = reader.schema.names
+            batches = lambda: (b.select([text_field]) for b in reader)  # noqa: E731
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises its own error types for damaged files
+        raise RptError(f"cannot read {source.path} as {kind}: {exc}", "re-create or remove the damaged file") from None
+    if text_field not in columns:
+        raise RptError(f"{source.path} has no column '{text_field}' (its columns: {', '.join(columns[:10])})",
+                       f"choose the text column with --text-field, e.g. --text-field {columns[0] if columns else 'text'}")
+    try:
+        for batch in batches():
+            for text in batch.column(0).to_pylist():
+                if not isinstance(text, str):
+                    report.missing_field_lines += 1
+                    report.fields_seen = report.fields_seen or columns[:10]
+                    continue
+                report.replaced_sequences += text.count("\ufffd")
+                doc = _DocumentCutter(report)
+                yield from doc.feed(text)
+                yield from doc.finish()
+    except (pa.ArrowException, OSError) as exc:  # a row group or batch that cannot be read
+        raise RptError(f"cannot read {source.path} as {kind}: {exc}", "re-create or remove the damaged file") from None
 
 
 def _text_pieces(raw: BinaryIO, report: ReadReport) -> Iterator[tuple[str, bool]]:
