@@ -60,6 +60,7 @@ class Plan:
     stages_per_rank: int = 1      # v: virtual stages per rank (interleaved); stage j runs on pipeline rank j % pp
     fsdp: int = 1                 # ranks sharding each stage's parameters, gradients and optimiser state
     mode: str = "allreduce"       # the comm.mode counted (auto: as allreduce); "fsdp" when fsdp > 1
+    fsdp_bytes_per_step: dict = field(default_factory=dict)  # all_gather, reduce_scatter, replica_all_reduce
 
     @property
     def replicas(self) -> int:
@@ -225,16 +226,17 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
     share = (dp - 1) * grad // dp if dp > 1 else 0
     if fsdp > 1:
         kept = 4 * sum(block_params[c.blocks[1] - 1] for c in stages[busiest::pp])  # last blocks: gathered once
-        grad_bytes = {"fsdp": sum(fsdp_wire_bytes(grad, fsdp, dp // fsdp, t.grad_accum, kept,
-                                                  p.fsdp_reshard_microsteps).values())}
+        by_kind = fsdp_wire_bytes(grad, fsdp, dp // fsdp, t.grad_accum, kept, p.fsdp_reshard_microsteps)
+        grad_bytes = {"fsdp": sum(by_kind.values())}
     else:
+        by_kind = {}
         grad_bytes = {"allreduce": allreduce_wire_bytes(grad, dp) if dp > 1 else 0,
                       "ps": (dp - 1) * grad if dp > 1 else 0,   # the server sends every worker the parameters
                       "ps-sharded": 2 * share}                   # gradients to the owners, parameters back
     pipe_bytes = 2 * 4 * t.batch_size * t.seq_len * m.d_model if pp > 1 else 0
     mode = "fsdp" if fsdp > 1 else cfg.comm.mode if cfg.comm.mode in grad_bytes else "allreduce"
     return Plan(world_size, pp, dp, micro, p.schedule, model.num_params(), stages, grad_bytes, pipe_bytes,
-                device_memory, (pp - 1) / (v * micro + pp - 1), costs.unit, v, fsdp, mode)
+                device_memory, (pp - 1) / (v * micro + pp - 1), costs.unit, v, fsdp, mode, by_kind)
 
 
 def _memory(params: int, activations: float, mode: str, dp: int, fsdp: int = 1, largest_unit: int = 0) -> dict:
@@ -310,6 +312,9 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"peak per rank (its stages together) {gib(plan.peak_memory)} GiB of {gib(plan.device_memory)} GiB: "
                  + ("fits" if plan.fits else "DOES NOT FIT (90% rule)"))
     grads = ", ".join(f"{mode} {b / 2**20:,.1f} MiB" for mode, b in plan.grad_bytes_per_step.items())
+    if plan.fsdp_bytes_per_step:
+        grads += " (" + ", ".join(f"{kind.replace('_', ' ')} {b / 2**20:,.1f}"
+                                  for kind, b in plan.fsdp_bytes_per_step.items()) + ")"
     over = "FSDP's all-gathers, reduce-scatters and replica all-reduce" if plan.fsdp > 1 else "dp"
     lines.append(f"gradient bytes sent per step by the busiest rank over {over}: {grads}")
     if plan.pp > 1:

@@ -157,6 +157,7 @@ def test_fsdp_divides_weights_gradients_and_optimiser_state_and_counts_its_traff
 
     grads, last = 4 * fsdp.params, 4 * sum(p.numel() for p in _meta_model(_cfg()).blocks["7"].parameters())
     assert fsdp.grad_bytes_per_step == {"fsdp": sum(fsdp_wire_bytes(grads, 2, 2, 1, last).values())}
+    assert fsdp.fsdp_bytes_per_step == fsdp_wire_bytes(grads, 2, 2, 1, last) and not ddp.fsdp_bytes_per_step
     # two all-gathers (one of the last block, which stays gathered for backward) and a reduce-scatter of half
     # the model, and the halves all-reduced over 2 replicas
     assert fsdp.bytes_per_step == (grads - last) // 2 * 2 + last // 2 + grads // 2 + grads // 2
