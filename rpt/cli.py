@@ -25,16 +25,13 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                    help="override one setting; repeat as needed, e.g. --set train.max_steps=100")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rpt", description="Pretrain deep recurrent language models.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_prepare(sub) -> None:
     p = sub.add_parser("prepare", help="train a byte-level BPE tokenizer and write token shards",
                        description="Turn text into train.bin / val.bin token shards, tokenizer.json and meta.json. "
                                    "With no --input, prepares the embedded default corpus: the Python standard library.")
     p.add_argument("--input", nargs="+", metavar="PATH", help="files, folders (recursive) or glob patterns; "
-                   ".jsonl holds one document per line, .gz is read through gzip")
+                   ".jsonl holds one document per line, .parquet one per row, .gz and .zst are read compressed, a folder "
+                   "saved by datasets' save_to_disk as its rows")
     p.add_argument("--out", required=True, type=Path, help="output folder, e.g. data/NAME")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--val-fraction", type=float, default=0.1, help="share of documents (or of the text) for validation")
@@ -43,8 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"], help="token storage type")
     p.add_argument("--tokenizer-train-bytes", type=int, default=1 << 30,
                    help="train the tokenizer on a sample of about this many bytes of a larger corpus")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000,
+                   help="write a split of more tokens as SPLIT/00000.bin, ... of at most this many tokens each")
     p.add_argument("--force", action="store_true", help="replace a different dataset in --out")
     p.set_defaults(func=_cmd_prepare)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rpt", description="Pretrain deep recurrent language models.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_prepare(sub)
 
     p = sub.add_parser("train", help="train a model (one process, --nproc N local processes, or under torchrun)",
                        description="Train a recurrent language model. Everything the run writes goes into --run-dir.")
@@ -116,7 +123,8 @@ def _cmd_prepare(args) -> None:
 
     opts = PrepareOptions(out=args.out, inputs=args.input, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
                           tokenizer=args.tokenizer, text_field=args.text_field, dtype=args.dtype,
-                          tokenizer_train_bytes=args.tokenizer_train_bytes, force=args.force)
+                          tokenizer_train_bytes=args.tokenizer_train_bytes, force=args.force,
+                          shard_tokens=args.shard_tokens)
     meta = prepare(opts)
     print(format_prepare_report(meta, args.out))
 

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
+from rpt.data.shards import ShardedTokens
 from rpt.errors import RptError
 
 SPLITS = ("train", "val")
 
 
 class PreparedData:
-    """meta.json + tokenizer.json + one token file per split, read back as numpy memmaps."""
+    """meta.json + tokenizer.json + one token file (or a folder of shards) per split, read back as memmaps."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -36,17 +37,27 @@ class PreparedData:
         except (ValueError, KeyError, TypeError) as exc:
             raise RptError(f"{meta_path} is damaged ({exc})", "prepare the data again with --force") from None
         for split in SPLITS:
-            file = self.path / splits[split]["file"]
-            expected = int(splits[split]["tokens"]) * self.dtype.itemsize
-            if not file.is_file() or file.stat().st_size != expected:
-                raise RptError(f"{file} does not match meta.json (expected {expected} bytes): the dataset is incomplete",
-                               "prepare the data again with --force")
+            for file, tokens in self._files(split):
+                expected = tokens * self.dtype.itemsize
+                if not file.is_file() or file.stat().st_size != expected:
+                    raise RptError(f"{file} does not match meta.json (expected {expected} bytes): the dataset is "
+                                   "incomplete", "prepare the data again with --force")
+
+    def _files(self, split: str) -> list[tuple[Path, int]]:
+        """(path, tokens) of a split's token files: one, or its shards in order."""
+        info = self.meta["splits"][split]
+        parts = info.get("shards") or [info]
+        return [(self.path / part["file"], int(part["tokens"])) for part in parts]
 
     def tokens(self, split: str) -> np.ndarray:
+        """The split's tokens: a memmap of its one file, or its shards as one array (opened as reads reach them)."""
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}")
-        info = self.meta["splits"][split]
-        return np.memmap(self.path / info["file"], dtype=self.dtype, mode="r", shape=(int(info["tokens"]),))
+        files = self._files(split)
+        if "shards" in self.meta["splits"][split]:
+            return ShardedTokens([f for f, _ in files], [n for _, n in files], self.dtype)
+        (file, n), = files
+        return np.memmap(file, dtype=self.dtype, mode="r", shape=(n,))
 
     def check_ids(self, split: str, vocab_size: int, sample: int = 4_000_000) -> None:
         """Refuse token ids the model has no embedding for: the whole split when it is small, else its first and
@@ -57,7 +68,7 @@ class PreparedData:
         for offset, part in parts:
             if len(part) and int(part.max()) >= vocab_size:
                 position = offset + int(np.argmax(part >= vocab_size))
-                raise_bad_id(int(tokens[position]), position, self.path / self.meta["splits"][split]["file"],
+                raise_bad_id(int(tokens[position]), position, self.path / (self.meta["splits"][split].get("file") or split),
                              vocab_size)
 
     def num_bytes(self, split: str) -> int:

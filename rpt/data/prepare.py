@@ -36,7 +36,8 @@ from rpt.data.tokenizer import (eot_id, file_sha256, load_tokenizer, token_byte_
                                 train_tokenizer)
 from rpt.errors import RptError
 
-OUTPUT_FILES = ("tokenizer.json", "train.bin", "val.bin", "meta.json")
+OUTPUT_FILES = ("tokenizer.json", "train.bin", "val.bin", "train", "val", "meta.json")  # meta.json last
+SHARD_TOKENS = 100_000_000
 ENCODE_BATCH_CHARS = 4 << 20
 MIN_EXPECTED_VAL_DOCS = 10  # below this many expected validation documents, the hash split is too lumpy
 COPY_TOKENS = 1 << 24
@@ -54,6 +55,7 @@ class PrepareOptions:
     tokenizer_train_bytes: int = 1 << 30
     force: bool = False
     progress: bool = True
+    shard_tokens: int = SHARD_TOKENS  # a split of more tokens is written as train/00000.bin, ... of at most this many
 
 
 def prepare(opts: PrepareOptions) -> dict:
@@ -97,6 +99,11 @@ def prepare(opts: PrepareOptions) -> dict:
             if stats["tokens"] < 2:
                 raise RptError(f"the {name} split would hold {stats['tokens']} tokens: the corpus is too small",
                                "add more text, or change --val-fraction")
+            if stats["tokens"] > opts.shard_tokens:
+                stats["shards"] = _cut_shards(staging, name, dtype, lengths, opts.shard_tokens)
+                del stats["file"]
+            else:
+                stats["sha256"] = file_sha256(staging / stats["file"])
         seconds["split"] = time.perf_counter() - t
         seconds["total"] = time.perf_counter() - started
 
@@ -126,6 +133,8 @@ def prepare(opts: PrepareOptions) -> dict:
 
 
 def _check_options(opts: PrepareOptions) -> None:
+    if opts.shard_tokens < 2:
+        raise RptError(f"--shard-tokens {opts.shard_tokens} is too small", f"use e.g. {SHARD_TOKENS:,} (the default)")
     if not 0.0 < opts.val_fraction < 1.0:
         raise RptError(f"--val-fraction {opts.val_fraction} is outside (0, 1)", "use e.g. 0.1 for 10% validation")
     if opts.dtype not in ("auto", "uint16", "uint32"):
@@ -144,6 +153,8 @@ FINGERPRINT_SCHEME = 2  # 2: sources by content (1, unrecorded: by path and modi
 def _fingerprint(opts: PrepareOptions, sources: list[Source]) -> str:
     h = hashlib.sha256()
     settings = {k: v for k, v in asdict(opts).items() if k not in ("out", "force", "progress", "inputs")}
+    if opts.shard_tokens == SHARD_TOKENS:  # folders prepared before shards existed keep their fingerprint
+        del settings["shard_tokens"]
     if opts.tokenizer:
         settings["tokenizer"] = file_sha256(opts.tokenizer) if Path(opts.tokenizer).is_file() else opts.tokenizer
     h.update(json.dumps(settings, sort_keys=True).encode())
@@ -321,11 +332,36 @@ def _split_stats(path: Path, dtype, lengths: np.ndarray, eot: int) -> dict:
     return {"file": path.name, "tokens": n, "bytes": n_bytes, "documents": documents}
 
 
+def _cut_shards(staging: Path, split: str, dtype, lengths: np.ndarray, shard_tokens: int) -> list[dict]:
+    """Cut staging/SPLIT.bin into SPLIT/00000.bin, ... of at most `shard_tokens` tokens; their counts and checksums."""
+    path = staging / f"{split}.bin"
+    n = path.stat().st_size // np.dtype(dtype).itemsize
+    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+    (staging / split).mkdir()
+    shards = []
+    for i, a in enumerate(range(0, n, shard_tokens)):
+        b, name = min(n, a + shard_tokens), f"{split}/{i:05d}.bin"
+        with open(staging / name, "wb") as f:
+            _copy(tokens, a, b, f)
+        n_bytes = sum(int(lengths[np.asarray(tokens[c:min(b, c + COPY_TOKENS)])].sum(dtype=np.int64))
+                      for c in range(a, b, COPY_TOKENS))
+        shards.append({"file": name, "tokens": b - a, "bytes": n_bytes, "sha256": file_sha256(staging / name)})
+    del tokens
+    path.unlink()
+    return shards
+
+
 def _move_into_place(staging: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)  # the old dataset stops being complete before any file changes
-    for name in OUTPUT_FILES:
-        os.replace(staging / name, out / name)
+    for name in OUTPUT_FILES:  # a split written whole replaces the old one's shards, and shards a whole file
+        src, dst = staging / name, out / name
+        if dst.is_dir():
+            shutil.rmtree(dst)
+        elif not src.exists():
+            dst.unlink(missing_ok=True)
+        if src.exists():
+            os.replace(src, dst)
 
 
 def _bar(opts: PrepareOptions, total: int, desc: str):
