@@ -42,6 +42,8 @@ def _add_prepare(sub) -> None:
                    help="train the tokenizer on a sample of about this many bytes of a larger corpus")
     p.add_argument("--shard-tokens", type=int, default=100_000_000,
                    help="write a split of more tokens as SPLIT/00000.bin, ... of at most this many tokens each")
+    p.add_argument("--dedup", action="store_true", help="drop documents whose text equals an earlier one's")
+    p.add_argument("--max-doc-chars", type=int, default=0, help="cut documents longer than this (0: no cap)")
     p.add_argument("--force", action="store_true", help="replace a different dataset in --out")
     p.set_defaults(func=_cmd_prepare)
 
@@ -124,7 +126,7 @@ def _cmd_prepare(args) -> None:
     opts = PrepareOptions(out=args.out, inputs=args.input, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
                           tokenizer=args.tokenizer, text_field=args.text_field, dtype=args.dtype,
                           tokenizer_train_bytes=args.tokenizer_train_bytes, force=args.force,
-                          shard_tokens=args.shard_tokens)
+                          shard_tokens=args.shard_tokens, dedup=args.dedup, max_doc_chars=args.max_doc_chars)
     meta = prepare(opts)
     print(format_prepare_report(meta, args.out))
 
@@ -144,6 +146,12 @@ def format_prepare_report(meta: dict, out: Path) -> str:
         lines.append(f"  {name:<11} {s['tokens']:,} tokens, {s['bytes']:,} bytes "
                      f"({s['bytes'] / max(s['tokens'], 1):.2f} bytes/token), {s['documents']} documents")
     lines.append(f"  split       {meta['split_rule']['kind']}: {meta['split_rule']['rule']}")
+    if report.get("duplicate_documents"):
+        lines.append(f"  dedup       {report['duplicate_documents']:,} duplicate documents dropped "
+                     f"({report['duplicate_tokens']:,} tokens)")
+    if report.get("truncated_documents"):
+        lines.append(f"  length cap  {report['truncated_documents']:,} documents cut, "
+                     f"{report['truncated_chars']:,} characters left out")
     if report["replaced_sequences"]:
         lines.append(f"  note        {report['replaced_sequences']} undecodable byte sequences were replaced by U+FFFD")
     if report["skipped_binary"]:

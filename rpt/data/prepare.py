@@ -56,6 +56,8 @@ class PrepareOptions:
     force: bool = False
     progress: bool = True
     shard_tokens: int = SHARD_TOKENS  # a split of more tokens is written as train/00000.bin, ... of at most this many
+    dedup: bool = False  # drop documents whose text equals an earlier one's (by a 64-bit hash of it)
+    max_doc_chars: int = 0  # cut documents longer than this many characters (0: no cap)
 
 
 def prepare(opts: PrepareOptions) -> dict:
@@ -89,6 +91,8 @@ def prepare(opts: PrepareOptions) -> dict:
         seconds["encode"] = time.perf_counter() - t
         if report.documents == 0:
             raise no_text_error(report, opts.text_field)
+        if opts.dedup:
+            doc_starts, doc_hashes, total = _dedup(staging / "all.bin", doc_starts, doc_hashes, total, dtype, report)
 
         t = time.perf_counter()
         lengths = token_byte_lengths(tok)
@@ -133,6 +137,8 @@ def prepare(opts: PrepareOptions) -> dict:
 
 
 def _check_options(opts: PrepareOptions) -> None:
+    if opts.max_doc_chars < 0:
+        raise RptError(f"--max-doc-chars {opts.max_doc_chars} is negative", "use 0 for no cap, or e.g. 100000")
     if opts.shard_tokens < 2:
         raise RptError(f"--shard-tokens {opts.shard_tokens} is too small", f"use e.g. {SHARD_TOKENS:,} (the default)")
     if not 0.0 < opts.val_fraction < 1.0:
@@ -153,8 +159,9 @@ FINGERPRINT_SCHEME = 2  # 2: sources by content (1, unrecorded: by path and modi
 def _fingerprint(opts: PrepareOptions, sources: list[Source]) -> str:
     h = hashlib.sha256()
     settings = {k: v for k, v in asdict(opts).items() if k not in ("out", "force", "progress", "inputs")}
-    if opts.shard_tokens == SHARD_TOKENS:  # folders prepared before shards existed keep their fingerprint
-        del settings["shard_tokens"]
+    for key, default in (("shard_tokens", SHARD_TOKENS), ("dedup", False), ("max_doc_chars", 0)):
+        if settings[key] == default:  # folders prepared before these options existed keep their fingerprint
+            del settings[key]
     if opts.tokenizer:
         settings["tokenizer"] = file_sha256(opts.tokenizer) if Path(opts.tokenizer).is_file() else opts.tokenizer
     h.update(json.dumps(settings, sort_keys=True).encode())
@@ -203,7 +210,7 @@ def _tokenizer(opts: PrepareOptions, sources: list[Source]):
 
     def sample():
         with _bar(opts, total, "train tokenizer") as bar:
-            for piece, _ in iter_pieces(sources, report, opts.text_field):
+            for piece, _ in iter_pieces(sources, report, opts.text_field, opts.max_doc_chars):
                 bar.update(len(piece))
                 if keep >= 1.0 or zlib.crc32(piece.encode("utf-8", "replace")) < keep * 2**32:
                     yield piece
@@ -265,7 +272,7 @@ def _encode(opts, sources, tok, dtype, path: Path, report: ReadReport):
 
     with open(path, "wb") as f, _bar(opts, sum(s.size for s in sources), "encode") as bar:
         chars = 0
-        for piece, starts in iter_pieces(sources, report, opts.text_field):
+        for piece, starts in iter_pieces(sources, report, opts.text_field, opts.max_doc_chars):
             batch.append((piece, starts))
             chars += len(piece)
             bar.update(len(piece))
@@ -330,6 +337,32 @@ def _split_stats(path: Path, dtype, lengths: np.ndarray, eot: int) -> dict:
         doc_starts += int((chunk == eot).sum())
     documents = doc_starts + (1 if n and tokens[0] != eot else 0)
     return {"file": path.name, "tokens": n, "bytes": n_bytes, "documents": documents}
+
+
+def _dedup(path: Path, doc_starts, doc_hashes, total: int, dtype, report: ReadReport):
+    """Keep the first of documents whose texts hash alike (blake2b-64 of the UTF-8 text, as the split uses):
+    the token file is rewritten without the others, which the report counts."""
+    _, first = np.unique(doc_hashes, return_index=True)
+    keep = np.zeros(len(doc_hashes), dtype=bool)
+    keep[first] = True
+    if keep.all():
+        return doc_starts, doc_hashes, total
+    ends = np.append(doc_starts[1:], total)
+    lengths = ends - doc_starts
+    report.duplicate_documents = int((~keep).sum())
+    report.duplicate_tokens = int(lengths[~keep].sum())
+    report.documents -= report.duplicate_documents
+    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(total,))
+    kept = path.with_name("dedup.bin")
+    change = np.flatnonzero(np.diff(keep.astype(np.int8))) + 1  # runs of kept documents, one write each
+    with open(kept, "wb") as f:
+        for a, b in zip(np.concatenate([[0], change]), np.concatenate([change, [len(keep)]])):
+            if keep[a]:
+                _copy(tokens, doc_starts[a], ends[b - 1], f)
+    del tokens
+    os.replace(kept, path)
+    new_lengths = lengths[keep]
+    return np.concatenate([[0], np.cumsum(new_lengths)[:-1]]), doc_hashes[keep], int(new_lengths.sum())
 
 
 def _cut_shards(staging: Path, split: str, dtype, lengths: np.ndarray, shard_tokens: int) -> list[dict]:

@@ -80,6 +80,10 @@ class ReadReport:
     bad_jsonl_lines: int = 0  # lines that are not a JSON object
     missing_field_lines: int = 0  # JSON records without the text field (or with a non-string one)
     fields_seen: list[str] = field(default_factory=list)  # the fields of the first such record
+    truncated_documents: int = 0  # documents longer than --max-doc-chars, cut there
+    truncated_chars: int = 0  # the characters those cuts left out
+    duplicate_documents: int = 0  # --dedup: documents dropped as exact copies of an earlier one
+    duplicate_tokens: int = 0
 
 
 def default_corpus_root() -> Path:
@@ -153,11 +157,14 @@ def _walk(root: Path, suffix: str | None = None, excluded: set[str] = frozenset(
     return out
 
 
-def iter_pieces(sources: list[Source], report: ReadReport, text_field: str = "text") -> Iterator[tuple[str, bool]]:
-    """Yield (piece, starts_document) over all documents of all sources, in order."""
+def iter_pieces(sources: list[Source], report: ReadReport, text_field: str = "text",
+                max_doc_chars: int = 0) -> Iterator[tuple[str, bool]]:
+    """Yield (piece, starts_document) over all documents of all sources, in order; a document longer than
+    `max_doc_chars` (when set) is cut there, and the cut counted."""
+    new_doc = lambda: _DocumentCutter(report, max_doc_chars)  # noqa: E731
     for source in sources:
         if source.is_parquet or source.is_arrow:
-            yield from _table_pieces(source, report, text_field)
+            yield from _table_pieces(source, report, text_field, new_doc)
             continue
         with _open_binary(source) as raw:
             try:
@@ -166,9 +173,9 @@ def iter_pieces(sources: list[Source], report: ReadReport, text_field: str = "te
                     report.skipped_binary.append(str(source.path))
                     continue
                 if source.is_jsonl:
-                    yield from _jsonl_pieces(raw, report, text_field, source)
+                    yield from _jsonl_pieces(raw, report, text_field, new_doc)
                 else:
-                    yield from _text_pieces(raw, report)
+                    yield from _text_pieces(raw, report, new_doc)
             except (OSError, EOFError) as exc:  # a damaged or cut-short .gz or .zst
                 raise RptError(f"cannot read {source.path}: {exc}", "re-create or remove the damaged file") from None
 
@@ -229,7 +236,7 @@ class _ZstdReader(io.RawIOBase):
         super().close()
 
 
-def _table_pieces(source: Source, report: ReadReport, text_field: str) -> Iterator[tuple[str, bool]]:
+def _table_pieces(source: Source, report: ReadReport, text_field: str, new_doc) -> Iterator[tuple[str, bool]]:
     """One document per row of the text column of a parquet file or of a saved dataset's .arrow file (Arrow's
     IPC stream, memory-mapped), a batch of rows at a time; a null or non-string value is counted as a record
     without the text field."""
@@ -259,16 +266,16 @@ def _table_pieces(source: Source, report: ReadReport, text_field: str) -> Iterat
                     report.fields_seen = report.fields_seen or columns[:10]
                     continue
                 report.replaced_sequences += text.count("\ufffd")
-                doc = _DocumentCutter(report)
+                doc = new_doc()
                 yield from doc.feed(text)
                 yield from doc.finish()
     except (pa.ArrowException, OSError) as exc:  # a row group or batch that cannot be read
         raise RptError(f"cannot read {source.path} as {kind}: {exc}", "re-create or remove the damaged file") from None
 
 
-def _text_pieces(raw: BinaryIO, report: ReadReport) -> Iterator[tuple[str, bool]]:
+def _text_pieces(raw: BinaryIO, report: ReadReport, new_doc) -> Iterator[tuple[str, bool]]:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    doc = _DocumentCutter(report)
+    doc = new_doc()
     while True:
         try:
             block = raw.read(READ_BYTES)
@@ -282,7 +289,7 @@ def _text_pieces(raw: BinaryIO, report: ReadReport) -> Iterator[tuple[str, bool]
     yield from doc.finish()
 
 
-def _jsonl_pieces(raw: BinaryIO, report: ReadReport, text_field: str, source: Source) -> Iterator[tuple[str, bool]]:
+def _jsonl_pieces(raw: BinaryIO, report: ReadReport, text_field: str, new_doc) -> Iterator[tuple[str, bool]]:
     for line in io.TextIOWrapper(raw, encoding="utf-8", errors="replace"):
         if not line.strip():
             continue
@@ -300,7 +307,7 @@ def _jsonl_pieces(raw: BinaryIO, report: ReadReport, text_field: str, source: So
                 report.fields_seen = sorted(record)[:10]
             continue
         report.replaced_sequences += text.count("\ufffd")
-        doc = _DocumentCutter(report)
+        doc = new_doc()
         yield from doc.feed(text)
         yield from doc.finish()
 
@@ -308,10 +315,11 @@ def _jsonl_pieces(raw: BinaryIO, report: ReadReport, text_field: str, source: So
 class _DocumentCutter:
     """Turns a stream of text into pieces, starting a new document at each end-of-document marker."""
 
-    def __init__(self, report: ReadReport):
-        self.report = report
+    def __init__(self, report: ReadReport, max_chars: int = 0):
+        self.report, self.max_chars = report, max_chars
         self.carry = ""
         self.new_doc = True
+        self.chars = 0  # of the current document, emitted
 
     def feed(self, text: str) -> Iterator[tuple[str, bool]]:
         buf = self.carry + text
@@ -341,6 +349,14 @@ class _DocumentCutter:
             self.new_doc = True
 
     def _piece(self, piece: str) -> Iterator[tuple[str, bool]]:
+        if self.new_doc:
+            self.chars, self.cut = 0, False
+        if self.max_chars and self.chars + len(piece) > self.max_chars:  # a piece starts at a safe cut: so
+            keep = self.max_chars - self.chars                            # does the prefix's encoding
+            self.report.truncated_documents += not self.cut
+            self.report.truncated_chars += len(piece) - keep
+            piece, self.cut = piece[:keep], True
+        self.chars += len(piece)
         if not piece:
             return
         if self.new_doc:

@@ -103,3 +103,23 @@ def test_a_damaged_input_is_one_clear_error_and_leaves_nothing(tmp_path, shakesp
         prepare(PrepareOptions(out=out, inputs=[str(path)], vocab_size=300, progress=False))
     assert message in info.value.message and fix in info.value.fix
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_exact_duplicates_are_dropped_and_long_documents_cut_and_both_counted(tmp_path, shakespeare_text):
+    texts = [shakespeare_text[i * 3000:(i + 1) * 3000] for i in range(30)]
+    records = texts + [texts[3], texts[7], texts[3]]  # three copies of earlier documents
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in records))
+    meta = prepare(PrepareOptions(out=tmp_path / "d", inputs=[str(tmp_path / "c.jsonl")], vocab_size=400,
+                                  dedup=True, progress=False))
+    r = meta["report"]
+    assert (r["duplicate_documents"], r["documents"]) == (3, 30)
+    data = PreparedData(tmp_path / "d")
+    per_doc = [1 + len(data.tokenizer.encode(t, add_special_tokens=False).ids) for t in (texts[3], texts[7], texts[3])]
+    assert r["duplicate_tokens"] == sum(per_doc)
+    assert_round_trip(tmp_path / "d", texts, val_fraction=0.1)
+    cap = 1000
+    meta = prepare(PrepareOptions(out=tmp_path / "cap", inputs=[str(tmp_path / "c.jsonl")], vocab_size=400,
+                                  max_doc_chars=cap, progress=False))
+    assert meta["report"]["truncated_documents"] == 33
+    assert meta["report"]["truncated_chars"] == sum(len(t) - cap for t in records)
+    assert_round_trip(tmp_path / "cap", [t[:cap] for t in records], val_fraction=0.1)
