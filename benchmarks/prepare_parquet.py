@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 tok = Tokenizer.from_file(sys.argv[2])
 t = time.perf_counter(); n = chars = 0
-for batch in pq.ParquetFile(sys.argv[1]).iter_batches(batch_size=1024, columns=["text"]):
+for batch in pq.ParquetFile(sys.argv[1], pre_buffer=False).iter_batches(batch_size=1024, columns=["text"], use_threads=False):
     texts = batch.column(0).to_pylist()
     n += sum(len(e.ids) for e in tok.encode_batch_fast(texts, add_special_tokens=False))
     chars += sum(map(len, texts))
