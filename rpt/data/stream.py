@@ -55,7 +55,8 @@ class TokenStream:
         self.step = 0
         # where the present geometry took over: (loader step, epoch), and the rest of an epoch of an earlier
         # geometry that it reads first ([2, P]: starts and lengths of pieces of the split), if any
-        self.origin, self.remainder = (0, 0), None
+        self.origin = (0, 0)
+        self._use_remainder(None)
         n = len(tokens)
         if mode == "stream":
             self.stream_len = (n - 1) // self.streams
@@ -85,16 +86,20 @@ class TokenStream:
         return batch
 
     # ----------------------------------------------------------------- positions
-    def _remainder_batches(self) -> int:
-        return int(self.remainder[1].sum()) // self.streams // self.seq_len if self.remainder is not None else 0
+    def _use_remainder(self, pieces: np.ndarray | None) -> None:
+        """Read `pieces` first ([2, P] starts and lengths, or None); what every batch needs of them, once."""
+        self.remainder = pieces
+        self._piece_ends = np.cumsum(pieces[1]) if pieces is not None else None
+        self._remainder_batches = (int(self._piece_ends[-1]) // self.streams // self.seq_len
+                                   if pieces is not None and len(pieces[1]) else 0)
 
     def _where(self, step: int) -> tuple[int, int, bool]:
         """(epoch, batch within it, whether that epoch is an earlier geometry's remainder) of `step`."""
         since, epoch = step - self.origin[0], self.origin[1]
         if self.remainder is not None:
-            if since < self._remainder_batches():
+            if since < self._remainder_batches:
                 return epoch, since, True
-            since, epoch = since - self._remainder_batches(), epoch + 1
+            since, epoch = since - self._remainder_batches, epoch + 1
         e, k = divmod(since, self.batches_per_epoch)
         return epoch + e, k, False
 
@@ -106,7 +111,7 @@ class TokenStream:
         """Positions in the remainder (its pieces laid end to end) -> positions in the split, and whether each
         is the first of its piece (the text jumps there)."""
         starts, lengths = self.remainder
-        before = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        before = self._piece_ends - lengths
         j = np.searchsorted(before, v, side="right") - 1
         return starts[j] + (v - before[j]), v == before[j]
 
@@ -120,7 +125,7 @@ class TokenStream:
             starts = rng.integers(0, len(self.tokens) - T - 1, size=self.streams, endpoint=True)[self._mine]
             positions, epoch_start = starts[:, None] + self._window, True
         elif in_remainder:
-            length = self._remainder_batches() * T  # each new stream's share of the remainder
+            length = self._remainder_batches * T  # each new stream's share of the remainder
             v = (self._mine * length + k * T)[:, None] + self._window[:-1]
             x_pos, jumps = self._virtual_to_physical(v)
             positions, epoch_start = np.concatenate([x_pos, x_pos[:, -1:] + 1], axis=1), k == 0
@@ -149,9 +154,8 @@ class TokenStream:
         if not in_remainder:
             first = self._starts(epoch, every) + k * T
             return epoch, np.stack([first, np.full_like(first, (self.batches_per_epoch - k) * T)])
-        length = self._remainder_batches() * T
-        starts, lengths = self.remainder
-        ends = np.cumsum(lengths)
+        length = self._remainder_batches * T
+        (starts, lengths), ends = self.remainder, self._piece_ends
         pieces = []
         for i in every:  # an old stream's unread span may cross pieces of the remainder
             v, stream_end = int(i * length + k * T), int((i + 1) * length)
@@ -182,16 +186,18 @@ class TokenStream:
         if self.mode == "random" or (streams, state["seq_len"]) == (self.streams, self.seq_len):
             self.step, self.origin = step, tuple(state.get("origin", (0, 0)))
             remainder = state.get("remainder")
-            self.remainder = None if remainder is None else np.asarray(remainder, dtype=np.int64)
+            self._use_remainder(None if remainder is None else np.asarray(remainder, dtype=np.int64))
             return
         saved = TokenStream(self.tokens, streams, state["seq_len"], seed=self.seed, mode=self.mode)
         saved.load_state_dict({**state, "streams": streams, "batch_size": streams, "world_size": 1, "rank": 0})
         epoch, pieces = saved.unread()
-        self.step, self.origin, self.remainder = step, (step, epoch), pieces
+        self.step, self.origin = step, (step, epoch)
+        self._use_remainder(pieces)
         if pieces[1].sum() == saved.streams * saved.batches_per_epoch * saved.seq_len:
-            self.remainder = None  # at an epoch's start: the whole epoch, in this geometry
-        elif self._remainder_batches() == 0:  # less than a batch of every stream left: the next epoch
-            self.origin, self.remainder = (step, epoch + 1), None
+            self._use_remainder(None)  # at an epoch's start: the whole epoch, in this geometry
+        elif self._remainder_batches == 0:  # less than a batch of every stream left: the next epoch
+            self.origin = (step, epoch + 1)
+            self._use_remainder(None)
 
     def _geometry(self) -> dict:
         return {"mode": self.mode, "seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len,
