@@ -44,8 +44,23 @@ def _add_prepare(sub) -> None:
                    help="write a split of more tokens as SPLIT/00000.bin, ... of at most this many tokens each")
     p.add_argument("--dedup", action="store_true", help="drop documents whose text equals an earlier one's")
     p.add_argument("--max-doc-chars", type=int, default=0, help="cut documents longer than this (0: no cap)")
-    p.add_argument("--force", action="store_true", help="replace a different dataset in --out")
+    p.add_argument("--workers", type=int, default=1, help="processes that encode on this machine")
+    p.add_argument("--part", metavar="I/N", type=_part,
+                   help="encode only part I of N (from 0) of the inputs, e.g. one per machine or SLURM array task; "
+                        "the last part to finish writes the dataset")
+    p.add_argument("--merge", action="store_true",
+                   help="only write the dataset from the parts prepared for --out (every part must be complete)")
+    p.add_argument("--force", action="store_true", help="replace a different dataset in --out (or an unfinished "
+                   "prepare of other inputs)")
     p.set_defaults(func=_cmd_prepare)
+
+
+def _part(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not I/N, e.g. 0/4") from None
+    return i, n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,12 +141,21 @@ def _cmd_prepare(args) -> None:
     opts = PrepareOptions(out=args.out, inputs=args.input, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
                           tokenizer=args.tokenizer, text_field=args.text_field, dtype=args.dtype,
                           tokenizer_train_bytes=args.tokenizer_train_bytes, force=args.force,
-                          shard_tokens=args.shard_tokens, dedup=args.dedup, max_doc_chars=args.max_doc_chars)
+                          shard_tokens=args.shard_tokens, dedup=args.dedup, max_doc_chars=args.max_doc_chars,
+                          workers=args.workers, part=args.part, merge=args.merge)
     meta = prepare(opts)
     print(format_prepare_report(meta, args.out))
 
 
 def format_prepare_report(meta: dict, out: Path) -> str:
+    if "units_done" in meta:  # a part of a job that is not complete yet
+        if meta.get("merging_elsewhere"):
+            h = meta["merging_elsewhere"]
+            return f"every unit of {out} is prepared; another process ({h['host']}, pid {h['pid']}) writes the dataset"
+        i, n = meta["part"]
+        return (f"part {i}/{n} of {out} is prepared ({meta['units_mine']} units); {meta['units_done']} of "
+                f"{meta['units']} units of the job are done, in {meta['work']}. The last part to finish writes the "
+                f"dataset (or, once all are done: rpt prepare --out {out} --merge)")
     if meta.get("reused"):
         head = f"{out} already holds this dataset (same inputs and settings); nothing to do. --force rebuilds it."
     else:

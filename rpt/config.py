@@ -41,10 +41,20 @@ class DataConfig:
     loader: Literal["stream", "random"] = "stream"
     # Reset the recurrent state where a document starts (the end-of-document token).
     reset_at_documents: bool = True
+    # A mixture instead of data.path: prepared folders (one tokenizer) and their weights, e.g.
+    # {"data/web" = 0.7, "data/code" = 0.3}; each row of a batch is drawn from one of them by weight (data.path is
+    # then not read; docs/data.md "Mixtures")
+    mix: dict[str, float] = field(default_factory=dict)
 
     def check(self) -> None:
         if not self.path:
             raise RptError("data.path is empty", "point it at a folder written by `rpt prepare --out FOLDER`")
+        for folder, weight in self.mix.items():
+            if not weight > 0:
+                raise RptError(f"data.mix gives {folder} the weight {weight}: weights must be positive",
+                               f"remove {folder} from data.mix to leave it out, or give it a weight above 0")
+        if len(self.mix) == 1:
+            raise RptError("data.mix names one folder", "set data.path to it instead, or add the other folders")
 
 
 @dataclass
@@ -514,6 +524,9 @@ def _type_name(hint: Any) -> str:
     if origin is list:
         (inner,) = typing.get_args(hint)
         return f"a list of {_type_name(inner)}"
+    if origin is dict:
+        key, inner = typing.get_args(hint)
+        return f"a table of {_type_name(key)} = {_type_name(inner)}"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
 
 
@@ -545,6 +558,14 @@ def _coerce_typed(value: Any, hint: Any, key: str, origin: str) -> Any:
             return [_coerce_typed(v, inner, key, origin) for v in value]
         except RptError:
             raise wrong() from None
+    if kind is dict:
+        key_hint, inner = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise wrong()
+        try:
+            return {_coerce_typed(k, key_hint, key, origin): _coerce_typed(v, inner, key, origin) for k, v in value.items()}
+        except RptError:
+            raise wrong() from None
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -574,6 +595,8 @@ def _example(hint: Any) -> str:
         return _example(typing.get_args(hint)[0])
     if kind is list:
         return f"[{_example(typing.get_args(hint)[0])}]"
+    if kind is dict:
+        return '{"data/web" = 0.7, "data/code" = 0.3}'
     return {int: "16", float: "0.5", bool: "true", str: "name"}.get(hint, "value")
 
 

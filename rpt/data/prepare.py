@@ -1,7 +1,7 @@
 """`rpt prepare`: text in, token shards out.
 
-    sources ─▶ pieces ─▶ (train BPE) ─▶ encode_batch (parallel, in Rust) ─▶ all.bin + document table
-                                                                        ─▶ split ─▶ train.bin, val.bin, meta.json
+    sources ─▶ units ─▶ (train BPE) ─▶ workers: encode_batch ─▶ units/NNNNN.bin + document tables
+                                                          ─▶ merge: dedup, split, shards ─▶ train/, val/, meta.json
 
 Every document is written as [EOT, tokens...]: the end-of-document token opens each document,
 so a model that resets its state at EOT starts every document fresh. The split is decided
@@ -9,9 +9,11 @@ once all documents are known, from a hash of each document's text: deterministic
 duplicates always land on the same side. A corpus with too few documents for that (one big
 file, like tiny-shakespeare) takes the contiguous tail of its tokens as validation instead.
 
-Everything is written into a staging folder next to the output and moved in at the end,
-meta.json last, so a failure leaves nothing half-done: a folder without meta.json is not a
-dataset, and a complete older dataset stays complete until the new one replaces it.
+The work happens in a folder beside the output (.NAME.work: the plan, the tokenizer, each unit's tokens) and
+the dataset is moved in at the end, meta.json last, so a failure leaves nothing half-done: a folder without
+meta.json is not a dataset, and a complete older dataset stays complete until the new one replaces it. The
+units (rpt/data/units.py) are a function of the inputs alone, so `--workers N`, `--part i/n` on n machines
+and a prepare resumed after an interruption (which keeps the units it finished) all write the same dataset.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 import zlib
-from array import array
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -31,16 +34,16 @@ import numpy as np
 from tqdm import tqdm
 
 import rpt
+from rpt.data.merge import write_splits
 from rpt.data.sources import EOT, ReadReport, Source, discover, iter_pieces
 from rpt.data.tokenizer import (eot_id, file_sha256, load_tokenizer, token_byte_lengths,
                                 train_tokenizer)
+from rpt.data.units import UnitJob, assign_parts, plan_units, read_done, remove_unit
+from rpt.data.workers import run_units
 from rpt.errors import RptError
 
 OUTPUT_FILES = ("tokenizer.json", "train.bin", "val.bin", "train", "val", "meta.json")  # meta.json last
 SHARD_TOKENS = 100_000_000
-ENCODE_BATCH_CHARS = 4 << 20
-MIN_EXPECTED_VAL_DOCS = 10  # below this many expected validation documents, the hash split is too lumpy
-COPY_TOKENS = 1 << 24
 
 
 @dataclass
@@ -58,13 +61,23 @@ class PrepareOptions:
     shard_tokens: int = SHARD_TOKENS  # a split of more tokens is written as train/00000.bin, ... of at most this many
     dedup: bool = False  # drop documents whose text equals an earlier one's (by a 64-bit hash of it)
     max_doc_chars: int = 0  # cut documents longer than this many characters (0: no cap)
+    workers: int = 1  # processes encoding units on this machine
+    part: tuple[int, int] | None = None  # (i, n): encode only part i of n (0 <= i < n); the last to finish merges
+    merge: bool = False  # only write the dataset from the units the parts prepared (all must be complete)
+
+
+HOW_NOT_WHAT = ("out", "force", "progress", "inputs", "workers", "part", "merge")  # options that leave the data as is
 
 
 def prepare(opts: PrepareOptions) -> dict:
-    """Prepare a dataset; returns its meta (with `reused: True` when the folder already held it)."""
+    """Prepare a dataset; returns its meta (with `reused: True` when the folder already held it), or for a part
+    whose job is not complete yet, what is done (`part`, `units`, `units_done`)."""
     started = time.perf_counter()
     out = Path(opts.out)
     _check_options(opts)
+    work = WorkFolder(out)
+    if opts.merge:
+        return _finish(work, started, {}, progress=opts.progress, explicit=True)
     sources = discover(opts.inputs)
     if not sources:
         raise RptError("no input files were found", "pass files, folders or glob patterns that hold text")
@@ -72,71 +85,219 @@ def prepare(opts: PrepareOptions) -> dict:
     existing = _check_output_folder(out, fingerprint, opts.force)
     if existing is not None:
         return {**existing, "reused": True}
-
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    units = plan_units(sources)
+    work.start({"fingerprint": fingerprint, "units": len(units), "inputs": opts.inputs or ["<python standard library>"],
+                "files": len(sources), "bytes": sum(s.size for s in sources),
+                "options": {k: v for k, v in asdict(opts).items() if k not in HOW_NOT_WHAT}}, opts.force)
+    mine = units if opts.part is None else [u for u, p in zip(units, assign_parts(units, opts.part[1]))
+                                            if p == opts.part[0]]
+    todo = [u for u in mine if read_done(work.units, u.index) is None]
+    seconds = {}
     try:
-        seconds = {}
         t = time.perf_counter()
-        tok = _tokenizer(opts, sources)
+        vocab = work.tokenizer(lambda: _tokenizer(opts, sources))
         seconds["tokenizer"] = time.perf_counter() - t
-        vocab = tok.get_vocab_size()
         dtype = _dtype(opts.dtype, vocab)
-        tok.save(str(staging / "tokenizer.json"))
-
+        for unit in todo:  # what a stopped run left of them
+            remove_unit(work.units, unit.index)
         t = time.perf_counter()
-        report = ReadReport()
-        doc_starts, doc_hashes, total = _encode(opts, sources, tok, dtype, staging / "all.bin", report)
+        job = UnitJob(sources, str(work.path / "tokenizer.json"), np.dtype(dtype).name, opts.text_field,
+                      opts.max_doc_chars, str(work.units))
+        desc = "encode" if opts.part is None else f"encode part {opts.part[0]}/{opts.part[1]}"
+        with _bar(opts, sum(u.size for u in mine), desc) as bar:
+            bar.update(sum(u.size for u in mine) - sum(u.size for u in todo))  # done before a resume
+            bar.set_postfix(workers=opts.workers, units=f"{len(mine) - len(todo)}/{len(mine)} done before")
+            run_units(job, todo, opts.workers, bar)
         seconds["encode"] = time.perf_counter() - t
-        if report.documents == 0:
-            raise no_text_error(report, opts.text_field)
-        if opts.dedup:
-            doc_starts, doc_hashes, total = _dedup(staging / "all.bin", doc_starts, doc_hashes, total, dtype, report)
+    except RptError:  # bad input: nothing of this run is kept
+        for unit in todo:
+            remove_unit(work.units, unit.index)
+        work.remove_if_unused(opts.part is None)
+        raise
+    done = sum(read_done(work.units, u.index) is not None for u in units)
+    if done < len(units):
+        return {"part": list(opts.part), "units": len(units), "units_done": done, "units_mine": len(mine),
+                "work": str(work.path), "reused": False}
+    return _finish(work, started, seconds, progress=opts.progress, explicit=False)
 
-        t = time.perf_counter()
-        lengths = token_byte_lengths(tok)
-        split_rule = _split(staging, doc_starts, doc_hashes, total, dtype, opts.val_fraction, lengths)
-        splits = {name: _split_stats(staging / f"{name}.bin", dtype, lengths, eot_id(tok)) for name in ("train", "val")}
-        (staging / "all.bin").unlink()
-        for name, stats in splits.items():
-            if stats["tokens"] < 2:
-                raise RptError(f"the {name} split would hold {stats['tokens']} tokens: the corpus is too small",
-                               "add more text, or change --val-fraction")
-            if stats["tokens"] > opts.shard_tokens:
-                stats["shards"] = _cut_shards(staging, name, dtype, lengths, opts.shard_tokens)
-                del stats["file"]
-            else:
-                stats["sha256"] = file_sha256(staging / stats["file"])
-        seconds["split"] = time.perf_counter() - t
-        seconds["total"] = time.perf_counter() - started
 
-        meta = {
-            "format": 1,
-            "rpt_version": rpt.__version__,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "vocab_size": vocab,
-            "dtype": np.dtype(dtype).name,
-            "eot_token": EOT,
-            "eot_id": eot_id(tok),
-            "tokenizer_sha256": file_sha256(staging / "tokenizer.json"),
-            "splits": splits,
-            "split_rule": split_rule,
-            "sources": {"inputs": opts.inputs or ["<python standard library>"], "files": len(sources),
-                        "bytes": sum(s.size for s in sources)},
-            "report": asdict(report),
-            "fingerprint": fingerprint,
-            "fingerprint_scheme": FINGERPRINT_SCHEME,
-            "seconds": {k: round(v, 3) for k, v in seconds.items()},
-        }
-        (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _move_into_place(staging, out)
-        return meta
-    finally:
+class WorkFolder:
+    """.NAME.work beside the output: plan.json (what is being prepared), tokenizer.json, units/, merge.lock."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.path = out.parent / f".{out.name}.work"
+        self.units = self.path / "units"
+
+    def plan(self) -> dict | None:
+        try:
+            return json.loads((self.path / "plan.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def start(self, plan: dict, force: bool) -> None:
+        """Begin, or continue the prepare of these very inputs and settings; another one's folder is refused
+        (`force` discards it)."""
+        old = self.plan()
+        if self.path.exists() and (old is None or old["fingerprint"] != plan["fingerprint"]):
+            if not force:
+                raise RptError(f"{self.path} holds an unfinished prepare of other inputs or settings",
+                               "finish it with the command that began it, or pass --force to discard it")
+            shutil.rmtree(self.path)
+        if old is not None and old["fingerprint"] == plan["fingerprint"]:
+            return
+        self.units.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.path / "plan.json", json.dumps(plan, indent=2) + "\n")
+
+    def tokenizer(self, make) -> int:
+        """The job's tokenizer (made once, by `make`, and kept for parts and resumes); its vocabulary size."""
+        path = self.path / "tokenizer.json"
+        if path.is_file():
+            return load_tokenizer(path).get_vocab_size()
+        tok = make()
+        tmp = path.with_name(f"tokenizer.json.tmp{os.getpid()}")
+        tok.save(str(tmp))
+        os.replace(tmp, path)
+        return tok.get_vocab_size()
+
+    def remove_if_unused(self, whole_job: bool) -> None:
+        """After a bad input: the folder goes when it is this run's alone or holds no finished unit."""
+        if whole_job or not any(self.units.glob("*.json")):
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    @contextmanager
+    def merge_lock(self):
+        """Held while one process writes the dataset; None when another live one holds it."""
+        lock = self.path / "merge.lock"
+        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                try:
+                    holder = json.loads(lock.read_text())
+                except (OSError, ValueError):
+                    holder = {}
+                if holder.get("host") == me["host"] and not _alive(holder.get("pid")):
+                    lock.unlink(missing_ok=True)  # left by a process of this machine that is gone
+                    continue
+                yield holder or {"host": "?", "pid": "?"}
+                return
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            try:
+                yield None
+            finally:
+                lock.unlink(missing_ok=True)
+            return
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, TypeError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _finish(work: WorkFolder, started: float, seconds: dict, progress: bool, explicit: bool) -> dict:
+    """Write the dataset from the job's complete units (rpt/data/merge.py), then remove the work folder."""
+    plan = work.plan()
+    if plan is None and explicit and (work.out / "meta.json").is_file():  # merged already (by the last part)
+        return {**json.loads((work.out / "meta.json").read_text()), "reused": True}
+    if plan is None:
+        raise RptError(f"there is no prepare of {work.out} to merge (no {work.path / 'plan.json'})",
+                       "run the parts first: rpt prepare --input ... --out OUT --part i/n")
+    results = [read_done(work.units, i) for i in range(plan["units"])]
+    missing = [i for i, r in enumerate(results) if r is None]
+    if missing:
+        raise RptError(f"{len(missing)} of {plan['units']} units of {work.out} are not prepared yet "
+                       f"(units {', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''})",
+                       "run the parts that have not finished (the same command with their --part i/n); "
+                       "the last one to finish writes the dataset")
+    opts = plan["options"]
+    with work.merge_lock() as holder:
+        if holder is not None:
+            if explicit:
+                raise RptError(f"another process ({holder['host']}, pid {holder['pid']}) is writing {work.out}",
+                               f"wait for it; if it is gone, remove {work.path / 'merge.lock'}")
+            return {"part": None, "units": plan["units"], "units_done": plan["units"], "work": str(work.path),
+                    "reused": False, "merging_elsewhere": holder}
+        staging = work.path / "final"
         shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        try:
+            t = time.perf_counter()
+            tok = load_tokenizer(work.path / "tokenizer.json")
+            shutil.copyfile(work.path / "tokenizer.json", staging / "tokenizer.json")
+            dtype = _dtype(opts["dtype"], tok.get_vocab_size())
+            report = _sum_reports([r["report"] for r in results])
+            if report.documents == 0:
+                raise no_text_error(report, opts["text_field"])
+            with tqdm(total=0, desc="write", unit="tok", unit_scale=True, disable=not progress or None, leave=False,
+                      dynamic_ncols=True) as bar:
+                splits, split_rule = write_splits(work.units, results, staging, dtype, token_byte_lengths(tok),
+                                                  eot_id(tok), opts["val_fraction"], opts["shard_tokens"],
+                                                  opts["dedup"], report, bar)
+            seconds["split"] = time.perf_counter() - t
+            seconds["total"] = time.perf_counter() - started
+            meta = {
+                "format": 1,
+                "rpt_version": rpt.__version__,
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "vocab_size": tok.get_vocab_size(),
+                "dtype": np.dtype(dtype).name,
+                "eot_token": EOT,
+                "eot_id": eot_id(tok),
+                "tokenizer_sha256": file_sha256(staging / "tokenizer.json"),
+                "splits": splits,
+                "split_rule": split_rule,
+                "sources": {"inputs": plan["inputs"], "files": plan["files"], "bytes": plan["bytes"]},
+                "report": asdict(report),
+                "units": plan["units"],
+                "fingerprint": plan["fingerprint"],
+                "fingerprint_scheme": FINGERPRINT_SCHEME,
+                "seconds": {k: round(v, 3) for k, v in seconds.items()},
+            }
+            (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            _move_into_place(staging, work.out)
+        except RptError:  # the data itself is at fault (no text, too small): nothing is kept
+            shutil.rmtree(work.path, ignore_errors=True)
+            raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(work.path, ignore_errors=True)
+    return meta
+
+
+def _sum_reports(reports: list[dict]) -> ReadReport:
+    total = ReadReport()
+    for r in reports:
+        for f in fields(ReadReport):
+            if f.name == "skipped_binary":
+                total.skipped_binary.extend(r[f.name])
+            elif f.name == "fields_seen":
+                total.fields_seen = total.fields_seen or r[f.name]
+            else:
+                setattr(total, f.name, getattr(total, f.name) + r[f.name])
+    return total
 
 
 def _check_options(opts: PrepareOptions) -> None:
+    if opts.workers < 1:
+        raise RptError(f"--workers {opts.workers} must be 1 or more", f"e.g. --workers {os.cpu_count() or 1}")
+    if opts.part is not None and not 0 <= opts.part[0] < opts.part[1]:
+        i, n = opts.part
+        raise RptError(f"--part {i}/{n} is not a part of {n}", f"parts count from 0: --part 0/{n} ... --part {n - 1}/{n}"
+                       if n > 0 else "e.g. --part 0/4 ... --part 3/4")
     if opts.max_doc_chars < 0:
         raise RptError(f"--max-doc-chars {opts.max_doc_chars} is negative", "use 0 for no cap, or e.g. 100000")
     if opts.shard_tokens < 2:
@@ -158,7 +319,7 @@ FINGERPRINT_SCHEME = 2  # 2: sources by content (1, unrecorded: by path and modi
 
 def _fingerprint(opts: PrepareOptions, sources: list[Source]) -> str:
     h = hashlib.sha256()
-    settings = {k: v for k, v in asdict(opts).items() if k not in ("out", "force", "progress", "inputs")}
+    settings = {k: v for k, v in asdict(opts).items() if k not in HOW_NOT_WHAT}
     for key, default in (("shard_tokens", SHARD_TOKENS), ("dedup", False), ("max_doc_chars", 0)):
         if settings[key] == default:  # folders prepared before these options existed keep their fingerprint
             del settings[key]
@@ -242,166 +403,6 @@ def _dtype(requested: str, vocab: int):
     if requested == "uint32" or vocab > 1 << 16:
         return np.uint32
     return np.uint16
-
-
-def _encode(opts, sources, tok, dtype, path: Path, report: ReadReport):
-    """Stream all documents through the encoder into one file; returns the document table."""
-    eot = eot_id(tok)
-    doc_starts, doc_hashes = array("q"), array("Q")
-    state = {"pos": 0, "hash": None}
-    batch: list[tuple[str, bool]] = []
-
-    def finish_doc():
-        if state["hash"] is not None:
-            doc_hashes.append(int.from_bytes(state["hash"].digest(), "little"))
-
-    def flush(f):
-        encodings = tok.encode_batch_fast([p for p, _ in batch], add_special_tokens=False)
-        ids: list[int] = []
-        for (piece, starts), enc in zip(batch, encodings):
-            if starts:
-                finish_doc()
-                state["hash"] = hashlib.blake2b(digest_size=8)
-                doc_starts.append(state["pos"] + len(ids))
-                ids.append(eot)
-            state["hash"].update(piece.encode("utf-8"))
-            ids.extend(enc.ids)
-        np.asarray(ids, dtype=dtype).tofile(f)
-        state["pos"] += len(ids)
-        batch.clear()
-
-    with open(path, "wb") as f, _bar(opts, sum(s.size for s in sources), "encode") as bar:
-        chars = 0
-        for piece, starts in iter_pieces(sources, report, opts.text_field, opts.max_doc_chars):
-            batch.append((piece, starts))
-            chars += len(piece)
-            bar.update(len(piece))
-            if chars >= ENCODE_BATCH_CHARS:
-                flush(f)
-                chars = 0
-        if batch:
-            flush(f)
-    finish_doc()
-    return np.frombuffer(doc_starts, dtype=np.int64), np.frombuffer(doc_hashes, dtype=np.uint64), state["pos"]
-
-
-def _split(staging: Path, doc_starts, doc_hashes, total: int, dtype, val_fraction: float, lengths) -> dict:
-    tokens = TokenFile(staging / "all.bin", dtype)
-    is_val = doc_hashes.astype(np.float64) / 2.0**64 < val_fraction
-    n_docs = len(doc_starts)
-    if n_docs * val_fraction >= MIN_EXPECTED_VAL_DOCS and 0 < is_val.sum() < n_docs:
-        ends = np.append(doc_starts[1:], total)
-        with open(staging / "train.bin", "wb") as ftrain, open(staging / "val.bin", "wb") as fval:
-            # Copy runs of consecutive documents that go to the same side in one write each.
-            change = np.flatnonzero(np.diff(is_val.astype(np.int8))) + 1
-            run_starts = np.concatenate([[0], change])
-            run_ends = np.concatenate([change, [n_docs]])
-            for a, b in zip(run_starts, run_ends):
-                _copy(tokens, doc_starts[a], ends[b - 1], fval if is_val[a] else ftrain)
-        return {"kind": "hash", "val_fraction": val_fraction,
-                "rule": "document goes to val when blake2b-64(its UTF-8 text) / 2**64 < val_fraction"}
-    boundary = _byte_boundary(tokens, lengths, 1.0 - val_fraction)
-    with open(staging / "train.bin", "wb") as ftrain, open(staging / "val.bin", "wb") as fval:
-        _copy(tokens, 0, boundary, ftrain)
-        _copy(tokens, boundary, total, fval)
-    return {"kind": "tail", "val_fraction": val_fraction,
-            "rule": f"too few documents ({n_docs}) for a split by document; val is the text after the first "
-                    f"{1 - val_fraction:g} of the bytes (from the next token boundary on)"}
-
-
-def _byte_boundary(tokens, lengths: np.ndarray, fraction: float) -> int:
-    """The first token index at which at least `fraction` of all text bytes lie before it."""
-    total_bytes = sum(int(lengths[np.asarray(tokens[a:a + COPY_TOKENS])].sum(dtype=np.int64))
-                      for a in range(0, len(tokens), COPY_TOKENS))
-    target, seen = fraction * total_bytes, 0
-    for a in range(0, len(tokens), COPY_TOKENS):
-        cum = seen + np.cumsum(lengths[np.asarray(tokens[a:a + COPY_TOKENS])], dtype=np.int64)
-        if cum[-1] >= target:
-            return a + int(np.searchsorted(cum, target, side="left")) + 1
-        seen = int(cum[-1])
-    return len(tokens)
-
-
-def _copy(tokens, start: int, end: int, f) -> None:
-    for a in range(int(start), int(end), COPY_TOKENS):
-        np.asarray(tokens[a:min(a + COPY_TOKENS, int(end))]).tofile(f)
-
-
-def _split_stats(path: Path, dtype, lengths: np.ndarray, eot: int) -> dict:
-    n = path.stat().st_size // np.dtype(dtype).itemsize
-    tokens = TokenFile(path, dtype)
-    n_bytes = doc_starts = 0
-    for a in range(0, n, COPY_TOKENS):
-        chunk = np.asarray(tokens[a:a + COPY_TOKENS])
-        n_bytes += int(lengths[chunk].sum(dtype=np.int64))
-        doc_starts += int((chunk == eot).sum())
-    documents = doc_starts + (1 if n and tokens[0] != eot else 0)
-    return {"file": path.name, "tokens": n, "bytes": n_bytes, "documents": documents}
-
-
-class TokenFile:
-    """A token file read by ranges with plain reads, for the passes prepare makes over what it wrote: a memmap's
-    pages count in the process's resident set as it walks the file (a 2 GB corpus peaked at 2.7 GB so)."""
-
-    def __init__(self, path: Path, dtype):
-        self.path, self.dtype = path, np.dtype(dtype)
-        self.n = path.stat().st_size // self.dtype.itemsize
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index):
-        if isinstance(index, (int, np.integer)):
-            return self[int(index):int(index) + 1][0]
-        start, stop, _ = index.indices(self.n)
-        with open(self.path, "rb") as f:
-            f.seek(start * self.dtype.itemsize)
-            return np.fromfile(f, dtype=self.dtype, count=max(0, stop - start))
-
-
-def _dedup(path: Path, doc_starts, doc_hashes, total: int, dtype, report: ReadReport):
-    """Keep the first of documents whose texts hash alike (blake2b-64 of the UTF-8 text, as the split uses):
-    the token file is rewritten without the others, which the report counts."""
-    _, first = np.unique(doc_hashes, return_index=True)
-    keep = np.zeros(len(doc_hashes), dtype=bool)
-    keep[first] = True
-    if keep.all():
-        return doc_starts, doc_hashes, total
-    ends = np.append(doc_starts[1:], total)
-    lengths = ends - doc_starts
-    report.duplicate_documents = int((~keep).sum())
-    report.duplicate_tokens = int(lengths[~keep].sum())
-    report.documents -= report.duplicate_documents
-    tokens = TokenFile(path, dtype)
-    kept = path.with_name("dedup.bin")
-    change = np.flatnonzero(np.diff(keep.astype(np.int8))) + 1  # runs of kept documents, one write each
-    with open(kept, "wb") as f:
-        for a, b in zip(np.concatenate([[0], change]), np.concatenate([change, [len(keep)]])):
-            if keep[a]:
-                _copy(tokens, doc_starts[a], ends[b - 1], f)
-    del tokens
-    os.replace(kept, path)
-    new_lengths = lengths[keep]
-    return np.concatenate([[0], np.cumsum(new_lengths)[:-1]]), doc_hashes[keep], int(new_lengths.sum())
-
-
-def _cut_shards(staging: Path, split: str, dtype, lengths: np.ndarray, shard_tokens: int) -> list[dict]:
-    """Cut staging/SPLIT.bin into SPLIT/00000.bin, ... of at most `shard_tokens` tokens; their counts and checksums."""
-    path = staging / f"{split}.bin"
-    n = path.stat().st_size // np.dtype(dtype).itemsize
-    tokens = TokenFile(path, dtype)
-    (staging / split).mkdir()
-    shards = []
-    for i, a in enumerate(range(0, n, shard_tokens)):
-        b, name = min(n, a + shard_tokens), f"{split}/{i:05d}.bin"
-        with open(staging / name, "wb") as f:
-            _copy(tokens, a, b, f)
-        n_bytes = sum(int(lengths[np.asarray(tokens[c:min(b, c + COPY_TOKENS)])].sum(dtype=np.int64))
-                      for c in range(a, b, COPY_TOKENS))
-        shards.append({"file": name, "tokens": b - a, "bytes": n_bytes, "sha256": file_sha256(staging / name)})
-    del tokens
-    path.unlink()
-    return shards
 
 
 def _move_into_place(staging: Path, out: Path) -> None:

@@ -158,13 +158,14 @@ def _walk(root: Path, suffix: str | None = None, excluded: set[str] = frozenset(
 
 
 def iter_pieces(sources: list[Source], report: ReadReport, text_field: str = "text",
-                max_doc_chars: int = 0) -> Iterator[tuple[str, bool]]:
+                max_doc_chars: int = 0, row_groups: tuple[int, int] | None = None) -> Iterator[tuple[str, bool]]:
     """Yield (piece, starts_document) over all documents of all sources, in order; a document longer than
-    `max_doc_chars` (when set) is cut there, and the cut counted."""
+    `max_doc_chars` (when set) is cut there, and the cut counted. `row_groups` = (first, end): only those row
+    groups of a parquet file (the one source)."""
     new_doc = lambda: _DocumentCutter(report, max_doc_chars)  # noqa: E731
     for source in sources:
         if source.is_parquet or source.is_arrow:
-            yield from _table_pieces(source, report, text_field, new_doc)
+            yield from _table_pieces(source, report, text_field, new_doc, row_groups)
             continue
         with _open_binary(source) as raw:
             try:
@@ -236,7 +237,8 @@ class _ZstdReader(io.RawIOBase):
         super().close()
 
 
-def _table_pieces(source: Source, report: ReadReport, text_field: str, new_doc) -> Iterator[tuple[str, bool]]:
+def _table_pieces(source: Source, report: ReadReport, text_field: str, new_doc,
+                  row_groups: tuple[int, int] | None = None) -> Iterator[tuple[str, bool]]:
     """One document per row of the text column of a parquet file or of a saved dataset's .arrow file (Arrow's
     IPC stream, memory-mapped), a batch of rows at a time; a null or non-string value is counted as a record
     without the text field."""
@@ -248,7 +250,9 @@ def _table_pieces(source: Source, report: ReadReport, text_field: str, new_doc) 
         if source.is_parquet:
             file = pq.ParquetFile(source.path, pre_buffer=False)  # pre-buffered, 1 GB of parquet peaked at 0.79 GB
             columns = file.schema_arrow.names
-            batches = lambda: file.iter_batches(batch_size=1024, columns=[text_field], use_threads=False)  # noqa: E731
+            groups = list(range(*row_groups)) if row_groups else None
+            batches = lambda: file.iter_batches(batch_size=1024, row_groups=groups, columns=[text_field],  # noqa: E731
+                                                use_threads=False)
         else:
             reader = pa.ipc.open_stream(pa.memory_map(str(source.path)))
             columns = reader.schema.names

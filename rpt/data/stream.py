@@ -115,22 +115,24 @@ class TokenStream:
         j = np.searchsorted(before, v, side="right") - 1
         return starts[j] + (v - before[j]), v == before[j]
 
-    def batch(self, step: int) -> Batch:
-        """The batch at `step`, without moving the stream (a pure function of the geometry, seed and step)."""
+    def batch(self, step: int, streams: np.ndarray | None = None) -> Batch:
+        """The batch at `step`, without moving the stream (a pure function of the geometry, seed and step); of
+        the given global streams instead of this rank's when `streams` is set (a mixture reads so)."""
         T = self.seq_len
+        mine = self._mine if streams is None else np.asarray(streams, dtype=np.int64)
         epoch, k, in_remainder = self._where(step)
         jumps = None
         if self.mode == "random":
             rng = np.random.default_rng([self.seed, step])
-            starts = rng.integers(0, len(self.tokens) - T - 1, size=self.streams, endpoint=True)[self._mine]
+            starts = rng.integers(0, len(self.tokens) - T - 1, size=self.streams, endpoint=True)[mine]
             positions, epoch_start = starts[:, None] + self._window, True
         elif in_remainder:
             length = self._remainder_batches * T  # each new stream's share of the remainder
-            v = (self._mine * length + k * T)[:, None] + self._window[:-1]
+            v = (mine * length + k * T)[:, None] + self._window[:-1]
             x_pos, jumps = self._virtual_to_physical(v)
             positions, epoch_start = np.concatenate([x_pos, x_pos[:, -1:] + 1], axis=1), k == 0
         else:
-            positions, epoch_start = (self._starts(epoch, self._mine) + k * T)[:, None] + self._window, k == 0
+            positions, epoch_start = (self._starts(epoch, mine) + k * T)[:, None] + self._window, k == 0
         chunk = torch.from_numpy(self.tokens[positions].astype(np.int64))
         x = chunk[:, :-1]
         y = chunk[:, 1:] if jumps is None else torch.from_numpy(self.tokens[positions[:, :-1] + 1].astype(np.int64))

@@ -22,7 +22,7 @@ from rpt.models.shapes import on_meta
 def resolve_vocab_size(cfg: Config) -> None:
     """model.vocab_size = 0 means the data's vocabulary: read it from data.path/meta.json."""
     if cfg.model.vocab_size == 0:
-        meta = Path(cfg.data.path) / "meta.json"
+        meta = Path(next(iter(cfg.data.mix), cfg.data.path)) / "meta.json"  # a mixture's folders share one
         if not meta.is_file():
             raise RptError("model.vocab_size is 0 and data.path has no meta.json to take it from",
                            "set model.vocab_size, or point data.path at a prepared dataset")

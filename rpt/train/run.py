@@ -74,14 +74,14 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, pr
 
 def apply_recipe(cfg: Config, d) -> None:
     """The default recipe, from the prepared data's token counts (rpt/train/recipe.py)."""
-    from rpt.data.dataset import PreparedData
+    from rpt.data.mixture import open_dataset
     from rpt.models.head import token_counts
     from rpt.train.recipe import resolve
 
-    data = PreparedData(cfg.data.path)
-    splits = data.meta["splits"]
-    counts = token_counts(data.tokens("train"), cfg.model.vocab_size or data.vocab_size)
-    resolve(cfg, d, splits["train"]["tokens"], splits["val"]["tokens"], counts)
+    data = open_dataset(cfg.data)
+    train, val = data.tokens("train"), data.tokens("val")
+    counts = token_counts(train, cfg.model.vocab_size or data.vocab_size)
+    resolve(cfg, d, len(train), len(val), counts)
 
 
 def train(cfg: Config, run_dir: Path, resume: bool, nproc: int, max_restarts: int, device: str | None) -> dict | None:
@@ -119,12 +119,13 @@ def load_run(run_dir: str | Path, checkpoint: str = "best", device: str | None =
 
 def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str | None) -> dict:
     from rpt.data.dataset import PreparedData
+    from rpt.data.mixture import open_dataset
     from rpt.data.tokenizer import token_byte_lengths
     from rpt.train.evaluate import evaluate
 
     keep_freed_memory()
     cfg, model, tokenizer, path, ck = load_run(run_dir, checkpoint, device)
-    data = PreparedData(data_path or cfg.data.path)
+    data = PreparedData(data_path) if data_path else open_dataset(cfg.data)
     if data.meta["tokenizer_sha256"] != json.loads((Path(run_dir) / "meta.json").read_text())["tokenizer_sha256"]:
         raise RptError(f"the data at {data.path} was tokenized with another tokenizer than the run's",
                        "evaluate on data prepared with the run's tokenizer (rpt prepare --tokenizer RUN_DIR/tokenizer.json)")

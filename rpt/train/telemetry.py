@@ -95,9 +95,11 @@ class Telemetry:
         mean_loss = self.last_train_loss = mean_across_ranks(loss, self.d)
         comm = self._comm_window_figures()
         pipe = {"pipeline_bubble": tr.pipe.take_bubble()} if tr.pipe else {}
+        by_source = getattr(tr.loader, "tokens_by_source", None)  # a mixture: tokens read from each source
+        sources = {f"tokens/{name}": n for name, n in by_source().items()} if by_source else {}
         record = {"kind": "train", "step": tr.step, "tokens": tr.tokens, "loss": mean_loss,
                   "grad_norm": grad_norm.item(), "lr": lr, "tokens_per_s": window_tokens / wall,
-                  "skipped_steps": tr.skipped_steps, "time": time.time(), **comm, **pipe}
+                  "skipped_steps": tr.skipped_steps, "time": time.time(), **comm, **pipe, **sources}
         log.info(json.dumps(record))
         self._store_interval(record, loss.item(), comm, pipe, steps, wall)
         if self.d.is_main:

@@ -25,6 +25,7 @@ import random
 import shutil
 import time
 from contextlib import closing, nullcontext
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from rpt.config import Config
 from rpt.data.dataset import PreparedData, raise_bad_id
+from rpt.data.mixture import MixedData, open_dataset
 from rpt.data.stream import TokenStream
 from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
@@ -82,9 +84,9 @@ class Trainer:
         self.sync.bind(self.optimizer)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
-        self.loader = TokenStream(self.data.tokens("train"), t.batch_size, t.seq_len, rank=self.dp_rank,
-                                  world_size=self.dp_size, seed=t.seed, mode=cfg.data.loader,
-                                  eot_id=self.data.eot_id)
+        make_loader = self.data.stream if cfg.data.mix else partial(TokenStream, self.data.tokens("train"))
+        self.loader = make_loader(t.batch_size, t.seq_len, rank=self.dp_rank, world_size=self.dp_size, seed=t.seed,
+                                  mode=cfg.data.loader, eot_id=self.data.eot_id)
         self.state = self.model.init_state(t.batch_size, self.device)  # a pipeline stage: its blocks' state
         self.step = self.tokens = self.skipped_steps = self.bad_streak = 0
         self.elapsed_before, self.started = 0.0, time.perf_counter()  # training seconds of earlier runs; this one's
@@ -399,10 +401,10 @@ class Trainer:
             shutil.copyfile(self.data.path / name, self.run_dir / name)
 
 
-def open_data(cfg: Config) -> PreparedData:
-    """The prepared data of data.path, its vocabulary given to the model (model.vocab_size = 0) or checked
-    against it, and every token id of both splits checked to fit."""
-    data = PreparedData(cfg.data.path)
+def open_data(cfg: Config) -> PreparedData | MixedData:
+    """The prepared data of data.path (or the mixture of data.mix), its vocabulary given to the model
+    (model.vocab_size = 0) or checked against it, and every token id of both splits checked to fit."""
+    data = open_dataset(cfg.data)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = data.vocab_size
     elif cfg.model.vocab_size < data.vocab_size:

@@ -125,7 +125,7 @@ def test_reuses_the_same_dataset_and_a_given_tokenizer(tmp_path, small_corpus, p
 # ---------------------------------------------------------------------------- bad input
 
 def _no_leftovers(parent: Path) -> bool:
-    return not any(".partial-" in p.name for p in parent.iterdir())
+    return not any(".partial-" in p.name or p.name.endswith(".work") for p in parent.iterdir())
 
 
 def test_missing_input_path(tmp_path):
@@ -194,7 +194,7 @@ def test_a_failure_midway_leaves_the_previous_dataset_intact(tmp_path, small_cor
     def boom(*args, **kwargs):
         raise RptError("disk full (simulated)")
 
-    monkeypatch.setattr(prepare_mod, "_split", boom)
+    monkeypatch.setattr(prepare_mod, "write_splits", boom)
     with pytest.raises(RptError, match="simulated"):
         prepare(PrepareOptions(out=out, inputs=[str(small_corpus / "b")], vocab_size=300, force=True, progress=False))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -75,6 +75,23 @@ def test_the_loader_reads_the_same_batches_from_shards_across_their_boundaries(b
         assert x.state_dict() == y.state_dict()
 
 
+def test_a_rank_opens_only_the_shards_its_streams_cross(both):
+    root, _, cut = both
+    n_shards = len(cut["splits"]["train"]["shards"])
+    opened = []
+    for rank in range(4):
+        tokens = PreparedData(root / "cut").tokens("train")
+        stream = TokenStream(tokens, 1, 16, rank=rank, world_size=4, seed=1)
+        for _ in range(5):
+            next(stream)
+        lo, hi = rank * stream.stream_len, rank * stream.stream_len + 6 * 16  # what its one stream has read
+        crossed = set(range(int(np.searchsorted(tokens.ends, lo, side="right")),
+                            int(np.searchsorted(tokens.ends, hi, side="right")) + 1))
+        assert set(tokens._open) <= crossed, (rank, sorted(tokens._open))
+        opened.append(set(tokens._open))
+    assert n_shards > 4 and all(len(o) < n_shards for o in opened) and opened[0] != opened[3]
+
+
 def test_a_missing_shard_is_detected_and_a_whole_file_replaces_shards(both, small_corpus):
     root, _, cut = both
     import shutil
