@@ -118,10 +118,6 @@ class MixtureStream:
         """Tokens every rank together has read from each source so far."""
         return {name: int(self.taken[j].sum()) * self.seq_len for j, name in enumerate(self.names)}
 
-    @property
-    def epoch(self) -> int:  # the first source's, as the progress of the run
-        return self.streams[0]._where(int(self.taken[0].max(initial=0)))[0]
-
     def state_dict(self) -> dict:
         return {"mixture": self.names, "weights": self.weights.tolist(), "step": self.step,
                 "taken": self.taken.tolist(), "last": self.last.tolist(), "streams": self.S, "seq_len": self.seq_len,

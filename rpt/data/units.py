@@ -26,7 +26,7 @@ from rpt.data.sources import ReadReport, Source, iter_pieces
 from rpt.data.tokenizer import eot_id
 from rpt.errors import RptError
 
-UNIT_BYTES = 32 << 20  # on disk; the default corpus is one or two units, a 200 MB corpus seven
+UNIT_BYTES = 32 << 20  # on disk
 ENCODE_BATCH_CHARS = 4 << 20
 
 
