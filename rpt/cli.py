@@ -63,6 +63,31 @@ def _part(text: str) -> tuple[int, int]:
     return i, n
 
 
+def _add_model_io(sub) -> None:
+    """rpt export and rpt lm-eval: models out to transformers and lm-evaluation-harness (docs/models.md)."""
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face transformers folder (safetensors)",
+                       description="model.safetensors, config.json, the tokenizer and modeling_rpt.py: "
+                                   "AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) loads it")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--out", required=True, type=Path, help="the folder to write, e.g. exports/NAME")
+    p.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
+    p.add_argument("--max-shard-size", default="5GB", help="weights above this size are written in several files")
+    p.add_argument("--force", action="store_true", help="replace what is in --out")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("lm-eval", help="run lm-evaluation-harness tasks on an export (or a run, exported first)")
+    p.add_argument("path", metavar="DIR", help="a folder `rpt export` wrote, or a run directory")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    p.add_argument("--include-path", help="a folder of your own task YAML files")
+    p.add_argument("--limit", type=float, help="at most this many documents per task (or a share, below 1)")
+    p.add_argument("--num-fewshot", type=int)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--checkpoint", default="best", help="of a run directory: " + CHECKPOINT_HELP)
+    p.add_argument("--output", type=Path, help="write lm-eval's results as JSON here")
+    p.set_defaults(func=_cmd_lm_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rpt", description="Pretrain deep recurrent language models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
@@ -101,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=_cmd_generate)
+
+    _add_model_io(sub)
 
     p = sub.add_parser("topology", help="measure latency and bandwidth between ranks; predict each comm mode's cost",
                        description="Run under torchrun on every node (or --nproc N on this machine).")
@@ -279,6 +306,29 @@ def _cmd_generate(args) -> None:
 
     generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                   args.seed, args.checkpoint, args.device)
+
+
+def _cmd_export(args) -> None:
+    from rpt.export.hf_export import export_run
+
+    r = export_run(args.run_dir, args.out, args.checkpoint, args.max_shard_size, args.force)
+    print(f"exported {r['checkpoint']} ({r['about']}, {r['params']:,} parameters) to {r['out']}:\n  "
+          + "  ".join(r["files"]) + f"\nLoad it with AutoModelForCausalLM.from_pretrained('{r['out']}', "
+          "trust_remote_code=True); evaluate with rpt lm-eval " + r["out"] + " --tasks TASK")
+
+
+def _cmd_lm_eval(args) -> None:
+    import json
+
+    from rpt.export.lm_eval_run import run_lm_eval, summary
+
+    results = run_lm_eval(args.path, [t for t in args.tasks.split(",") if t], args.include_path, args.limit,
+                          args.batch_size, args.device, args.num_fewshot, checkpoint=args.checkpoint)
+    print(summary(results))
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps({k: results[k] for k in ("results", "versions", "n-shot") if k in results},
+                                          indent=2, default=str))
 
 
 def _cmd_topology(args) -> None:

@@ -147,6 +147,10 @@ class TrainConfig:
     max_bad_steps: int = 25  # stop after this many optimiser steps in a row with non-finite gradients
     stall_timeout: float = 300.0  # seconds a rank may wait in one phase while others are elsewhere; 0: off
     compile: str = ""  # torch.compile backend for each block ("inductor", ...); "": eager
+    # Start from earlier weights (a run directory, one of its checkpoints, or an `rpt export` folder), with a fresh
+    # optimiser, schedule and loader; init_fresh: the parts left at their fresh initialisation ("embed", "head")
+    init_from: str = ""
+    init_fresh: list[str] = field(default_factory=list)
 
     def check(self) -> None:
         for name in ("batch_size", "seq_len", "grad_accum", "max_bad_steps"):
@@ -169,6 +173,12 @@ class TrainConfig:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise RptError(f"train.betas = {self.betas} must be two numbers in [0, 1)",
                            "e.g. --set train.betas=[0.9,0.95]")
+        unknown = [p for p in self.init_fresh if p not in ("embed", "blocks", "norm", "head")]
+        if unknown:
+            raise RptError(f"train.init_fresh names {', '.join(map(repr, unknown))}, not a part of the model",
+                           "list some of embed, blocks, norm, head, e.g. [\"head\"]")
+        if self.init_fresh and not self.init_from:
+            raise RptError("train.init_fresh is set without train.init_from", "set train.init_from = PATH, or drop init_fresh")
         if self.compile:
             import torch._dynamo
 

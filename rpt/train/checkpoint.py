@@ -253,6 +253,17 @@ class Checkpointer:
         saved = self.saved_layout(path)
         return any(saved.get(k, v) != v for k, v in self.layout.items())
 
+    def read_model(self, path: str) -> dict[str, torch.Tensor]:
+        """The model's weights in the checkpoint at `path` as full CPU tensors, without building a model (DCP
+        reassembles them from however many ranks wrote them): what train.init_from starts a new run from."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        saved = self._reader(path).read_metadata().state_dict_metadata
+        model = {k[len("model."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items()
+                 if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+        dcp.load({"model": model}, storage_reader=self._reader(path))
+        return model
+
     def load(self, path: str, model, optimizer=None, partial: bool = False) -> dict:
         """Load model (and optimiser) state into place, resharded by DCP to this run's layout; returns this
         rank's extras, or rank 0's when the checkpoint has another layout (its parts that hold for every rank:

@@ -54,6 +54,7 @@ from rpt.train import faults
 from rpt.train.budget import Budget
 from rpt.train.checkpointing import Checkpointing, RandomState
 from rpt.train.evaluate import Evaluation
+from rpt.train.init_from import load_weights, read_weights
 from rpt.train.optim import build_optimizer, step_unless
 from rpt.train.telemetry import Telemetry
 from rpt.train.watchdog import Watchdog
@@ -78,6 +79,8 @@ class Trainer:
             counts = token_counts(self.data.tokens("train"), cfg.model.vocab_size)
             for model in (shape, self.model):  # (a resumed run then loads the order it trained with)
                 model.head.assign(counts)
+        self.initialised_from = self._init_from(t) if t.init_from and not resume else None  # (a resumed run's
+        # checkpoint holds them already)
         self.params, self.flops_per_token = shape.num_params(), shape.flops_per_token()
         self.dp_rank, self.dp_size = par.dp_rank, par.dp_size
         self.optimizer = build_optimizer(self.model, t, self.sync.owned)  # None where a rank owns nothing
@@ -105,6 +108,8 @@ class Trainer:
                                          dist_info.world_size, dist_info.is_main, self.hooks, par.layout)
         self.checkpointer = self.checkpoints.checkpointer
         self.telemetry = Telemetry(self, progress)
+        if self.initialised_from:
+            self.telemetry.say(self.initialised_from)
         # what a checkpoint holds beside the model and the optimiser: save and resume walk this one registry
         self.stateful = {"trainer": self, "loader": self.loader, "scaler": self.scaler, "sync": self.sync,
                          "budget": self.budget, "evaluation": self.evaluation, "rng": RandomState(self.device)}
@@ -382,10 +387,20 @@ class Trainer:
         if state.get("layout", {**self.layout, "rank": self.d.rank}) == {**self.layout, "rank": self.d.rank}:
             self.state = map_state(lambda t: t.to(self.device), state["state"])  # else another rank's rows: afresh
 
+    def _init_from(self, t) -> str:
+        weights = read_weights(t.init_from)
+        loaded = load_weights(self.model, weights, t.init_fresh, self.cfg.model.tie_embeddings,
+                              partial=self.pipe is not None, tokenizer_sha256=self.data.meta.get("tokenizer_sha256", ""))
+        fresh = f"; fresh: {', '.join(t.init_fresh)}" if t.init_fresh else ""
+        log.info("initialised %d tensors from %s%s", len(loaded), weights.source, fresh)
+        return f"initialised from {weights.source} ({len(loaded)} tensors{fresh})"
+
     def _resume(self) -> None:
         path = self.checkpoints.resume(self.model, self.optimizer, self.stateful, partial=self.pipe is not None,
                                        per_rank=("rng", "sync"))
-        if path is None:
+        if path is None:  # nothing saved yet: a restarted new run starts as it did
+            if self.cfg.train.init_from:
+                self.telemetry.say(self._init_from(self.cfg.train))
             return
         extending = self.budget.resume(self.step, self.tokens, self.elapsed_before,
                                        refuse_spent=restart_count() == 0)

@@ -40,8 +40,16 @@ def test_fsdp2_on_two_processes_trains_exactly_as_one(tiny_data, tmp_path, refer
     runs = [("fsdp", ["parallel.fsdp=2", *CLIP], False),
             ("accum", ["parallel.fsdp=2", "train.grad_accum=2", *CLIP], False),
             ("reshard", ["parallel.fsdp=2", "train.grad_accum=2", "parallel.fsdp_reshard_microsteps=true", *CLIP],
-             False)]
+             False),
+            # a new run from the reference's weights: each rank loads its shards of them
+            ("init", ["parallel.fsdp=2", f"train.init_from={ref_dir / 'ref'}", *CLIP], False)]
     ranks = run_ranks(train_runs, 2, tmp_path / "ranks", str(tiny_data), str(tmp_path), runs, timeout=240)
+    init_losses, init_params = reference(tiny_data, tmp_path, "init-ref", "train.batch_size=8",
+                                         f"train.init_from={ref_dir / 'ref'}", *CLIP)
+    assert init_losses[1] < ref_losses[1] - 0.01  # the same first batch, read with the trained weights
+    for r in ranks:
+        assert_same_training({"losses": ranks[0]["init"]["losses"], "params": r["init"]["params"]}, init_losses,
+                             init_params)
     assert all(n > 0.05 for n in grad_norms(ref_dir / "ref"))  # clipping was active
     for run in ("fsdp", "accum", "reshard"):
         for r in ranks:  # every rank's gathered parameters, and rank 0's losses

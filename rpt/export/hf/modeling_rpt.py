@@ -1,0 +1,360 @@
+"""An rpt recurrent language model for Hugging Face transformers, written with torch and transformers only.
+
+`rpt export` writes this file beside the weights, so that
+
+    model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
+
+builds the model without rpt installed. The cells run their reference forms: the step of each recurrence in
+plain torch ops (F.linear and pointwise), in a Python loop over time. That is exact and runs on any device, but
+it is much slower than rpt's fused kernels: train and evaluate at scale with rpt, use this for interchange.
+
+Parameter names are rpt's own (`blocks.3.cell.w_hh`), so the weights load both ways unchanged. The recurrent
+state is the generation cache (`RptState`): one token at a time, memory constant in the length. Left padding
+is handled by starting each row's state fresh at its first real token; the state resets at the end-of-text
+token, as rpt's training does, when `config.reset_at_eot`. Beam search (which reorders the cache) is not
+supported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.utils import ModelOutput
+
+from .configuration_rpt import RptConfig
+
+LN_EPS = 1e-5
+GATES = {"sigmoid": torch.sigmoid, "hard_sigmoid": lambda x: torch.clamp(x / 6 + 0.5, 0.0, 1.0)}
+
+
+# ---------------------------------------------------------------------------------------------- cells (one step)
+class _Cell(nn.Module):
+    def __init__(self, d_model: int, d_hidden: int):
+        super().__init__()
+        self.d_model, self.d_hidden = d_model, d_hidden
+        self.proj = nn.Linear(d_hidden, d_model, bias=False) if d_hidden != d_model else None
+
+    n_state = 1
+
+    def init_state(self, batch: int, like: torch.Tensor) -> tuple:
+        return tuple(like.new_zeros(batch, self.d_hidden) for _ in range(self.n_state))
+
+    def out(self, h):
+        return self.proj(h) if self.proj is not None else h
+
+
+class _Gated(_Cell):
+    """PyTorch's RNN layout: w_ih, w_hh, b_ih, b_hh over `n_gates` gate groups."""
+    n_gates = 1
+
+    def __init__(self, cfg: RptConfig):
+        super().__init__(cfg.d_model, cfg.d_hidden)
+        G, H, D = self.n_gates, cfg.d_hidden, cfg.d_model
+        self.w_ih, self.w_hh = nn.Parameter(torch.empty(G * H, D)), nn.Parameter(torch.empty(G * H, H))
+        self.b_ih, self.b_hh = nn.Parameter(torch.zeros(G * H)), nn.Parameter(torch.zeros(G * H))
+
+
+class LSTM(_Gated):
+    n_gates, n_state = 4, 2
+
+    def step(self, x, state):
+        h, c = state
+        i, f, g, o = (F.linear(x, self.w_ih, self.b_ih) + F.linear(h, self.w_hh, self.b_hh)).chunk(4, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        return self.out(h), (h, c)
+
+
+class GRU(_Gated):
+    n_gates = 3
+
+    def step(self, x, state):
+        (h,) = state
+        xr, xz, xn = F.linear(x, self.w_ih, self.b_ih).chunk(3, dim=-1)
+        hr, hz, hn = F.linear(h, self.w_hh, self.b_hh).chunk(3, dim=-1)
+        r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+        h = (1 - z) * torch.tanh(xn + r * hn) + z * h
+        return self.out(h), (h,)
+
+
+class ModLSTM(_Cell):
+    """rpt's modified LSTM: sigmoid, hard_sigmoid or the stabilised exponential gate; gate layer norm,
+    coupled gates, peepholes."""
+
+    def __init__(self, cfg: RptConfig):
+        super().__init__(cfg.d_model, cfg.d_hidden)
+        H, D = cfg.d_hidden, cfg.d_model
+        self.exp, self.coupled, self.gate_norm, self.peepholes = cfg.gate == "exp", cfg.coupled_gates, cfg.gate_norm, cfg.peepholes
+        self.gate_fn = None if self.exp else GATES[cfg.gate]
+        self.groups = ("f", "z", "o") if self.coupled else ("i", "f", "z", "o")
+        G = len(self.groups)
+        self.n_state = 4 if self.exp else 2
+        self.w_x, self.w_h = nn.Parameter(torch.empty(G * H, D)), nn.Parameter(torch.empty(G * H, H))
+        if self.gate_norm:
+            self.bias = None
+            self.ln_weight, self.ln_bias = nn.Parameter(torch.ones(G, H)), nn.Parameter(torch.zeros(G, H))
+        else:
+            self.bias = nn.Parameter(torch.zeros(G * H))
+        self.peep = nn.Parameter(torch.zeros(G - 1, H)) if self.peepholes else None
+
+    def step(self, x, state):
+        H, G = self.d_hidden, len(self.groups)
+        P = F.linear(x, self.w_x) + F.linear(state[0], self.w_h)
+        if self.bias is not None:
+            P = P + self.bias
+        P = P.view(-1, G, H)
+        if self.gate_norm:
+            P = F.layer_norm(P, (H,), eps=LN_EPS) * self.ln_weight + self.ln_bias
+        g = dict(zip(self.groups, P.unbind(1)))
+        if self.exp:  # m: the log-space stabiliser; h does not depend on it
+            h, c, n, m = state
+            m_prev = torch.where(n > 0, m, torch.full_like(m, -math.inf))
+            m = torch.maximum(g["f"] + m_prev, g["i"])
+            i, f = torch.exp(g["i"] - m), torch.exp(g["f"] + m_prev - m)
+            c = f * c + i * torch.tanh(g["z"])
+            n = f * n + i
+            h = torch.sigmoid(g["o"]) * c / n
+            return self.out(h), (h, c, n, m)
+        h, c = state
+        p_f, p_o = g["f"], g["o"]
+        if self.peepholes:
+            p_f = p_f + self.peep[-2] * c
+        f = self.gate_fn(p_f)
+        i = 1 - f if self.coupled else self.gate_fn(g["i"] + self.peep[0] * c if self.peepholes else g["i"])
+        c = f * c + i * torch.tanh(g["z"])
+        if self.peepholes:
+            p_o = p_o + self.peep[-1] * c
+        h = torch.sigmoid(p_o) * torch.tanh(c)
+        return self.out(h), (h, c)
+
+
+class MinRNN(_Cell):
+    """minGRU / minLSTM: gates from the input only, h_t = a_t * h_{t-1} + b_t."""
+
+    def __init__(self, cfg: RptConfig):
+        nn.Module.__init__(self)
+        self.d_model, self.d_hidden, self.kind = cfg.d_model, cfg.d_hidden, cfg.cell
+        n_proj = 2 if cfg.cell == "mingru" else 3
+        self.in_proj = nn.Linear(cfg.d_model, n_proj * cfg.d_hidden)
+        self.out_proj = nn.Linear(cfg.d_hidden, cfg.d_model, bias=False)
+
+    def step(self, x, state):
+        (h,) = state
+        u = self.in_proj(x)
+        if self.kind == "mingru":
+            z_pre, h_tilde = u.chunk(2, dim=-1)
+            z = torch.sigmoid(z_pre)
+            a, b = 1 - z, z * h_tilde
+        else:
+            f_pre, i_pre, h_tilde = u.chunk(3, dim=-1)
+            f, i = torch.sigmoid(f_pre), torch.sigmoid(i_pre)
+            a, b = f / (f + i), i / (f + i) * h_tilde
+        h = a * h + b
+        return self.out_proj(h), (h,)
+
+
+CELLS = {"lstm": LSTM, "gru": GRU, "modlstm": ModLSTM, "mingru": MinRNN, "minlstm": MinRNN}
+
+
+# ---------------------------------------------------------------------------------------------- the stack
+class SlidingWindowAttention(nn.Module):
+    """Causal attention over the last `window` positions of the same document; its state is the last W keys and
+    values, so that generation keeps constant memory."""
+
+    def __init__(self, cfg: RptConfig):
+        super().__init__()
+        D = cfg.d_model
+        self.d_model, self.n_heads, self.window = D, cfg.attention_heads, cfg.attention_window
+        self.qkv, self.out = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D, bias=False)
+
+    def init_state(self, batch: int, like: torch.Tensor) -> tuple:
+        zeros = like.new_zeros(batch, self.window, self.d_model)
+        return zeros, zeros.clone(), like.new_zeros(batch, self.window)
+
+    def forward(self, x, state, reset):
+        B, T, D = x.shape
+        W, nh = self.window, self.n_heads
+        k_old, v_old, valid = state
+        q, k, v = self.qkv(x).split(D, dim=-1)
+        keys, values = torch.cat([k_old, k], 1), torch.cat([v_old, v], 1)
+        doc = reset.long().cumsum(1)  # each reset opens a new document; the cache is document 0 where valid
+        doc_all = torch.cat([torch.where(valid > 0, 0, -1).to(doc.dtype), doc], 1)
+        pos_q = torch.arange(T, device=x.device)[:, None] + W
+        pos_k = torch.arange(W + T, device=x.device)[None, :]
+        mask = ((pos_k <= pos_q) & (pos_k > pos_q - W))[None] & (doc_all[:, None, :] == doc[:, :, None])
+        heads = lambda t: t.view(B, -1, nh, D // nh).transpose(1, 2)
+        y = F.scaled_dot_product_attention(heads(q), heads(keys), heads(values), attn_mask=mask[:, None])
+        y = self.out(y.transpose(1, 2).reshape(B, T, D))
+        return y, (keys[:, -W:], values[:, -W:], (doc_all[:, -W:] == doc[:, -1:]).to(valid.dtype))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, d_model: int, ratio: float):
+        super().__init__()
+        hidden = max(8, int(round(d_model * ratio / 8)) * 8)
+        self.up, self.down = nn.Linear(d_model, 2 * hidden, bias=False), nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x):
+        a, b = self.up(x).chunk(2, dim=-1)
+        return self.down(F.silu(a) * b)
+
+
+def make_norm(cfg: RptConfig) -> nn.Module:
+    return nn.RMSNorm(cfg.d_model) if cfg.norm == "rmsnorm" else nn.LayerNorm(cfg.d_model)
+
+
+class Block(nn.Module):
+    """x += gate_cell * cell(norm(x)); x += gate_attn * attention(norm(x)) (some blocks); x += gate_mlp * mlp(norm(x))."""
+
+    def __init__(self, cfg: RptConfig, index: int):
+        super().__init__()
+        D = cfg.d_model
+        self.cell_norm, self.cell = make_norm(cfg), CELLS[cfg.cell](cfg)
+        self.cell_gate = nn.Parameter(torch.ones(D))
+        self.attn = None
+        if cfg.attention_every and (index + 1) % cfg.attention_every == 0:
+            self.attn_norm, self.attn = make_norm(cfg), SlidingWindowAttention(cfg)
+            self.attn_gate = nn.Parameter(torch.ones(D))
+        self.mlp = None
+        if cfg.mlp_ratio > 0:
+            self.mlp_norm, self.mlp = make_norm(cfg), GatedMLP(D, cfg.mlp_ratio)
+            self.mlp_gate = nn.Parameter(torch.ones(D))
+
+    def init_state(self, batch: int, like: torch.Tensor):
+        return self.cell.init_state(batch, like), self.attn.init_state(batch, like) if self.attn is not None else ()
+
+    def forward(self, x, state, reset):
+        """x: [B, T, D]; reset: [B, T] bool, start the state fresh before that position."""
+        cell_state, attn_state = state
+        inp, ys = self.cell_norm(x), []
+        for t in range(x.shape[1]):  # the reference form: one step at a time
+            keep = (~reset[:, t]).to(x.dtype)[:, None]
+            y, cell_state = self.cell.step(inp[:, t], tuple(s * keep for s in cell_state))
+            ys.append(y)
+        x = x + self.cell_gate * torch.stack(ys, dim=1)
+        if self.attn is not None:
+            y, attn_state = self.attn(self.attn_norm(x), attn_state, reset)
+            x = x + self.attn_gate * y
+        if self.mlp is not None:
+            x = x + self.mlp_gate * self.mlp(self.mlp_norm(x))
+        return x, (cell_state, attn_state)
+
+
+class Head(nn.Module):
+    """The full softmax (`weight` tied to the embedding unless the run untied it)."""
+
+    def __init__(self, cfg: RptConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+
+    def forward(self, h):
+        return F.linear(h, self.weight)
+
+
+class ClusteredHead(Head):
+    """The two-level softmax: log-probabilities, the `shortlist` most frequent tokens (`order`) and one entry for
+    the rest in the first level, the rest in the second."""
+
+    def __init__(self, cfg: RptConfig):
+        super().__init__(cfg)
+        self.shortlist = cfg.head_shortlist
+        self.rest = nn.Linear(cfg.d_model, 1)
+        self.register_buffer("order", torch.arange(cfg.vocab_size))
+
+    def forward(self, h):
+        S = self.shortlist
+        short, tail = self.weight[self.order[:S]], self.weight[self.order[S:]]
+        head = torch.cat([F.linear(h, short), self.rest(h)], dim=-1).float().log_softmax(-1)
+        tail = F.linear(h, tail).float().log_softmax(-1) + head[..., S:]
+        rank = torch.empty_like(self.order)
+        rank[self.order] = torch.arange(len(self.order), device=self.order.device)
+        return torch.cat([head[..., :S], tail], dim=-1).index_select(-1, rank)
+
+
+# ---------------------------------------------------------------------------------------------- transformers
+class RptState:
+    """The generation cache: every block's recurrent state (and its attention window), and the tokens seen."""
+
+    def __init__(self, blocks: list, seen: int = 0):
+        self.blocks, self.seen = blocks, seen
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+
+@dataclass
+class RptCausalLMOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: RptState | None = None
+
+
+class RptForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = RptConfig
+    base_model_prefix = "rpt"
+    _is_stateful = True
+    _tied_weights_keys = {"head.weight": "embed.weight"}
+    _no_split_modules = ["Block"]
+
+    def __init__(self, config: RptConfig):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
+        self.norm = make_norm(config)
+        self.head = ClusteredHead(config) if config.head_shortlist else Head(config)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the cache is the recurrent state (RptState), made by forward
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def set_input_embeddings(self, value):
+        self.embed = value
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def _init_weights(self, module):  # every weight comes from the checkpoint; fresh ones start small
+        if isinstance(module, (nn.Linear, nn.Embedding)) or isinstance(module, Head):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                cache: RptState | None = None, labels: torch.LongTensor | None = None, use_cache: bool | None = None,
+                return_dict: bool | None = None, logits_to_keep: int = 0, **kwargs) -> RptCausalLMOutput:
+        B, T = input_ids.shape
+        x = self.embed(input_ids)
+        reset = self._resets(input_ids, attention_mask)
+        state = cache.blocks if cache is not None else [b.init_state(B, x) for b in self.blocks.values()]
+        new_state = []
+        for block, s in zip(self.blocks.values(), state):
+            x, s = block(x, s, reset)
+            new_state.append(s)
+        x = self.norm(x)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = self.head(x).float()
+        loss = None
+        if labels is not None:  # transformers' convention: labels are the inputs, shifted here
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        seen = (cache.seen if cache is not None else 0) + T
+        return RptCausalLMOutput(loss=loss, logits=logits, cache=RptState(new_state, seen) if use_cache else None)
+
+    def _resets(self, input_ids, attention_mask):
+        """Where a row's state starts fresh: at the end-of-text token (as rpt trains), and at the first real token
+        after left padding."""
+        reset = input_ids == self.config.eot_token_id if self.config.reset_at_eot else torch.zeros_like(input_ids, dtype=torch.bool)
+        if attention_mask is not None:
+            mask = attention_mask[:, -input_ids.shape[1] - 1:].bool()
+            if mask.shape[1] == input_ids.shape[1]:  # the whole sequence: padding before column 0 cannot be
+                mask = torch.cat([mask.new_zeros(mask.shape[0], 1), mask], 1)
+            reset = reset | (mask[:, 1:] & ~mask[:, :-1])
+        return reset

@@ -1,0 +1,219 @@
+"""rpt -> transformers -> rpt: the exported folder loads with AutoModelForCausalLM (trust_remote_code), gives rpt's
+logits within 1e-5 for every cell, head and block kind, generates rpt's greedy text with constant memory, and
+loads back into rpt (train.init_from) with the same logits."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from rpt.errors import RptError
+from rpt.export.hf_export import export_model, export_run
+from rpt.models import RecurrentLM
+from rpt.train.init_from import load_weights, read_weights
+from rpt.train.run import load_run
+from rpt.train.trainer import Trainer
+
+VARIANTS = {  # name: the model settings of a run (every cell; attention, MLP, both heads, weight norm)
+    "lstm-attn": ["model.cell=lstm", "model.attention_every=2", "model.attention_heads=2", "model.attention_window=6"],
+    "gru-untied": ["model.cell=gru", "model.tie_embeddings=false", "model.norm=layernorm"],
+    "modlstm-exp": ["model.cell=modlstm", "model.gate=exp", "model.gate_norm=true", "model.d_hidden=48"],
+    "modlstm-peep": ["model.cell=modlstm", "model.gate=hard_sigmoid", "model.peepholes=true", "model.mlp_ratio=2"],
+    "modlstm-coupled": ["model.cell=modlstm", "model.coupled_gates=true", "model.weight_norm=true"],
+    "mingru-short": ["model.cell=mingru", "model.head_shortlist=40"],
+    "minlstm": ["model.cell=minlstm", "model.attention_every=1", "model.attention_heads=4", "model.attention_window=4"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_data) -> dict[str, tuple[Path, Path]]:
+    """Each variant trained for 3 steps, and its export: name -> (run directory, export folder)."""
+    from rpt.config import Config
+    from rpt.parallel.launch import Dist
+
+    root = tmp_path_factory.mktemp("export")
+    solo = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    out = {}
+    for name, overrides in VARIANTS.items():
+        cfg = Config.load(None, [f"data.path={tiny_data}", "model.d_model=32", "model.n_layers=2",
+                                 "train.batch_size=4", "train.seq_len=16", "train.max_steps=3", "train.warmup_steps=1",
+                                 "train.eval_interval=0", "train.eval_tokens=256", "monitor.tensorboard=false",
+                                 "train.lr=0.02", *overrides])
+        Trainer(cfg, root / name, solo, progress=False).run()
+        export_run(root / name, root / f"{name}-hf")
+        out[name] = (root / name, root / f"{name}-hf")
+    return out
+
+
+def tokens(model, eot: int, seed: int = 0) -> torch.Tensor:
+    """Two rows of 24 tokens starting with the end-of-text token and holding no other one."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=g)
+    x[x == eot] = eot + 1
+    x[:, 0] = eot
+    return x
+
+
+def hf_model(folder: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_export_round_trip_gives_rpt_logits(runs, name):
+    run, folder = runs[name]
+    files = {p.name for p in folder.iterdir()}
+    assert all((folder / f).stat().st_mode & 0o777 == (folder / "config.json").stat().st_mode & 0o777 for f in files)
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "modeling_rpt.py",
+            "configuration_rpt.py"} <= files
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_rpt.RptForCausalLM"
+    cfg, model, tokenizer, *_ = load_run(run, "best", "cpu")
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    x = tokens(model, eot)
+    hf = hf_model(folder)
+    with torch.no_grad():
+        ours, _ = model(x)
+        theirs = hf(x).logits
+    assert theirs.shape == ours.shape
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    # ... and back into rpt, as train.init_from reads an export: the same logits
+    back = RecurrentLM(cfg.model)
+    if cfg.model.head_shortlist:
+        back.head.assign(torch.ones(cfg.model.vocab_size).numpy())  # another order, to be replaced by the export's
+    load_weights(back, read_weights(folder), [], cfg.model.tie_embeddings, partial=False, tokenizer_sha256="")
+    with torch.no_grad():
+        again, _ = back.eval()(x)
+    torch.testing.assert_close(again, ours, atol=1e-5 if cfg.model.weight_norm else 0, rtol=0)
+
+
+def test_exported_model_resets_at_end_of_text_as_rpt_evaluates(runs):
+    run, folder = runs["lstm-attn"]
+    _, model, tokenizer, *_ = load_run(run, "best", "cpu")
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    x = tokens(model, eot)
+    x[0, 10] = x[1, 17] = eot  # documents start inside the rows
+    with torch.no_grad():
+        ours, _ = model(x, reset_mask=x == eot)
+        plain, _ = model(x)
+        theirs = hf_model(folder)(x).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    assert (theirs - plain).abs().max() > 1e-3  # the resets matter here
+
+
+def test_tokenizer_loads_and_starts_documents_with_end_of_text(runs):
+    run, folder = runs["lstm-attn"]
+    tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=False)  # no code of ours needed
+    _, _, tokenizer, *_ = load_run(run, "best", "cpu")
+    text = "First Citizen: before we proceed"
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    assert tok(text).input_ids == [eot] + tokenizer.encode(text, add_special_tokens=False).ids
+    assert tok.eos_token_id == eot and tok.decode(tok(text).input_ids, skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("name", ["lstm-attn", "modlstm-exp", "mingru-short"])
+def test_transformers_greedy_generate_equals_rpt_generate(runs, name, tmp_path):
+    run, folder = runs[name]
+    cfg, model, tokenizer, *_ = load_run(run, "best", "cpu")
+    with torch.no_grad():  # weights far from a few steps' training, whose greedy text is one token repeated
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    folder = tmp_path / "hf"
+    export_model(cfg, model, run / "tokenizer.json", folder)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    ids = tok("Is it a verdict?", return_tensors="pt").input_ids
+    ours = list(model.generate(ids[0], 30, temperature=0))
+    hf = hf_model(folder)
+    out = hf.generate(ids, max_new_tokens=30, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    assert out.sequences[0, ids.shape[1]:].tolist() == ours
+    # every step's logits through the cache equal rpt's forward over the whole text
+    with torch.no_grad():
+        whole, _ = model(out.sequences[:, :-1])
+    torch.testing.assert_close(torch.cat(out.logits), whole[0, ids.shape[1] - 1:], atol=1e-5, rtol=1e-5)  # logits ~10
+    # the cache is the recurrent state: its size does not grow with the tokens generated
+    short = hf.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    size = lambda cache: sum(t.numel() for t in _tensors(cache.blocks))
+    assert size(out.cache) == size(short.cache) > 0
+    assert out.cache.seen == ids.shape[1] + 29
+
+
+def test_left_padded_batch_scores_and_generates_as_each_row_alone(runs):
+    _, folder = runs["lstm-attn"]
+    tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    tok.padding_side = "left"
+    hf = hf_model(folder)
+    prompts = ["Is it a verdict?", "We are accounted poor citizens, the patricians good."]
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    assert (batch.attention_mask == 0).any()
+    together = hf.generate(**batch, max_new_tokens=12, do_sample=False)[:, batch.input_ids.shape[1]:]
+    with torch.no_grad():
+        last = hf(**batch).logits[:, -1]
+    for row, prompt in enumerate(prompts):
+        alone = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            torch.testing.assert_close(last[row], hf(alone).logits[0, -1], atol=1e-5, rtol=0)
+        assert together[row].tolist() == hf.generate(alone, max_new_tokens=12, do_sample=False)[0, alone.shape[1]:].tolist()
+
+
+def test_large_weights_are_sharded_and_load_back(runs, tmp_path):
+    run, folder = runs["gru-untied"]
+    sharded = tmp_path / "sharded"
+    export_run(run, sharded, max_shard_size="40KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and not (sharded / "model.safetensors").exists()
+    x = torch.arange(20)[None] % 300
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(sharded)(x).logits, hf_model(folder)(x).logits, atol=0, rtol=0)
+    whole, parts = read_weights(folder).tensors, read_weights(sharded).tensors
+    assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
+
+
+def test_bad_exports_get_one_clear_message(runs, tmp_path, tiny_data):
+    run, folder = runs["lstm-attn"]
+    with pytest.raises(RptError, match="exists and is not empty"):
+        export_run(run, folder)
+    empty = tmp_path / "no-checkpoint"
+    empty.mkdir()
+    (empty / "config.toml").write_text((run / "config.toml").read_text())
+    with pytest.raises(RptError, match="no complete checkpoint"):
+        export_run(empty, tmp_path / "out")
+    with pytest.raises(RptError, match="not a run directory"):
+        export_run(tmp_path, tmp_path / "out2")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+
+
+def _tensors(state):
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, (list, tuple)):
+        for s in state:
+            yield from _tensors(s)
+
+
+def test_the_modeling_files_need_only_torch_and_transformers():
+    """What `rpt export` copies beside the weights imports nothing of rpt (it runs where rpt is not installed)."""
+    import ast
+    import sys
+
+    import rpt.export.hf as hf_code
+
+    allowed = {"torch", "transformers", *sys.stdlib_module_names}
+    for path in Path(hf_code.__file__).parent.glob("*_rpt.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                roots = [] if node.level else [node.module.split(".")[0]]  # a relative import: the other file
+            else:
+                continue
+            assert set(roots) <= allowed, f"{path.name} imports {roots}"

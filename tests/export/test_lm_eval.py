@@ -1,0 +1,104 @@
+"""rpt lm-eval: lm-evaluation-harness's own `hf` model on an export scores a local task's texts with the
+log-likelihoods rpt's evaluation gives them; a run directory is exported first; bad folders get one message."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from rpt.config import Config
+from rpt.errors import RptError
+from rpt.export.hf_export import export_run
+from rpt.export.lm_eval_run import run_lm_eval
+from rpt.parallel.launch import Dist
+from rpt.train.run import load_run
+from rpt.train.trainer import Trainer
+
+DOCS = [{"context": "First Citizen:\nBefore we proceed any further, hear me", "continuation": " speak."},
+        {"context": "All:\nSpeak,", "continuation": " speak."},
+        {"context": "You are all resolved rather to die than", "continuation": " to famish?"},
+        {"context": "MENENIUS:\nWhat work's, my countrymen, in hand?", "continuation": " Where go you"}]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, tiny_data) -> tuple[Path, Path, Path]:
+    """(run, its export, a folder holding the task rpt_local: a loglikelihood task on a local jsonl file)."""
+    root = tmp_path_factory.mktemp("lm-eval")
+    cfg = Config.load(None, [f"data.path={tiny_data}", "model.d_model=32", "model.cell=modlstm", "train.batch_size=4",
+                             "train.seq_len=16", "train.max_steps=10", "train.eval_interval=0", "train.eval_tokens=256",
+                             "model.attention_every=2", "model.attention_window=8", "monitor.tensorboard=false"])
+    Trainer(cfg, root / "run", Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), progress=False).run()
+    export_run(root / "run", root / "hf")
+    tasks = root / "tasks"
+    tasks.mkdir()
+    (tasks / "local.jsonl").write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    (tasks / "rpt_local.yaml").write_text(f"""task: rpt_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {tasks / 'local.jsonl'}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{continuation}}}}"
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+""")
+    return root / "run", root / "hf", tasks
+
+
+def rpt_loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
+    """The continuation's log-probability after the context, from rpt's own forward (its per-token nats)."""
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    ctx = [eot] + tokenizer.encode(context, add_special_tokens=False).ids
+    whole = [eot] + tokenizer.encode(context + continuation, add_special_tokens=False).ids
+    x = torch.tensor(whole)[None]
+    with torch.no_grad():
+        nats, _ = model(x[:, :-1], reset_mask=x[:, :-1] == eot, targets=x[:, 1:])
+    return -float(nats[0, len(ctx) - 1:].sum())
+
+
+def test_local_task_log_likelihoods_equal_rpts_own(exported):
+    run, folder, tasks = exported
+    results = run_lm_eval(folder, ["rpt_local"], include_path=str(tasks), batch_size=2, log_samples=True)
+    _, model, tokenizer, *_ = load_run(run, "best", "cpu")
+    samples = results["samples"]["rpt_local"]
+    assert len(samples) == len(DOCS)
+    for s in samples:
+        ll = s["resps"][0][0][0]
+        assert ll == pytest.approx(rpt_loglikelihood(model, tokenizer, s["doc"]["context"], s["doc"]["continuation"]),
+                                   abs=1e-4)
+    assert results["results"]["rpt_local"]["perplexity,none"] > 1
+
+
+def test_rpt_lm_eval_command_exports_a_run_first(exported, tmp_path):
+    run, _, tasks = exported
+    out = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "rpt", "lm-eval", str(run), "--tasks", "rpt_local", "--include-path",
+                           str(tasks), "--output", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rpt_local" in proc.stdout and "perplexity" in proc.stdout
+    assert json.loads(out.read_text())["results"]["rpt_local"]["perplexity,none"] > 1
+
+
+def test_lm_eval_refuses_what_it_cannot_run(exported, tmp_path):
+    _, folder, tasks = exported
+    with pytest.raises(RptError, match="neither an rpt export nor a run directory"):
+        run_lm_eval(tmp_path, ["rpt_local"], include_path=str(tasks))
+    with pytest.raises(RptError, match="knows no task 'no_such_task'"):
+        run_lm_eval(folder, ["no_such_task"], include_path=str(tasks))
