@@ -82,6 +82,8 @@ def _add_model_io(sub) -> None:
     p.add_argument("--limit", type=float, help="at most this many documents per task (or a share, below 1)")
     p.add_argument("--num-fewshot", type=int)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=int, help="tokens a request is read in at once (lm-eval's default: 2048); "
+                                                    "a longer text is cut into windows that start afresh")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--checkpoint", default="best", help="of a run directory: " + CHECKPOINT_HELP)
     p.add_argument("--output", type=Path, help="write lm-eval's results as JSON here")
@@ -323,7 +325,8 @@ def _cmd_lm_eval(args) -> None:
     from rpt.export.lm_eval_run import run_lm_eval, summary
 
     results = run_lm_eval(args.path, [t for t in args.tasks.split(",") if t], args.include_path, args.limit,
-                          args.batch_size, args.device, args.num_fewshot, checkpoint=args.checkpoint)
+                          args.batch_size, args.device, args.num_fewshot, checkpoint=args.checkpoint,
+                          max_length=args.max_length)
     print(summary(results))
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,8 @@
     DIR/model.safetensors (or model-0000K-of-0000N.safetensors + model.safetensors.index.json above --max-shard-size)
     DIR/config.json, generation_config.json      model_type "rpt", auto_map to the two files below
     DIR/configuration_rpt.py, modeling_rpt.py     the model in torch + transformers only (rpt/export/hf/)
-    DIR/tokenizer.json, tokenizer_config.json    the run's tokenizer; encoding adds the end-of-text token first,
-                                                 as rpt starts every document with it
+    DIR/tokenizer.json, tokenizer_config.json    the run's tokenizer (it adds no special token: the model starts
+                                                 every fresh row from the end-of-text token's state)
 
 transformers' own `save_pretrained` writes the weights (sharding, tied weights), the config and the code files,
 so the folder is what `from_pretrained(DIR, trust_remote_code=True)` expects of any remote-code model.
@@ -53,7 +53,6 @@ def export_run(run_dir: str | Path, out: str | Path, checkpoint: str = "best", m
 def export_model(cfg, model, tokenizer_path: Path, out: Path, tokenizer_sha256: str = "", about: str = "",
                  max_shard_size: str = "5GB") -> None:
     """Write `model` (a whole RecurrentLM of `cfg`, its weights folded in place) as a transformers folder."""
-    from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
 
     from rpt.data.tokenizer import eot_id, load_tokenizer
@@ -74,9 +73,7 @@ def export_model(cfg, model, tokenizer_path: Path, out: Path, tokenizer_sha256: 
     type(hf.config).register_for_auto_class()
     type(hf).register_for_auto_class("AutoModelForCausalLM")
     hf.save_pretrained(out, max_shard_size=max_shard_size)
-    eot = tok.id_to_token(config.eot_token_id)
-    tok.post_processor = TemplateProcessing(single=f"{eot} $A", pair=f"{eot} $A {eot} $B",
-                                            special_tokens=[(eot, config.eot_token_id)])
+    eot = tok.id_to_token(config.eot_token_id)  # adds no special token: each row starts as a document by itself
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eot, eos_token=eot, pad_token=eot,
                                    clean_up_tokenization_spaces=False)
     fast.save_pretrained(out)
@@ -123,7 +120,7 @@ A recurrent language model trained with rpt: {config.n_layers} x {config.d_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 tok = AutoTokenizer.from_pretrained(DIR)
 model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
-ids = tok("def main(", return_tensors="pt").input_ids        # starts with the end-of-text token
+ids = tok("def main(", return_tensors="pt").input_ids        # a fresh row starts as a document
 print(tok.decode(model.generate(ids, max_new_tokens=50, do_sample=False)[0]))
 ```
 

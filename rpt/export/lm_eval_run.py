@@ -4,8 +4,8 @@ This is lm-eval's own `hf` model type on the folder `rpt export` wrote, as
 
     lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,dtype=float32 --tasks T
 
-would run it: the same requests, tokenisation and scoring as for any transformers model. The tokenizer starts
-every context with the end-of-text token, as rpt starts every document with it.
+would run it: the same requests, tokenisation and scoring as for any transformers model. The exported model reads
+every request as a document from the end-of-text token's state, as rpt's evaluation does.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rpt.errors import RptError
 
 def run_lm_eval(path: str | Path, tasks: list[str], include_path: str | None = None, limit: float | None = None,
                 batch_size: int = 8, device: str = "cpu", num_fewshot: int | None = None, log_samples: bool = False,
-                checkpoint: str = "best") -> dict:
+                checkpoint: str = "best", max_length: int | None = None) -> dict:
     """lm-eval's results dict (with the per-request samples when `log_samples`)."""
     try:
         from lm_eval import simple_evaluate
@@ -41,7 +41,9 @@ def run_lm_eval(path: str | Path, tasks: list[str], include_path: str | None = N
         if unknown:
             raise RptError(f"lm-eval knows no task {', '.join(map(repr, unknown))}",
                            "name tasks from `lm_eval --tasks list`, or give --include-path with your task's YAML")
-        return simple_evaluate(model="hf", model_args=f"pretrained={path},trust_remote_code=True,dtype=float32",
+        args = f"pretrained={path},trust_remote_code=True,dtype=float32"
+        args += f",max_length={max_length}" if max_length else ""
+        return simple_evaluate(model="hf", model_args=args,
                                tasks=tasks, task_manager=manager, limit=limit, batch_size=batch_size, device=device,
                                num_fewshot=num_fewshot, log_samples=log_samples)
 

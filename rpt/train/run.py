@@ -152,7 +152,8 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
     # may begin or end inside a character, and its lone bytes would print as U+FFFD
     generator = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     pieces = []
-    tokens = model.generate(torch.tensor(ids, device=dev), max_new_tokens, temperature, top_k, top_p, generator)
+    tokens = model.generate(torch.tensor(ids, device=dev), max_new_tokens, temperature, top_k, top_p, generator,
+                            reset_at=ids[0] if cfg.data.reset_at_documents else None)
     if dev.type == "cpu":  # each step's one-row products on rpt's small-batch product
         tokens = generating(model, tokens, kernels.current())
     first = next(tokens, None)  # the prompt's forward first: a first use's build message comes before any text

@@ -110,14 +110,24 @@ def test_exported_model_resets_at_end_of_text_as_rpt_evaluates(runs):
     assert (theirs - plain).abs().max() > 1e-3  # the resets matter here
 
 
-def test_tokenizer_loads_and_starts_documents_with_end_of_text(runs):
+def test_tokenizer_loads_and_a_fresh_row_reads_as_a_document(runs):
     run, folder = runs["lstm-attn"]
     tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=False)  # no code of ours needed
-    _, _, tokenizer, *_ = load_run(run, "best", "cpu")
+    _, model, tokenizer, *_ = load_run(run, "best", "cpu")
     text = "First Citizen: before we proceed"
     eot = tokenizer.token_to_id("<|endoftext|>")
-    assert tok(text).input_ids == [eot] + tokenizer.encode(text, add_special_tokens=False).ids
-    assert tok.eos_token_id == eot and tok.decode(tok(text).input_ids, skip_special_tokens=True) == text
+    ids = tok(text).input_ids
+    assert ids == tokenizer.encode(text, add_special_tokens=False).ids and eot not in ids
+    assert tok.eos_token_id == eot and tok.decode(ids) == text
+    # a row without the end-of-text token reads as rpt reads the document (after that token); with it, the same
+    hf = hf_model(folder)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ours, _ = model(torch.cat([torch.tensor([[eot]]), x], 1))
+        torch.testing.assert_close(hf(x).logits, ours[:, 1:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(hf(torch.cat([torch.tensor([[eot]]), x], 1)).logits, ours, atol=1e-5, rtol=0)
+        plain, _ = model(x)
+    assert (plain - ours[:, 1:]).abs().max() > 1e-3  # rpt's raw forward from a zero state differs
 
 
 @pytest.mark.parametrize("name", ["lstm-attn", "modlstm-exp", "mingru-short"])
@@ -132,14 +142,15 @@ def test_transformers_greedy_generate_equals_rpt_generate(runs, name, tmp_path):
     export_model(cfg, model, run / "tokenizer.json", folder)
     tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     ids = tok("Is it a verdict?", return_tensors="pt").input_ids
-    ours = list(model.generate(ids[0], 30, temperature=0))
+    eot = torch.tensor([[tok.eos_token_id]])
+    ours = list(model.generate(torch.cat([eot, ids], 1)[0], 30, temperature=0, reset_at=int(eot)))  # as rpt generate
     hf = hf_model(folder)
     out = hf.generate(ids, max_new_tokens=30, do_sample=False, return_dict_in_generate=True, output_logits=True)
     assert out.sequences[0, ids.shape[1]:].tolist() == ours
     # every step's logits through the cache equal rpt's forward over the whole text
     with torch.no_grad():
-        whole, _ = model(out.sequences[:, :-1])
-    torch.testing.assert_close(torch.cat(out.logits), whole[0, ids.shape[1] - 1:], atol=1e-5, rtol=1e-5)  # logits ~10
+        whole, _ = model(torch.cat([eot, out.sequences[:, :-1]], 1))
+    torch.testing.assert_close(torch.cat(out.logits), whole[0, ids.shape[1]:], atol=1e-5, rtol=1e-5)  # logits ~10
     # the cache is the recurrent state: its size does not grow with the tokens generated
     short = hf.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     size = lambda cache: sum(t.numel() for t in _tensors(cache.blocks))

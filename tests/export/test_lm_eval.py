@@ -58,13 +58,27 @@ metric_list:
     aggregation: perplexity
     higher_is_better: false
 """)
+    (tasks / "rpt_rolling.yaml").write_text(f"""task: rpt_rolling
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {tasks / 'local.jsonl'}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{context}}}}{{{{continuation}}}}"
+metric_list:
+  - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
+""")
     return root / "run", root / "hf", tasks
 
 
 def rpt_loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
     """The continuation's log-probability after the context, from rpt's own forward (its per-token nats)."""
     eot = tokenizer.token_to_id("<|endoftext|>")
-    ctx = [eot] + tokenizer.encode(context, add_special_tokens=False).ids
+    ctx = [eot] + (tokenizer.encode(context, add_special_tokens=False).ids if context else [])
     whole = [eot] + tokenizer.encode(context + continuation, add_special_tokens=False).ids
     x = torch.tensor(whole)[None]
     with torch.no_grad():
@@ -73,8 +87,11 @@ def rpt_loglikelihood(model, tokenizer, context: str, continuation: str) -> floa
 
 
 def test_local_task_log_likelihoods_equal_rpts_own(exported):
+    """Continuations after a context, and whole texts (a perplexity task's rolling requests, which lm-eval starts
+    with the end-of-text token itself): each as rpt scores the document."""
     run, folder, tasks = exported
-    results = run_lm_eval(folder, ["rpt_local"], include_path=str(tasks), batch_size=2, log_samples=True)
+    results = run_lm_eval(folder, ["rpt_local", "rpt_rolling"], include_path=str(tasks), batch_size=2,
+                          log_samples=True)
     _, model, tokenizer, *_ = load_run(run, "best", "cpu")
     samples = results["samples"]["rpt_local"]
     assert len(samples) == len(DOCS)
@@ -83,14 +100,23 @@ def test_local_task_log_likelihoods_equal_rpts_own(exported):
         assert ll == pytest.approx(rpt_loglikelihood(model, tokenizer, s["doc"]["context"], s["doc"]["continuation"]),
                                    abs=1e-4)
     assert results["results"]["rpt_local"]["perplexity,none"] > 1
+    rolling = results["samples"]["rpt_rolling"]
+    assert len(rolling) == len(DOCS)
+    for s in rolling:
+        text = s["doc"]["context"] + s["doc"]["continuation"]
+        assert s["resps"][0][0] == pytest.approx(rpt_loglikelihood(model, tokenizer, "", text), abs=1e-4)
+    # read in windows of 8 tokens, each from a fresh state, the texts score otherwise (max_length reaches lm-eval)
+    short = run_lm_eval(folder, ["rpt_rolling"], include_path=str(tasks), log_samples=True, max_length=8)
+    windowed = [s["resps"][0][0] for s in short["samples"]["rpt_rolling"]]
+    assert max(abs(a - b["resps"][0][0]) for a, b in zip(windowed, rolling)) > 0.1
 
 
 def test_rpt_lm_eval_command_exports_a_run_first(exported, tmp_path):
     run, _, tasks = exported
     out = tmp_path / "results.json"
     proc = subprocess.run([sys.executable, "-m", "rpt", "lm-eval", str(run), "--tasks", "rpt_local", "--include-path",
-                           str(tasks), "--output", str(out)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+                           str(tasks), "--output", str(out), "--max-length", "4096"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rpt_local" in proc.stdout and "perplexity" in proc.stdout
     assert json.loads(out.read_text())["results"]["rpt_local"]["perplexity,none"] > 1

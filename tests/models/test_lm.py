@@ -80,6 +80,21 @@ def test_generation_memory_is_constant_in_length():
     assert len(tokens) == 20 and all(0 <= t < V for t in tokens)
 
 
+@pytest.mark.parametrize("cell", ["lstm", "mingru"])
+def test_generation_starts_a_new_document_at_the_reset_token(cell):
+    """With reset_at, the state starts afresh before that token, in the prompt and after it is generated, as
+    training resets it between documents: what follows is what a prompt of that token alone gives."""
+    model = lm(cell)  # attention in some blocks: its window starts afresh too
+    prompt = torch.tensor([5, 11, 2, 7])
+    first = next(model.generate(prompt, 1, temperature=0))
+    assert first not in prompt.tolist()
+    after = list(model.generate(prompt, 12, temperature=0, reset_at=first))[1:]
+    assert after == list(model.generate(torch.tensor([first]), 11, temperature=0, reset_at=first))
+    assert after != list(model.generate(prompt, 12, temperature=0))[1:]  # without the reset the prompt matters
+    in_prompt = list(model.generate(torch.cat([prompt, torch.tensor([first])]), 11, temperature=0, reset_at=first))
+    assert in_prompt == after
+
+
 def test_sampling_rules():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     assert sample_next(logits, temperature=0).item() == 1

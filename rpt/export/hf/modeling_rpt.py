@@ -9,10 +9,13 @@ plain torch ops (F.linear and pointwise), in a Python loop over time. That is ex
 it is much slower than rpt's fused kernels: train and evaluate at scale with rpt, use this for interchange.
 
 Parameter names are rpt's own (`blocks.3.cell.w_hh`), so the weights load both ways unchanged. The recurrent
-state is the generation cache (`RptState`): one token at a time, memory constant in the length. Left padding
-is handled by starting each row's state fresh at its first real token; the state resets at the end-of-text
-token, as rpt's training does, when `config.reset_at_eot`. Beam search (which reorders the cache) is not
-supported.
+state is the generation cache (`RptState`): one token at a time, memory constant in the length.
+
+Every row read from a fresh state is a document, as rpt trains on them: it starts from the state the end-of-text
+token leaves, whether the row begins with that token or not (so `tok(text)` needs no special token, and lm-eval's
+requests score as rpt's evaluation does), and after left padding it starts at its first real token. The state
+resets at each end-of-text token inside a row when `config.reset_at_eot`, as in rpt's training. Beam search
+(which reorders the cache) is not supported.
 """
 
 from __future__ import annotations
@@ -330,14 +333,17 @@ class RptForCausalLM(PreTrainedModel, GenerationMixin):
                 cache: RptState | None = None, labels: torch.LongTensor | None = None, use_cache: bool | None = None,
                 return_dict: bool | None = None, logits_to_keep: int = 0, **kwargs) -> RptCausalLMOutput:
         B, T = input_ids.shape
-        x = self.embed(input_ids)
-        reset = self._resets(input_ids, attention_mask)
+        if cache is None:  # fresh rows: each starts as a document (one column more, dropped below)
+            ids, reset = self._start_documents(input_ids, attention_mask)
+        else:
+            ids, reset = input_ids, self._eot_resets(input_ids)
+        x = self.embed(ids)
         state = cache.blocks if cache is not None else [b.init_state(B, x) for b in self.blocks.values()]
         new_state = []
         for block, s in zip(self.blocks.values(), state):
             x, s = block(x, s, reset)
             new_state.append(s)
-        x = self.norm(x)
+        x = self.norm(x[:, -T:])
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = self.head(x).float()
@@ -348,13 +354,22 @@ class RptForCausalLM(PreTrainedModel, GenerationMixin):
         seen = (cache.seen if cache is not None else 0) + T
         return RptCausalLMOutput(loss=loss, logits=logits, cache=RptState(new_state, seen) if use_cache else None)
 
-    def _resets(self, input_ids, attention_mask):
-        """Where a row's state starts fresh: at the end-of-text token (as rpt trains), and at the first real token
-        after left padding."""
-        reset = input_ids == self.config.eot_token_id if self.config.reset_at_eot else torch.zeros_like(input_ids, dtype=torch.bool)
-        if attention_mask is not None:
-            mask = attention_mask[:, -input_ids.shape[1] - 1:].bool()
-            if mask.shape[1] == input_ids.shape[1]:  # the whole sequence: padding before column 0 cannot be
-                mask = torch.cat([mask.new_zeros(mask.shape[0], 1), mask], 1)
-            reset = reset | (mask[:, 1:] & ~mask[:, :-1])
-        return reset
+    def _eot_resets(self, ids):
+        eot = self.config.eot_token_id
+        return ids == eot if self.config.reset_at_eot else torch.zeros_like(ids, dtype=torch.bool)
+
+    def _start_documents(self, input_ids, attention_mask):
+        """The rows with one column in front, and where their state resets. The column before each row's first
+        real token (that one, or the last left padding) becomes an end-of-text token read from a fresh state; a
+        first real token that is itself the end-of-text token starts afresh again, so it is read once."""
+        B, T = input_ids.shape
+        eot = self.config.eot_token_id
+        real = attention_mask[:, -T:].bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        ids = torch.cat([input_ids.new_full((B, 1), eot), input_ids], 1)
+        real = torch.cat([real.new_zeros(B, 1), real], 1)
+        first = real.int().argmax(1)  # the first real column (>= 1 in a row that has one)
+        cols = torch.arange(T + 1, device=ids.device)[None]
+        start = cols == (first - 1).clamp(min=0)[:, None]
+        ids = torch.where(start, eot, ids)
+        reset = self._eot_resets(ids) | start | ((cols == first[:, None]) & (ids == eot))
+        return ids, reset
