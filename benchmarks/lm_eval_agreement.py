@@ -1,11 +1,12 @@
 """lm-evaluation-harness against rpt on the same documents: bits per byte of a run's validation documents, scored
 by lm-eval's `hf` model on the run's export and by rpt's own forward.
 
-    .venv/bin/python benchmarks/lm_eval_agreement.py RUN_DIR [--docs 20]
+    .venv/bin/python benchmarks/lm_eval_agreement.py RUN_DIR [--docs 20] [--max-length 2048]
 
 The first --docs documents of the run's validation split are decoded to text and written as a local lm-eval task
 (`loglikelihood_rolling`, one request per document, as wikitext's perplexity task does; max_length set above the
-longest document, so lm-eval reads each in one window as rpt does). rpt scores the same texts with its fast path:
+longest document, so lm-eval reads each in one window as rpt does; --max-length 2048, lm-eval's default, shows what
+its windows, each read from a fresh state, cost a recurrent model). rpt scores the same texts with its fast path:
 the tokens lm-eval's tokenizer gives each, after the end-of-text token, in one forward. Printed: both figures, their
 difference, and the wall time of each (lm-eval's includes its request building; the export's forward runs the
 reference forms of the cells).
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("run_dir")
     parser.add_argument("--docs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--max-length", type=int, help="lm-eval's window (default: above the longest document)")
     args = parser.parse_args()
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -97,7 +99,7 @@ def main() -> None:
         (tmp / "task.yaml").write_text(TASK.format(file=tmp / "docs.jsonl"))
         began = time.perf_counter()
         results = simple_evaluate(model="hf", model_args=f"pretrained={tmp / 'hf'},trust_remote_code=True,"
-                                  f"dtype=float32,max_length={longest + 16}", tasks=["rpt_val_docs"],
+                                  f"dtype=float32,max_length={args.max_length or longest + 16}", tasks=["rpt_val_docs"],
                                   task_manager=TaskManager(include_path=str(tmp)), batch_size=args.batch_size,
                                   device="cpu")
         lm_eval_seconds = time.perf_counter() - began
