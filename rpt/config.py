@@ -91,12 +91,16 @@ class ModelConfig:
     coupled_gates: bool = False
     forget_bias: Union[float, Literal["auto"]] = "auto"  # "auto": the gate's own (+1 sigmoid-like, -1 for exp)
     peepholes: bool = False
+    # lstm, gru, modlstm: a block-diagonal recurrent matrix of this many heads (xLSTM's sLSTM layout): each head's
+    # d_hidden / heads state units read only their own head's state; fewer parameters and FLOPs
+    heads: int = 1
     imports: list[str] = field(default_factory=list)  # modules to import first (they may register cells and gates)
 
     def check(self) -> None:
         """This section's own values (the cell's options are the registry's: rpt.models.registry.check_names)."""
         _positive("model.n_layers", self.n_layers)
         _positive("model.d_model", self.d_model)
+        _positive("model.heads", self.heads)
         for name in ("vocab_size", "d_hidden", "mlp_ratio", "attention_every", "head_shortlist"):
             _non_negative(f"model.{name}", getattr(self, name))
         if self.attention_every:

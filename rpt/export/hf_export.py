@@ -100,7 +100,7 @@ def hf_config(cfg, model, eot: int, tokenizer_sha256: str):
                      d_hidden=first.cell.d_hidden, norm=m.norm, mlp_ratio=m.mlp_ratio,
                      attention_every=m.attention_every, attention_window=m.attention_window,
                      attention_heads=m.attention_heads, head_shortlist=m.head_shortlist, gate=m.gate,
-                     gate_norm=m.gate_norm, coupled_gates=m.coupled_gates, peepholes=m.peepholes,
+                     gate_norm=m.gate_norm, coupled_gates=m.coupled_gates, peepholes=m.peepholes, heads=m.heads,
                      reset_at_eot=cfg.data.reset_at_documents, eot_token_id=eot, tie_word_embeddings=m.tie_embeddings,
                      tokenizer_sha256=tokenizer_sha256, architectures=["RptForCausalLM"])
 

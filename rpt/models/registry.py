@@ -50,7 +50,8 @@ def check_names(cfg, search: list[Path] = ()) -> None:
 
 
 # Options of some cells, with the value that means "not used"; a cell that does not declare one refuses it set.
-CELL_OPTIONS = {"weight_drop": 0.0, "gate": "sigmoid", "gate_norm": False, "coupled_gates": False, "peepholes": False}
+CELL_OPTIONS = {"weight_drop": 0.0, "gate": "sigmoid", "gate_norm": False, "coupled_gates": False, "peepholes": False,
+                "heads": 1}
 
 
 def check_options(cfg, cls: type) -> None:

@@ -26,8 +26,9 @@ from rpt.train.trainer import Trainer
 
 VARIANTS = {  # name: the model settings of a run (every cell; attention, MLP, both heads, weight norm)
     "lstm-attn": ["model.cell=lstm", "model.attention_every=2", "model.attention_heads=2", "model.attention_window=6"],
-    "gru-untied": ["model.cell=gru", "model.tie_embeddings=false", "model.norm=layernorm"],
-    "modlstm-exp": ["model.cell=modlstm", "model.gate=exp", "model.gate_norm=true", "model.d_hidden=48"],
+    "gru-untied": ["model.cell=gru", "model.tie_embeddings=false", "model.norm=layernorm", "model.heads=2"],
+    "modlstm-exp": ["model.cell=modlstm", "model.gate=exp", "model.gate_norm=true", "model.d_hidden=48",
+                    "model.heads=4"],
     "modlstm-peep": ["model.cell=modlstm", "model.gate=hard_sigmoid", "model.peepholes=true", "model.mlp_ratio=2"],
     "modlstm-coupled": ["model.cell=modlstm", "model.coupled_gates=true", "model.weight_norm=true"],
     "mingru-short": ["model.cell=mingru", "model.head_shortlist=40"],

@@ -27,6 +27,10 @@ VARIANTS = {
     "modlstm-exp-norm": dict(cell="modlstm", gate="exp", gate_norm=True),
     "lstm-weightnorm": dict(cell="lstm", weight_norm=True),
     "modlstm-weightnorm": dict(cell="modlstm", weight_norm=True),
+    "lstm-heads": dict(cell="lstm", heads=3),
+    "gru-heads": dict(cell="gru", heads=2),
+    "modlstm-heads-peep": dict(cell="modlstm", heads=3, peepholes=True),
+    "modlstm-exp-heads": dict(cell="modlstm", gate="exp", heads=2),
 }
 D = 6
 
@@ -126,11 +130,48 @@ def test_reset_really_resets(name):
 
 
 def test_flops_count_every_matrix_product():
-    for name in ("lstm", "lstm-proj", "gru", "mingru", "minlstm", "modlstm", "modlstm-coupled-peep"):
+    for name in ("lstm", "lstm-proj", "gru", "mingru", "minlstm", "modlstm", "modlstm-coupled-peep", "lstm-heads",
+                 "gru-heads", "modlstm-heads-peep"):
         cell = make(name)
         matrices = sum(p.numel() for n, p in cell.named_parameters()
                        if p.dim() == 2 and n not in ("peep", "ln_weight", "ln_bias"))  # those act elementwise
         assert cell.flops_per_token() == 2 * matrices, name
+
+
+@pytest.mark.parametrize("name", ["lstm-heads", "gru-heads", "modlstm-heads-peep", "modlstm-exp-heads"])
+def test_heads_equal_the_dense_cell_with_a_block_diagonal_matrix(name):
+    """model.heads = k is the dense cell whose recurrent matrix is block-diagonal (k blocks per gate group): the
+    same outputs and final state, and the blocks' gradients are the dense matrix's gradient on those blocks."""
+    from rpt.models.cells.base import block_diagonal
+
+    cell = make(name)
+    dense = build_cell(ModelConfig(d_model=D, **{**VARIANTS[name], "heads": 1})).double()
+    w = "w_hh" if hasattr(cell, "w_hh") else "w_h"
+    groups = getattr(cell, "n_gates", None) or len(cell.groups)
+    blocks = getattr(cell, w)
+    assert blocks.shape[1] == D // cell.heads
+    with torch.no_grad():
+        for n, p in dense.named_parameters():
+            p.copy_(block_diagonal(blocks, groups, cell.heads) if n == w else dict(cell.named_parameters())[n])
+    B, T = 3, 7
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    state = random_state(cell, B)
+    reset = torch.zeros(B, T, dtype=torch.bool)
+    reset[1, 3] = True
+    weights = torch.randn(B, T, D, dtype=torch.float64)
+    y, s = cell(x, state, reset)
+    y_dense, s_dense = dense(x, state, reset)
+    torch.testing.assert_close(y, y_dense, rtol=1e-10, atol=1e-12)
+    for a, b in zip(s, s_dense):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    g_blocks, = torch.autograd.grad(loss_of(y, s, weights), [blocks])
+    g_dense, = torch.autograd.grad(loss_of(y_dense, s_dense, weights), [getattr(dense, w)])
+    d = D // cell.heads
+    on_blocks = g_dense.view(groups, cell.heads, d, cell.heads, d).diagonal(dim1=1, dim2=3)  # [G, d, d, heads]
+    torch.testing.assert_close(g_blocks.view(groups, cell.heads, d, d), on_blocks.permute(0, 3, 1, 2))
+    assert g_dense.abs().sum() > g_blocks.abs().sum() * 1.01  # the dense matrix's other entries learn too
+    with pytest.raises(RptError, match="does not divide"):
+        build_cell(ModelConfig(d_model=D, **{**VARIANTS[name], "heads": 4}))
 
 
 def test_user_registered_gate_in_the_fused_kernel():
@@ -221,3 +262,5 @@ def test_a_cell_gets_the_options_it_declares_and_refuses_the_others():
         check_names(ModelConfig(cell="gated-elman-test", d_model=D, peepholes=True))
     with pytest.raises(RptError, match=r"model.gate applies to model.cell = 'gated-elman-test' or 'modlstm'"):
         check_names(ModelConfig(cell="lstm", d_model=D, gate="hard_sigmoid"))
+    with pytest.raises(RptError, match=r"model.heads applies to model.cell = 'gru' or 'lstm' or 'modlstm'"):
+        check_names(ModelConfig(cell="mingru", d_model=D, heads=2))

@@ -51,15 +51,29 @@ class _Cell(nn.Module):
         return self.proj(h) if self.proj is not None else h
 
 
+def block_diagonal(w: torch.Tensor, groups: int, heads: int) -> torch.Tensor:
+    """The dense recurrent matrix of `heads` heads kept as its blocks [groups * H, H / heads]: in each gate group,
+    head j's rows read only head j's part of the state."""
+    if heads == 1:
+        return w
+    d = w.shape[1]
+    blocks = w.view(groups, heads, d, d)
+    return torch.cat([torch.block_diag(*blocks[g].unbind(0)) for g in range(groups)])
+
+
 class _Gated(_Cell):
-    """PyTorch's RNN layout: w_ih, w_hh, b_ih, b_hh over `n_gates` gate groups."""
+    """PyTorch's RNN layout: w_ih, w_hh, b_ih, b_hh over `n_gates` gate groups (w_hh: the blocks, with heads)."""
     n_gates = 1
 
     def __init__(self, cfg: RptConfig):
         super().__init__(cfg.d_model, cfg.d_hidden)
         G, H, D = self.n_gates, cfg.d_hidden, cfg.d_model
-        self.w_ih, self.w_hh = nn.Parameter(torch.empty(G * H, D)), nn.Parameter(torch.empty(G * H, H))
+        self.heads = cfg.heads
+        self.w_ih, self.w_hh = nn.Parameter(torch.empty(G * H, D)), nn.Parameter(torch.empty(G * H, H // cfg.heads))
         self.b_ih, self.b_hh = nn.Parameter(torch.zeros(G * H)), nn.Parameter(torch.zeros(G * H))
+
+    def recurrent(self):
+        return block_diagonal(self.w_hh, self.n_gates, self.heads)
 
 
 class LSTM(_Gated):
@@ -67,7 +81,7 @@ class LSTM(_Gated):
 
     def step(self, x, state):
         h, c = state
-        i, f, g, o = (F.linear(x, self.w_ih, self.b_ih) + F.linear(h, self.w_hh, self.b_hh)).chunk(4, dim=-1)
+        i, f, g, o = (F.linear(x, self.w_ih, self.b_ih) + F.linear(h, self.recurrent(), self.b_hh)).chunk(4, dim=-1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = torch.sigmoid(o) * torch.tanh(c)
         return self.out(h), (h, c)
@@ -79,7 +93,7 @@ class GRU(_Gated):
     def step(self, x, state):
         (h,) = state
         xr, xz, xn = F.linear(x, self.w_ih, self.b_ih).chunk(3, dim=-1)
-        hr, hz, hn = F.linear(h, self.w_hh, self.b_hh).chunk(3, dim=-1)
+        hr, hz, hn = F.linear(h, self.recurrent(), self.b_hh).chunk(3, dim=-1)
         r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
         h = (1 - z) * torch.tanh(xn + r * hn) + z * h
         return self.out(h), (h,)
@@ -97,7 +111,8 @@ class ModLSTM(_Cell):
         self.groups = ("f", "z", "o") if self.coupled else ("i", "f", "z", "o")
         G = len(self.groups)
         self.n_state = 4 if self.exp else 2
-        self.w_x, self.w_h = nn.Parameter(torch.empty(G * H, D)), nn.Parameter(torch.empty(G * H, H))
+        self.heads = cfg.heads
+        self.w_x, self.w_h = nn.Parameter(torch.empty(G * H, D)), nn.Parameter(torch.empty(G * H, H // cfg.heads))
         if self.gate_norm:
             self.bias = None
             self.ln_weight, self.ln_bias = nn.Parameter(torch.ones(G, H)), nn.Parameter(torch.zeros(G, H))
@@ -107,7 +122,7 @@ class ModLSTM(_Cell):
 
     def step(self, x, state):
         H, G = self.d_hidden, len(self.groups)
-        P = F.linear(x, self.w_x) + F.linear(state[0], self.w_h)
+        P = F.linear(x, self.w_x) + F.linear(state[0], block_diagonal(self.w_h, G, self.heads))
         if self.bias is not None:
             P = P + self.bias
         P = P.view(-1, G, H)

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rpt.errors import RptError
+
 
 State = tuple[torch.Tensor, ...]
 
@@ -76,33 +78,57 @@ class Cell(nn.Module):
 
 class GatedRNNCell(Cell):
     """Parameters in PyTorch's RNN layout for `n_gates` gate groups (w_ih, w_hh, b_ih, b_hh), as LSTM and GRU
-    keep them, so torch's fused kernels take them as they are; a projection back to d_model when d_hidden differs."""
+    keep them, so torch's fused kernels take them as they are; a projection back to d_model when d_hidden differs.
+    With `heads` > 1 the recurrent matrix is block-diagonal and w_hh holds only its blocks (`block_diagonal`)."""
 
     n_gates = 1
 
-    def __init__(self, d_model: int, d_hidden: int = 0, weight_drop: float = 0.0):
+    def __init__(self, d_model: int, d_hidden: int = 0, weight_drop: float = 0.0, heads: int = 1):
         super().__init__(d_model, d_hidden or d_model)
-        self.weight_drop = weight_drop
+        self.weight_drop, self.heads = weight_drop, heads
         G, H, D = self.n_gates, self.d_hidden, d_model
         self.w_ih = nn.Parameter(torch.empty(G * H, D))
-        self.w_hh = nn.Parameter(torch.empty(G * H, H))
+        self.w_hh = nn.Parameter(torch.empty(G * H, head_width(H, heads)))
         self.b_ih = nn.Parameter(torch.zeros(G * H))
         self.b_hh = nn.Parameter(torch.zeros(G * H))
-        bound = 1 / math.sqrt(H)
-        for w in (self.w_ih, self.w_hh):
-            nn.init.uniform_(w, -bound, bound)
+        nn.init.uniform_(self.w_ih, -1 / math.sqrt(H), 1 / math.sqrt(H))
+        nn.init.uniform_(self.w_hh, -1 / math.sqrt(H // heads), 1 / math.sqrt(H // heads))  # its fan-in
         self.proj = nn.Linear(H, D, bias=False) if H != D else None
 
     def recurrent_weight(self) -> torch.Tensor:
-        """w_hh, with DropConnect while training (one mask for the whole sequence; the step form is for generation)."""
-        return F.dropout(self.w_hh, self.weight_drop, self.training) if self.weight_drop else self.w_hh
+        """The dense recurrent matrix, with DropConnect on w_hh while training (one mask for the whole sequence)."""
+        w = F.dropout(self.w_hh, self.weight_drop, self.training) if self.weight_drop else self.w_hh
+        return block_diagonal(w, self.n_gates, self.heads)
+
+    def step_weight(self) -> torch.Tensor:
+        """The dense recurrent matrix the step forms read (generation: no DropConnect)."""
+        return block_diagonal(self.w_hh, self.n_gates, self.heads)
 
     def _out(self, h):
         return self.linear(h, self.proj.weight) if self.proj is not None else h
 
     def flops_per_token(self):
         H, D = self.d_hidden, self.d_model
-        return 2 * self.n_gates * H * (D + H) + (2 * H * D if self.proj is not None else 0)
+        return 2 * self.n_gates * H * (D + H // self.heads) + (2 * H * D if self.proj is not None else 0)
+
+
+def head_width(d_hidden: int, heads: int) -> int:
+    """The state width of one head; refuses a head count that does not divide the state."""
+    if heads < 1 or d_hidden % heads:
+        raise RptError(f"model.heads = {heads} does not divide the cell's state width {d_hidden}",
+                       "choose a head count that divides d_hidden (d_model unless set), e.g. 4 or 8")
+    return d_hidden // heads
+
+
+def block_diagonal(w: torch.Tensor, groups: int, heads: int) -> torch.Tensor:
+    """The dense [groups * H, H] recurrent matrix of a head-wise one kept as its blocks, [groups * H, H / heads]:
+    in each gate group the rows of head j read only head j's part of the state, as xLSTM's sLSTM does. The
+    reference and CPU paths multiply by the dense matrix; a kernel may read the blocks directly."""
+    if heads == 1:
+        return w
+    d = w.shape[1]
+    blocks = w.view(groups, heads, d, d)
+    return torch.cat([torch.block_diag(*blocks[g].unbind(0)) for g in range(groups)])
 
 
 def reset_rows(state: State, mask: torch.Tensor) -> State:

@@ -24,12 +24,16 @@ from rpt.models.registry import register_cell
 @register_cell("gru")
 class GRU(GatedRNNCell):
     n_gates = 3
+    options = ("heads",)
+
+    def __init__(self, d_model: int, d_hidden: int = 0, heads: int = 1):
+        super().__init__(d_model, d_hidden, heads=heads)
 
     def state_sizes(self):
         return [self.d_hidden]
 
     def step(self, x_t, state):
-        h, state = gru_step(x_t, state, self.w_ih, self.w_hh, self.b_ih, self.b_hh, self.linear)
+        h, state = gru_step(x_t, state, self.w_ih, self.step_weight(), self.b_ih, self.b_hh, self.linear)
         return self._out(h), state
 
     def forward(self, x, state=None, reset=None):
@@ -42,13 +46,13 @@ class GRU(GatedRNNCell):
             with full_precision(x):
                 x = as_fp32(x)
                 keep = None if reset is None else (~reset).to(x.dtype).transpose(0, 1).contiguous()
-                y, h, *_ = gru_sequence(x, self.w_ih, self.w_hh, self.b_ih, self.b_hh, state[0], keep)
+                y, h, *_ = gru_sequence(x, self.w_ih, self.recurrent_weight(), self.b_ih, self.b_hh, state[0], keep)
             state = (h,)
         return self._out(y), state
 
     def library_path(self, x, state, reset):
         """torch's fused GRU (cuDNN on GPU), cut at reset columns."""
-        weights = [self.w_ih, self.w_hh, self.b_ih, self.b_hh]
+        weights = [self.w_ih, self.recurrent_weight(), self.b_ih, self.b_hh]
 
         def run(xs, st):
             y, h = torch.gru(xs, st[0][None], weights, True, 1, 0.0, self.training, False, True)

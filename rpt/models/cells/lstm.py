@@ -16,11 +16,12 @@ from rpt.models.registry import register_cell
 @register_cell("lstm")
 class LSTM(GatedRNNCell):
     n_gates = 4
-    options = ("forget_bias", "weight_drop")
+    options = ("forget_bias", "weight_drop", "heads")
 
-    def __init__(self, d_model: int, d_hidden: int = 0, forget_bias: float | None = None, weight_drop: float = 0.0):
+    def __init__(self, d_model: int, d_hidden: int = 0, forget_bias: float | None = None, weight_drop: float = 0.0,
+                 heads: int = 1):
         forget_bias = 1.0 if forget_bias is None else forget_bias
-        super().__init__(d_model, d_hidden, weight_drop)
+        super().__init__(d_model, d_hidden, weight_drop, heads)
         H = self.d_hidden
         with torch.no_grad():
             self.b_ih[H:2 * H] = forget_bias
@@ -29,7 +30,7 @@ class LSTM(GatedRNNCell):
         return [self.d_hidden, self.d_hidden]
 
     def step(self, x_t, state):
-        h, state = lstm_step(x_t, state, self.w_ih, self.w_hh, self.b_ih, self.b_hh, self.linear)
+        h, state = lstm_step(x_t, state, self.w_ih, self.step_weight(), self.b_ih, self.b_hh, self.linear)
         return self._out(h), state
 
     def forward(self, x, state=None, reset=None):

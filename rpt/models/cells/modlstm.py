@@ -40,7 +40,7 @@ from rpt import kernels
 from rpt.errors import RptError
 from rpt.kernels.cpu.backend import Gate
 from rpt.kernels.cpu.products import PackedLinear, matmul
-from rpt.models.cells.base import Cell, as_fp32, full_precision
+from rpt.models.cells.base import Cell, as_fp32, block_diagonal, full_precision, head_width
 from rpt.models.registry import GateFunction, default_forget_bias, get_gate, register_cell
 
 LN_EPS = 1e-5
@@ -78,10 +78,11 @@ class Variant(NamedTuple):
 
 @register_cell("modlstm")
 class ModLSTM(Cell):
-    options = ("gate", "gate_norm", "coupled_gates", "forget_bias", "peepholes")
+    options = ("gate", "gate_norm", "coupled_gates", "forget_bias", "peepholes", "heads")
 
     def __init__(self, d_model: int, d_hidden: int = 0, gate: str = "sigmoid", gate_norm: bool = False,
-                 coupled_gates: bool = False, forget_bias: float | None = None, peepholes: bool = False):
+                 coupled_gates: bool = False, forget_bias: float | None = None, peepholes: bool = False,
+                 heads: int = 1):
         super().__init__(d_model, d_hidden or d_model)
         H, D = self.d_hidden, d_model
         self.gate_fn: GateFunction | None = get_gate(gate)
@@ -97,11 +98,12 @@ class ModLSTM(Cell):
         self.variant = Variant(gate, coupled_gates, gate_norm, peepholes)
         self.groups = self.variant.groups
         G = len(self.groups)
+        self.heads, d = heads, head_width(H, heads)
         self.w_x = nn.Parameter(torch.empty(G * H, D))
-        self.w_h = nn.Parameter(torch.empty(G * H, H))
+        self.w_h = nn.Parameter(torch.empty(G * H, d))  # the recurrent matrix's blocks (base.block_diagonal)
         nn.init.uniform_(self.w_x, -1 / math.sqrt(D), 1 / math.sqrt(D))
-        for g in range(G):
-            nn.init.orthogonal_(self.w_h.data[g * H:(g + 1) * H])
+        for block in range(G * heads):  # each gate group's block of each head orthogonal
+            nn.init.orthogonal_(self.w_h.data[block * d:(block + 1) * d])
         f = self.groups.index("f")
         if gate_norm:
             self.bias = None
@@ -123,9 +125,13 @@ class ModLSTM(Cell):
         return [H, H, H, H] if self.exp else [H, H]
 
     def step(self, x_t, state):
-        h, state = modlstm_step(self.variant, x_t, state, self.w_x, self.w_h, self.bias, self.ln_weight, self.ln_bias,
-                                self.peep, self.linear)
+        h, state = modlstm_step(self.variant, x_t, state, self.w_x, self.recurrent_weight(), self.bias, self.ln_weight,
+                                self.ln_bias, self.peep, self.linear)
         return self._out(h), state
+
+    def recurrent_weight(self) -> Tensor:
+        """The dense recurrent matrix (block-diagonal with heads)."""
+        return block_diagonal(self.w_h, len(self.groups), self.heads)
 
     # ------------------------------------------------------------------ the fast path
     def forward(self, x, state=None, reset=None):
@@ -134,8 +140,8 @@ class ModLSTM(Cell):
             x = as_fp32(x)
             keep = None if reset is None else (~reset).to(x.dtype).transpose(0, 1).contiguous()  # [T, B]
             n_m = state[2:] if self.exp else (None, None)
-            y, *final = modlstm_sequence(x, self.w_x, self.w_h, self.bias, self.ln_weight, self.ln_bias, self.peep,
-                                         state[0], state[1], *n_m, keep, self.gate, self.coupled)[:5]
+            y, *final = modlstm_sequence(x, self.w_x, self.recurrent_weight(), self.bias, self.ln_weight, self.ln_bias,
+                                         self.peep, state[0], state[1], *n_m, keep, self.gate, self.coupled)[:5]
         return self._out(y), tuple(final if self.exp else final[:2])
 
     def _out(self, h):
@@ -143,7 +149,7 @@ class ModLSTM(Cell):
 
     def flops_per_token(self):
         H, D, G = self.d_hidden, self.d_model, len(self.groups)
-        return 2 * G * H * (D + H) + (2 * H * D if self.proj is not None else 0)
+        return 2 * G * H * (D + H // self.heads) + (2 * H * D if self.proj is not None else 0)
 
 
 def modlstm_step(v: Variant, x_t: Tensor, state: tuple, w_x: Tensor, w_h: Tensor, bias: Optional[Tensor],
