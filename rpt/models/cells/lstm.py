@@ -1,7 +1,8 @@
 """Classic LSTM (Hochreiter & Schmidhuber 1997, with forget gate), PyTorch's gate layout (i, f, g, o).
 
 The fast path is torch's fused LSTM kernel (cuDNN on GPU, oneDNN on CPU), called with this
-cell's own parameters so that regularisers such as weight normalisation work on them.
+cell's own parameters so that regularisers such as weight normalisation work on them. A head-wise cell
+(`heads`) on a GPU runs rpt.kernels.triton's loop instead, a program per head with its blocks on chip.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rpt.kernels.triton import runs_heads
 from rpt.models.cells.base import GatedRNNCell, as_fp32, full_precision, over_segments
 from rpt.models.registry import register_cell
 
@@ -41,6 +43,13 @@ class LSTM(GatedRNNCell):
             y, h, c = torch.lstm(xs, (st[0][None], st[1][None]), weights, True, 1, 0.0, self.training, False, True)
             return y, (h[0], c[0])
 
+        if x.is_cuda and runs_heads(self.d_hidden, self.heads):  # a program per head, its blocks on chip
+            from rpt.kernels.triton.lstm import lstm_sequence
+
+            keep = None if reset is None else (~reset).float().t().contiguous()
+            w_hh = F.dropout(self.w_hh, self.weight_drop, self.training) if self.weight_drop else self.w_hh
+            y, new = lstm_sequence(x, self.w_ih, w_hh, self.b_ih, self.b_hh, state[0], state[1], keep, self.heads)
+            return self._out(y.to(x.dtype)), tuple(s.to(state[0].dtype) for s in new)
         if x.is_cuda:  # cuDNN runs the autocast dtype; the carried state keeps the caller's
             dtype = state[0].dtype
             y, state = over_segments(run, x, state, reset)

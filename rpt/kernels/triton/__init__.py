@@ -1,0 +1,15 @@
+"""The GPU backend: the recurrent time loops as Triton kernels, a program per (head, batch block) holding its
+head's recurrent blocks on chip for the whole sequence (FlashRNN's layout). Every kernel here also runs on the
+CPU under TRITON_INTERPRET=1, where the tests hold it to the float64 reference; on a GPU it compiles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+HEAD_WIDTHS = (16, 32, 64)  # a head's state on chip: tl.arange needs a power of two, tl.dot 16 or more
+
+
+def runs_heads(d_hidden: int, heads: int) -> bool:
+    """Whether the Triton loops take a cell of `heads` heads over `d_hidden` units (and triton is installed)."""
+    return heads > 1 and d_hidden // heads in HEAD_WIDTHS and importlib.util.find_spec("triton") is not None

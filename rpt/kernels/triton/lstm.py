@@ -1,0 +1,188 @@
+"""The head-wise LSTM time loop in two Triton kernels: the forward, and the reverse-time backward.
+
+    P_t = GX_t + h_{t-1} R^T           GX = x W_ih^T + b_ih + b_hh for all steps: one GEMM, outside
+    i, f, g, o = sigmoid, sigmoid, tanh, sigmoid of P_t's four gate groups
+    c_t = f c_{t-1} + i g;  h_t = o tanh(c_t)
+
+R is block-diagonal (rpt.models.cells.base.block_diagonal): program (j, b) keeps head j's four [d, d] blocks and
+its rows' (h, c) on chip and walks the whole sequence, reading GX_t and writing h_t, c_t and the gate values the
+backward reads. The backward walks back in time with the same blocks, writes the pre-activations' gradient (the
+GEMMs outside turn it into the gradients of x, W_ih and the biases) and sums its own rows' share of R's gradient
+in float32, written per program and summed after: no atomics. A reset (keep_t = 0) zeroes a row's carried state
+before step t, as the cells' `reset` does. Written here rather than taken from FlashRNN (CUDA headers per gate)
+so that a gate is a Triton function and the same source runs on the CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_B = 16  # rows a program carries: tl.dot needs 16 or more on each side
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _load_blocks(R, j, heads, rows, cols, D: tl.constexpr):
+    """Head j's four [D, D] blocks of R (gates x heads x D x D, out x in), each read as [rows, cols] offsets."""
+    base = R + j * D * D
+    step = heads * D * D
+    return (tl.load(base + rows * D + cols).to(tl.float32), tl.load(base + step + rows * D + cols).to(tl.float32),
+            tl.load(base + 2 * step + rows * D + cols).to(tl.float32),
+            tl.load(base + 3 * step + rows * D + cols).to(tl.float32))
+
+
+@triton.jit
+def lstm_forward_kernel(GX, R, H0, C0, KEEP, HS, CS, ACT, T, B, heads,
+                        D: tl.constexpr, BB: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
+    j = tl.program_id(0)
+    b = tl.program_id(1) * BB + tl.arange(0, BB)
+    u = tl.arange(0, D)
+    H = heads * D
+    row_ok = b < B
+    ok = row_ok[:, None]
+    # R^T per gate, [in, out]: P_g = h @ R_g^T
+    r_i, r_f, r_g, r_o = _load_blocks(R, j, heads, u[None, :], u[:, None], D)
+    state = b[:, None] * H + j * D + u[None, :]
+    h = tl.load(H0 + state, mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(C0 + state, mask=ok, other=0.0).to(tl.float32)
+    for t in range(T):
+        if HAS_KEEP:
+            keep = tl.load(KEEP + t * B + b, mask=row_ok, other=1.0).to(tl.float32)[:, None]
+            h = h * keep
+            c = c * keep
+        gx = GX + t * B * 4 * H + b[:, None] * 4 * H + j * D + u[None, :]
+        i = tl.sigmoid(tl.load(gx, mask=ok, other=0.0).to(tl.float32) + tl.dot(h, r_i, input_precision=PRECISION))
+        f = tl.sigmoid(tl.load(gx + H, mask=ok, other=0.0).to(tl.float32) + tl.dot(h, r_f, input_precision=PRECISION))
+        g = _tanh(tl.load(gx + 2 * H, mask=ok, other=0.0).to(tl.float32) + tl.dot(h, r_g, input_precision=PRECISION))
+        o = tl.sigmoid(tl.load(gx + 3 * H, mask=ok, other=0.0).to(tl.float32) + tl.dot(h, r_o, input_precision=PRECISION))
+        c = f * c + i * g
+        h = o * _tanh(c)
+        out = t * B * H + state
+        tl.store(HS + out, h, mask=ok)
+        tl.store(CS + out, c, mask=ok)
+        act = ACT + t * B * 4 * H + b[:, None] * 4 * H + j * D + u[None, :]
+        tl.store(act, i, mask=ok)
+        tl.store(act + H, f, mask=ok)
+        tl.store(act + 2 * H, g, mask=ok)
+        tl.store(act + 3 * H, o, mask=ok)
+
+
+@triton.jit
+def lstm_backward_kernel(DHS, DCS, R, H0, C0, KEEP, HS, CS, ACT, DGX, DR, DH0, DC0, T, B, heads,
+                         D: tl.constexpr, BB: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
+    j = tl.program_id(0)
+    pb = tl.program_id(1)
+    b = pb * BB + tl.arange(0, BB)
+    u = tl.arange(0, D)
+    H = heads * D
+    row_ok = b < B
+    ok = row_ok[:, None]
+    r_i, r_f, r_g, r_o = _load_blocks(R, j, heads, u[:, None], u[None, :], D)  # [out, in]: dh = dP_g @ R_g
+    state = b[:, None] * H + j * D + u[None, :]
+    dh = tl.zeros((BB, D), dtype=tl.float32)
+    dc = tl.zeros((BB, D), dtype=tl.float32)
+    dr_i = tl.zeros((D, D), dtype=tl.float32)
+    dr_f = tl.zeros((D, D), dtype=tl.float32)
+    dr_g = tl.zeros((D, D), dtype=tl.float32)
+    dr_o = tl.zeros((D, D), dtype=tl.float32)
+    for step in range(T):
+        t = T - 1 - step
+        dh += tl.load(DHS + t * B * H + state, mask=ok, other=0.0)  # from y_t (and h_T)
+        dc += tl.load(DCS + t * B * H + state, mask=ok, other=0.0)  # from c_T
+        keep = tl.full((BB, 1), 1.0, tl.float32)
+        if HAS_KEEP:
+            keep = tl.load(KEEP + t * B + b, mask=row_ok, other=1.0).to(tl.float32)[:, None]
+        earlier = (t - 1) * B * H + state  # h_{t-1}, c_{t-1}: the saved step before, or the initial state
+        h_prev = tl.load(tl.where(t > 0, HS + earlier, H0 + state), mask=ok, other=0.0) * keep
+        c_prev = tl.load(tl.where(t > 0, CS + earlier, C0 + state), mask=ok, other=0.0) * keep
+        c = tl.load(CS + t * B * H + state, mask=ok, other=0.0)
+        act = ACT + t * B * 4 * H + b[:, None] * 4 * H + j * D + u[None, :]
+        i = tl.load(act, mask=ok, other=0.0)
+        f = tl.load(act + H, mask=ok, other=0.0)
+        g = tl.load(act + 2 * H, mask=ok, other=0.0)
+        o = tl.load(act + 3 * H, mask=ok, other=0.0)
+        tc = _tanh(c)
+        dc = dc + dh * o * (1.0 - tc * tc)
+        dp_i = dc * g * i * (1.0 - i)
+        dp_f = dc * c_prev * f * (1.0 - f)
+        dp_g = dc * i * (1.0 - g * g)
+        dp_o = dh * tc * o * (1.0 - o)
+        dgx = DGX + t * B * 4 * H + b[:, None] * 4 * H + j * D + u[None, :]
+        tl.store(dgx, dp_i, mask=ok)
+        tl.store(dgx + H, dp_f, mask=ok)
+        tl.store(dgx + 2 * H, dp_g, mask=ok)
+        tl.store(dgx + 3 * H, dp_o, mask=ok)
+        dr_i += tl.dot(tl.trans(dp_i), h_prev, input_precision=PRECISION)
+        dr_f += tl.dot(tl.trans(dp_f), h_prev, input_precision=PRECISION)
+        dr_g += tl.dot(tl.trans(dp_g), h_prev, input_precision=PRECISION)
+        dr_o += tl.dot(tl.trans(dp_o), h_prev, input_precision=PRECISION)
+        dh = (tl.dot(dp_i, r_i, input_precision=PRECISION) + tl.dot(dp_f, r_f, input_precision=PRECISION)
+              + tl.dot(dp_g, r_g, input_precision=PRECISION) + tl.dot(dp_o, r_o, input_precision=PRECISION)) * keep
+        dc = dc * f * keep
+    tl.store(DH0 + state, dh, mask=ok)
+    tl.store(DC0 + state, dc, mask=ok)
+    # this program's share of R's gradient: DR[pb, gate, j] (summed over batch blocks after)
+    blocks = DR + pb * 4 * heads * D * D + j * D * D + u[:, None] * D + u[None, :]
+    step_g = heads * D * D
+    tl.store(blocks, dr_i)
+    tl.store(blocks + step_g, dr_f)
+    tl.store(blocks + 2 * step_g, dr_g)
+    tl.store(blocks + 3 * step_g, dr_o)
+
+
+def _precision(t: torch.Tensor) -> str:
+    return "tf32" if t.is_cuda else "ieee"
+
+
+class LSTMLoop(torch.autograd.Function):
+    """(GX [T, B, 4H], R [4, heads, d, d], h0, c0 [B, H], keep [T, B] or None) -> (hs, cs) [T, B, H]."""
+
+    @staticmethod
+    def forward(ctx, gx, r, h0, c0, keep):
+        T, B, G = gx.shape
+        heads, d = r.shape[1], r.shape[2]
+        H = G // 4
+        gx, r = gx.contiguous(), r.contiguous()
+        h0, c0 = h0.float().contiguous(), c0.float().contiguous()
+        hs = gx.new_empty(T, B, H, dtype=torch.float32)
+        cs, act = torch.empty_like(hs), gx.new_empty(T, B, 4 * H, dtype=torch.float32)
+        grid = (heads, triton.cdiv(B, BLOCK_B))
+        lstm_forward_kernel[grid](gx, r, h0, c0, keep if keep is not None else hs, hs, cs, act, T, B, heads,
+                                  D=d, BB=BLOCK_B, HAS_KEEP=keep is not None, PRECISION=_precision(gx))
+        ctx.save_for_backward(r, h0, c0, keep, hs, cs, act)
+        ctx.gx_dtype = gx.dtype
+        return hs, cs
+
+    @staticmethod
+    def backward(ctx, d_hs, d_cs):
+        r, h0, c0, keep, hs, cs, act = ctx.saved_tensors
+        T, B, H = hs.shape
+        heads, d = r.shape[1], r.shape[2]
+        d_hs = torch.zeros_like(hs) if d_hs is None else d_hs.float().contiguous()
+        d_cs = torch.zeros_like(cs) if d_cs is None else d_cs.float().contiguous()
+        nb = triton.cdiv(B, BLOCK_B)
+        dgx = torch.empty(T, B, 4 * H, dtype=torch.float32, device=hs.device)
+        dr = torch.empty(nb, 4, heads, d, d, dtype=torch.float32, device=hs.device)
+        dh0, dc0 = torch.empty_like(h0), torch.empty_like(c0)
+        lstm_backward_kernel[(heads, nb)](d_hs, d_cs, r, h0, c0,
+                                          keep if keep is not None else hs, hs, cs, act, dgx, dr, dh0, dc0, T, B,
+                                          heads, D=d, BB=BLOCK_B, HAS_KEEP=keep is not None,
+                                          PRECISION=_precision(hs))
+        return dgx.to(ctx.gx_dtype), dr.sum(0).to(r.dtype), dh0, dc0, None
+
+
+def lstm_sequence(x, w_ih, w_hh, b_ih, b_hh, h0, c0, keep, heads: int):
+    """The head-wise LSTM over x [B, T, D] from (h0, c0): (y [B, T, H], (h_T, c_T)). w_hh holds the recurrent
+    blocks ([4H, H / heads]); keep [T, B] float (0 where a row's state resets before that step) or None."""
+    B, T, _ = x.shape
+    H = w_hh.shape[0] // 4
+    d = H // heads
+    gx = torch.addmm(b_ih + b_hh, x.transpose(0, 1).reshape(T * B, -1), w_ih.t()).view(T, B, 4 * H)
+    hs, cs = LSTMLoop.apply(gx, w_hh.view(4, heads, d, d), h0, c0, keep)
+    return hs.transpose(0, 1), (hs[-1], cs[-1])
