@@ -18,7 +18,7 @@
 #   1. probe: the GPU, torch, and the measured matmul peaks (fp32, tf32, bf16)
 #   2. tests/models on the GPU (RPT_TEST_DEVICE=cuda): every cell's fast path against its reference
 #   3. benchmarks/cells.py on the GPU (issue 3's table, generation memory); benchmarks/compiled_cells.py;
-#      benchmarks/triton_cells.py (the head-wise lstm's Triton loop against cuDNN)
+#      benchmarks/triton_cells.py (the head-wise cells' Triton loops against cuDNN)
 #   4. rpt train on the GPU: fp32, bf16 (with a profiled range), fp16 with loss scaling; exact resume
 #   5. throughput at a GPU-sized shape (lstm and mingru, bf16), and trainer overhead against a minimal loop
 set -u
@@ -91,10 +91,10 @@ grep -E "^\||matmul peak" "$WORK/cells.log" >>"$SUMMARY"
 part compiled-cells 90 $PY benchmarks/compiled_cells.py --device "$DEV" --repeats $([ "$QUICK" = 1 ] && echo 2 || echo 10)
 grep -E "^\|" "$WORK/compiled-cells.log" >>"$SUMMARY"
 
-# the head-wise lstm on rpt's Triton loop against cuDNN's nn.LSTM (issue 27); a dry run takes Triton's interpreter
+# the head-wise modlstm, lstm and gru on rpt's Triton loops against cuDNN's nn.LSTM (issue 27); a dry run: the interpreter
 if [ "$QUICK" = 1 ]; then TRITON_RUN=(env TRITON_INTERPRET=1 $PY benchmarks/triton_cells.py --quick --repeats 1)
 else TRITON_RUN=($PY benchmarks/triton_cells.py); fi
-part triton-cells 120 "${TRITON_RUN[@]}"
+part triton-cells 240 "${TRITON_RUN[@]}"
 grep -E "^\||reference" "$WORK/triton-cells.log" >>"$SUMMARY"
 
 part prepare 60 $PY -m rpt prepare --out data/stdlib

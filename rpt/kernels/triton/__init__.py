@@ -10,6 +10,6 @@ import importlib.util
 HEAD_WIDTHS = (16, 32, 64)  # a head's state on chip: tl.arange needs a power of two, tl.dot 16 or more
 
 
-def runs_heads(d_hidden: int, heads: int) -> bool:
-    """Whether the Triton loops take a cell of `heads` heads over `d_hidden` units (and triton is installed)."""
-    return heads > 1 and d_hidden // heads in HEAD_WIDTHS and importlib.util.find_spec("triton") is not None
+def on_chip(d_hidden: int, heads: int) -> bool:
+    """Whether a head of `d_hidden / heads` units fits the Triton loops (and triton is installed)."""
+    return d_hidden // heads in HEAD_WIDTHS and importlib.util.find_spec("triton") is not None

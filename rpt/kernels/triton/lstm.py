@@ -28,6 +28,14 @@ def _tanh(x):
 
 
 @triton.jit
+def _program(B, heads, D: tl.constexpr, BB: tl.constexpr):
+    """This program's head j, batch block pb, rows b, units u, the width H and the rows' mask [BB, 1]."""
+    pb = tl.program_id(1)
+    b = pb * BB + tl.arange(0, BB)
+    return tl.program_id(0), pb, b, tl.arange(0, D), heads * D, (b < B)[:, None]
+
+
+@triton.jit
 def _load_blocks(R, j, heads, rows, cols, D: tl.constexpr):
     """Head j's four [D, D] blocks of R (gates x heads x D x D, out x in), each read as [rows, cols] offsets."""
     base = R + j * D * D
@@ -40,12 +48,7 @@ def _load_blocks(R, j, heads, rows, cols, D: tl.constexpr):
 @triton.jit
 def lstm_forward_kernel(GX, R, H0, C0, KEEP, HS, CS, ACT, T, B, heads,
                         D: tl.constexpr, BB: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
-    j = tl.program_id(0)
-    b = tl.program_id(1) * BB + tl.arange(0, BB)
-    u = tl.arange(0, D)
-    H = heads * D
-    row_ok = b < B
-    ok = row_ok[:, None]
+    j, _, b, u, H, ok = _program(B, heads, D, BB)
     # R^T per gate, [in, out]: P_g = h @ R_g^T
     r_i, r_f, r_g, r_o = _load_blocks(R, j, heads, u[None, :], u[:, None], D)
     state = b[:, None] * H + j * D + u[None, :]
@@ -53,7 +56,7 @@ def lstm_forward_kernel(GX, R, H0, C0, KEEP, HS, CS, ACT, T, B, heads,
     c = tl.load(C0 + state, mask=ok, other=0.0).to(tl.float32)
     for t in range(T):
         if HAS_KEEP:
-            keep = tl.load(KEEP + t * B + b, mask=row_ok, other=1.0).to(tl.float32)[:, None]
+            keep = tl.load(KEEP + t * B + b, mask=b < B, other=1.0).to(tl.float32)[:, None]
             h = h * keep
             c = c * keep
         gx = GX + t * B * 4 * H + b[:, None] * 4 * H + j * D + u[None, :]
@@ -76,13 +79,7 @@ def lstm_forward_kernel(GX, R, H0, C0, KEEP, HS, CS, ACT, T, B, heads,
 @triton.jit
 def lstm_backward_kernel(DHS, DCS, R, H0, C0, KEEP, HS, CS, ACT, DGX, DR, DH0, DC0, T, B, heads,
                          D: tl.constexpr, BB: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
-    j = tl.program_id(0)
-    pb = tl.program_id(1)
-    b = pb * BB + tl.arange(0, BB)
-    u = tl.arange(0, D)
-    H = heads * D
-    row_ok = b < B
-    ok = row_ok[:, None]
+    j, pb, b, u, H, ok = _program(B, heads, D, BB)
     r_i, r_f, r_g, r_o = _load_blocks(R, j, heads, u[:, None], u[None, :], D)  # [out, in]: dh = dP_g @ R_g
     state = b[:, None] * H + j * D + u[None, :]
     dh = tl.zeros((BB, D), dtype=tl.float32)
@@ -97,7 +94,7 @@ def lstm_backward_kernel(DHS, DCS, R, H0, C0, KEEP, HS, CS, ACT, DGX, DR, DH0, D
         dc += tl.load(DCS + t * B * H + state, mask=ok, other=0.0)  # from c_T
         keep = tl.full((BB, 1), 1.0, tl.float32)
         if HAS_KEEP:
-            keep = tl.load(KEEP + t * B + b, mask=row_ok, other=1.0).to(tl.float32)[:, None]
+            keep = tl.load(KEEP + t * B + b, mask=b < B, other=1.0).to(tl.float32)[:, None]
         earlier = (t - 1) * B * H + state  # h_{t-1}, c_{t-1}: the saved step before, or the initial state
         h_prev = tl.load(tl.where(t > 0, HS + earlier, H0 + state), mask=ok, other=0.0) * keep
         c_prev = tl.load(tl.where(t > 0, CS + earlier, C0 + state), mask=ok, other=0.0) * keep

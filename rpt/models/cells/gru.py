@@ -1,6 +1,6 @@
 """Classic GRU (Cho et al. 2014), PyTorch's formulation and gate layout (r, z, n).
 
-Fast paths: on GPU, torch's fused GRU (cuDNN). On CPU torch's GRU has no oneDNN kernel (only
+Fast paths: on GPU, torch's fused GRU (cuDNN); a head-wise GRU there runs rpt.kernels.triton's loop. On CPU torch's GRU has no oneDNN kernel (only
 its LSTM has one) and runs a small-batch GEMM per step, about 0.2 of the matmul peak at B=2;
 there `gru_sequence` runs instead: a fused sequence kernel with a hand-written backward, like
 the modified LSTM's (input projections and weight gradients as single GEMMs, the per-step
@@ -17,6 +17,7 @@ from torch import Tensor
 
 from rpt import kernels
 from rpt.kernels.cpu.products import PackedLinear, matmul
+from rpt.kernels.triton import on_chip
 from rpt.models.cells.base import GatedRNNCell, as_fp32, full_precision, over_segments
 from rpt.models.registry import register_cell
 
@@ -38,6 +39,12 @@ class GRU(GatedRNNCell):
 
     def forward(self, x, state=None, reset=None):
         state = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
+        if x.is_cuda and self.heads > 1 and on_chip(self.d_hidden, self.heads):  # a program per head, blocks on chip
+            from rpt.kernels.triton.gru import gru_sequence as loop
+
+            keep = None if reset is None else (~reset).float().t().contiguous()
+            y, new = loop(x, self.w_ih, self.w_hh, self.b_ih, self.b_hh, state[0], keep, self.heads)
+            return self._out(y.to(x.dtype)), tuple(s.to(state[0].dtype) for s in new)
         if x.is_cuda:  # cuDNN runs the autocast dtype; the carried state keeps the caller's
             dtype = state[0].dtype
             y, state = self.library_path(x, state, reset)

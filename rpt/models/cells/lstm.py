@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rpt.kernels.triton import runs_heads
+from rpt.kernels.triton import on_chip
 from rpt.models.cells.base import GatedRNNCell, as_fp32, full_precision, over_segments
 from rpt.models.registry import register_cell
 
@@ -43,7 +43,7 @@ class LSTM(GatedRNNCell):
             y, h, c = torch.lstm(xs, (st[0][None], st[1][None]), weights, True, 1, 0.0, self.training, False, True)
             return y, (h[0], c[0])
 
-        if x.is_cuda and runs_heads(self.d_hidden, self.heads):  # a program per head, its blocks on chip
+        if x.is_cuda and self.heads > 1 and on_chip(self.d_hidden, self.heads):  # a program per head, blocks on chip
             from rpt.kernels.triton.lstm import lstm_sequence
 
             keep = None if reset is None else (~reset).float().t().contiguous()

@@ -30,6 +30,7 @@ factors in that pass.
 """
 
 import math
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -40,6 +41,7 @@ from rpt import kernels
 from rpt.errors import RptError
 from rpt.kernels.cpu.backend import Gate
 from rpt.kernels.cpu.products import PackedLinear, matmul
+from rpt.kernels.triton import on_chip
 from rpt.models.cells.base import Cell, as_fp32, block_diagonal, full_precision, head_width
 from rpt.models.registry import GateFunction, default_forget_bias, get_gate, register_cell
 
@@ -136,6 +138,13 @@ class ModLSTM(Cell):
     # ------------------------------------------------------------------ the fast path
     def forward(self, x, state=None, reset=None):
         state = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
+        if x.is_cuda and self.triton_loop():  # the whole time loop in one kernel, a program per head
+            from rpt.kernels.triton.modlstm import modlstm_sequence as loop
+
+            keep = None if reset is None else (~reset).float().t().contiguous()
+            y, final = loop(x, self.w_x, self.w_h, self.bias, self.ln_weight, self.ln_bias, self.peep, state, keep,
+                            self.gate, self.coupled, self.heads)
+            return self._out(y.to(x.dtype)), tuple(s.to(state[0].dtype) for s in final)
         with full_precision(x):
             x = as_fp32(x)
             keep = None if reset is None else (~reset).to(x.dtype).transpose(0, 1).contiguous()  # [T, B]
@@ -143,6 +152,18 @@ class ModLSTM(Cell):
             y, *final = modlstm_sequence(x, self.w_x, self.recurrent_weight(), self.bias, self.ln_weight, self.ln_bias,
                                          self.peep, state[0], state[1], *n_m, keep, self.gate, self.coupled)[:5]
         return self._out(y), tuple(final if self.exp else final[:2])
+
+    def triton_loop(self) -> bool:
+        """Whether rpt.kernels.triton's loop runs this cell on a GPU: a built-in gate, a head of 16-64 units, and
+        the gate norm only with one head (it normalises a group's H units together)."""
+        if self.gate_norm and self.heads > 1 or not on_chip(self.d_hidden, self.heads):
+            return False
+        if self.gate not in ("sigmoid", "hard_sigmoid", "exp"):
+            warnings.warn(f"model.gate = '{self.gate}' has no Triton form: the modlstm runs its step loop on the GPU "
+                          "instead of one kernel for the sequence (about ten kernel launches a step, several times "
+                          "slower); use a built-in gate for speed", stacklevel=3)
+            return False
+        return True
 
     def _out(self, h):
         return self.linear(h, self.proj.weight) if self.proj is not None else h

@@ -1,6 +1,7 @@
-"""The Triton LSTM loop (rpt/kernels/triton/lstm.py) on the CPU through Triton's interpreter, in float32, against
-the float64 reference of the head-wise lstm cell: outputs, final state, and every gradient (x, W_ih, the recurrent
-blocks, both biases, the initial state), with resets inside rows and a batch that does not fill a program."""
+"""The Triton lstm and gru loops (rpt/kernels/triton/lstm.py, gru.py) on the CPU through Triton's interpreter, in
+float32, against the float64 reference of the head-wise cell: outputs, final state, and every gradient (x, W_ih,
+the recurrent blocks, both biases, the initial state), with resets inside rows and a batch that does not fill a
+program."""
 
 from __future__ import annotations
 
@@ -17,45 +18,51 @@ from rpt.config import ModelConfig
 from rpt.models.block import build_cell
 
 
-def reference_and_kernel(heads: int, B: int, T: int, resets: bool):
+def reference_and_kernel(cell_name: str, heads: int, B: int, T: int, resets: bool):
+    from rpt.kernels.triton.gru import gru_sequence
     from rpt.kernels.triton.lstm import lstm_sequence
 
     torch.manual_seed(0)
     D = H = 16 * heads  # no projection: the loop's output is the cell's
-    cell = build_cell(ModelConfig(cell="lstm", d_model=D, d_hidden=H, heads=heads)).double()
+    cell = build_cell(ModelConfig(cell=cell_name, d_model=D, d_hidden=H, heads=heads)).double()
     with torch.no_grad():
         for p in cell.parameters():
             p.add_(0.3 * torch.randn_like(p))
     x = torch.randn(B, T, D, dtype=torch.float64)
-    h0, c0 = (torch.randn(B, H, dtype=torch.float64) * 0.5 for _ in range(2))
+    state = tuple(torch.randn(B, H, dtype=torch.float64) * 0.5 for _ in cell.state_sizes())
     reset = torch.zeros(B, T, dtype=torch.bool)
     if resets:
         reset[0, 3] = reset[B - 1, 1] = True
     w_y = torch.randn(B, T, H, dtype=torch.float64)
     weights = [cell.w_ih, cell.w_hh, cell.b_ih, cell.b_hh]
 
-    def loss(y, state):
-        return (y * w_y).sum() + 0.7 * state[0].sum() - 0.4 * state[1].sum()
+    def loss(y, s):
+        return (y * w_y).sum() + 0.7 * s[0].sum() - (0.4 * s[1].sum() if len(s) > 1 else 0)
 
-    inputs = [x, h0, c0]
+    inputs = [x, *state]
     for t in inputs:
         t.requires_grad_()
-    y_ref, s_ref = cell.reference(x, (h0, c0), reset)
+    y_ref, s_ref = cell.reference(x, state, reset)
     g_ref = torch.autograd.grad(loss(y_ref, s_ref), inputs + weights)
     f32 = [t.detach().float().requires_grad_() for t in inputs + weights]
-    xf, h0f, c0f, w_ih, w_hh, b_ih, b_hh = f32
+    xf, *s0 = f32[:len(inputs)]
+    w_ih, w_hh, b_ih, b_hh = f32[len(inputs):]
     keep = (~reset).float().t().contiguous() if resets else None
-    y, s = lstm_sequence(xf, w_ih, w_hh, b_ih, b_hh, h0f, c0f, keep, heads)
+    if cell_name == "lstm":
+        y, s = lstm_sequence(xf, w_ih, w_hh, b_ih, b_hh, *s0, keep, heads)
+    else:
+        y, s = gru_sequence(xf, w_ih, w_hh, b_ih, b_hh, *s0, keep, heads)
     g = torch.autograd.grad(loss(y, s), f32)
     return (y_ref, s_ref, g_ref), (y, s, g)
 
 
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
 @pytest.mark.parametrize("heads,B,T,resets", [(2, 3, 7, True), (1, 18, 4, False), (3, 5, 5, True)])
-def test_triton_lstm_loop_equals_the_float64_reference(heads, B, T, resets):
-    (y_ref, s_ref, g_ref), (y, s, g) = reference_and_kernel(heads, B, T, resets)
+def test_triton_loop_equals_the_float64_reference(cell, heads, B, T, resets):
+    (y_ref, s_ref, g_ref), (y, s, g) = reference_and_kernel(cell, heads, B, T, resets)
     torch.testing.assert_close(y.double(), y_ref, atol=2e-6, rtol=1e-5)
     for a, b in zip(s, s_ref):
         torch.testing.assert_close(a.double(), b, atol=2e-6, rtol=1e-5)
-    names = ["x", "h0", "c0", "w_ih", "w_hh", "b_ih", "b_hh"]
+    names = ["x", "h0", "c0"][:1 + len(s)] + ["w_ih", "w_hh", "b_ih", "b_hh"]
     for name, a, b in zip(names, g, g_ref):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-4, msg=lambda m: f"gradient of {name}: {m}")

@@ -1,0 +1,138 @@
+"""The head-wise GRU's time loop in two Triton kernels, a program per (head, 16 rows), as rpt/kernels/triton/lstm.py
+runs the lstm (its blocks and its rows' state on chip for the whole sequence). PyTorch's formulation:
+
+    r = sigmoid(GX_r + h R_r^T),  z = sigmoid(GX_z + h R_z^T)      GX = x W_ih^T + b_ih (+ b_hh's r, z parts)
+    n = tanh(GX_n + r * (h R_n^T + b_hn)),  h' = (1 - z) n + z h
+
+b_hn (b_hh's n part) sits inside the reset gate's product, so the kernel reads it; the backward returns its
+gradient with R's, summed per program in float32 (no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rpt.kernels.triton.lstm import BLOCK_B, _precision, _program, _tanh
+
+
+@triton.jit
+def _blocks3(R, j, heads, rows, cols, D: tl.constexpr):
+    base = R + j * D * D
+    step = heads * D * D
+    return (tl.load(base + rows * D + cols).to(tl.float32), tl.load(base + step + rows * D + cols).to(tl.float32),
+            tl.load(base + 2 * step + rows * D + cols).to(tl.float32))
+
+
+@triton.jit
+def gru_forward_kernel(GX, R, BHN, H0, KEEP, HS, ACT, T, B, heads, D: tl.constexpr, BB: tl.constexpr,
+                       HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
+    j, _, b, u, H, ok = _program(B, heads, D, BB)
+    r_r, r_z, r_n = _blocks3(R, j, heads, u[None, :], u[:, None], D)  # R_g^T, [in, out]
+    b_hn = tl.load(BHN + j * D + u).to(tl.float32)[None, :]
+    state = b[:, None] * H + j * D + u[None, :]
+    h = tl.load(H0 + state, mask=ok, other=0.0).to(tl.float32)
+    for t in range(T):
+        if HAS_KEEP:
+            h = h * tl.load(KEEP + t * B + b, mask=b < B, other=1.0).to(tl.float32)[:, None]
+        gx = GX + t * B * 3 * H + b[:, None] * 3 * H + j * D + u[None, :]
+        r = tl.sigmoid(tl.load(gx, mask=ok, other=0.0).to(tl.float32) + tl.dot(h, r_r, input_precision=PRECISION))
+        z = tl.sigmoid(tl.load(gx + H, mask=ok, other=0.0).to(tl.float32) + tl.dot(h, r_z, input_precision=PRECISION))
+        hn = tl.dot(h, r_n, input_precision=PRECISION) + b_hn
+        n = _tanh(tl.load(gx + 2 * H, mask=ok, other=0.0).to(tl.float32) + r * hn)
+        h = (1.0 - z) * n + z * h
+        tl.store(HS + t * B * H + state, h, mask=ok)
+        act = ACT + t * B * 4 * H + b[:, None] * 4 * H + j * D + u[None, :]
+        tl.store(act, r, mask=ok)
+        tl.store(act + H, z, mask=ok)
+        tl.store(act + 2 * H, n, mask=ok)
+        tl.store(act + 3 * H, hn, mask=ok)
+
+
+@triton.jit
+def gru_backward_kernel(DHS, R, H0, KEEP, HS, ACT, DGX, DR, DBHN, DH0, T, B, heads, D: tl.constexpr,
+                        BB: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
+    j, pb, b, u, H, ok = _program(B, heads, D, BB)
+    r_r, r_z, r_n = _blocks3(R, j, heads, u[:, None], u[None, :], D)  # R_g, [out, in]
+    state = b[:, None] * H + j * D + u[None, :]
+    dh = tl.zeros((BB, D), dtype=tl.float32)
+    dr_r = tl.zeros((D, D), dtype=tl.float32)
+    dr_z, dr_n = dr_r, dr_r
+    db_hn = tl.zeros((D,), dtype=tl.float32)
+    for step in range(T):
+        t = T - 1 - step
+        dh += tl.load(DHS + t * B * H + state, mask=ok, other=0.0)
+        keep = tl.full((BB, 1), 1.0, tl.float32)
+        if HAS_KEEP:
+            keep = tl.load(KEEP + t * B + b, mask=b < B, other=1.0).to(tl.float32)[:, None]
+        h_prev = tl.load(tl.where(t > 0, HS + (t - 1) * B * H + state, H0 + state), mask=ok, other=0.0) * keep
+        act = ACT + t * B * 4 * H + b[:, None] * 4 * H + j * D + u[None, :]
+        r = tl.load(act, mask=ok, other=0.0)
+        z = tl.load(act + H, mask=ok, other=0.0)
+        n = tl.load(act + 2 * H, mask=ok, other=0.0)
+        hn = tl.load(act + 3 * H, mask=ok, other=0.0)
+        da_n = dh * (1.0 - z) * (1.0 - n * n)
+        da_r = da_n * hn * r * (1.0 - r)
+        da_z = dh * (h_prev - n) * z * (1.0 - z)
+        d_hn = da_n * r
+        dgx = DGX + t * B * 3 * H + b[:, None] * 3 * H + j * D + u[None, :]
+        tl.store(dgx, da_r, mask=ok)
+        tl.store(dgx + H, da_z, mask=ok)
+        tl.store(dgx + 2 * H, da_n, mask=ok)
+        db_hn += tl.sum(d_hn, axis=0)
+        dr_r += tl.dot(tl.trans(da_r), h_prev, input_precision=PRECISION)
+        dr_z += tl.dot(tl.trans(da_z), h_prev, input_precision=PRECISION)
+        dr_n += tl.dot(tl.trans(d_hn), h_prev, input_precision=PRECISION)
+        dh = (dh * z + tl.dot(da_r, r_r, input_precision=PRECISION) + tl.dot(da_z, r_z, input_precision=PRECISION)
+              + tl.dot(d_hn, r_n, input_precision=PRECISION)) * keep
+    tl.store(DH0 + state, dh, mask=ok)
+    blocks = DR + pb * 3 * heads * D * D + j * D * D + u[:, None] * D + u[None, :]
+    tl.store(blocks, dr_r)
+    tl.store(blocks + heads * D * D, dr_z)
+    tl.store(blocks + 2 * heads * D * D, dr_n)
+    tl.store(DBHN + pb * H + j * D + u, db_hn)
+
+
+class GRULoop(torch.autograd.Function):
+    """(GX [T, B, 3H], R [3, heads, d, d], b_hn [H], h0 [B, H], keep [T, B] or None) -> hs [T, B, H]."""
+
+    @staticmethod
+    def forward(ctx, gx, r, b_hn, h0, keep):
+        T, B, _ = gx.shape
+        heads, d = r.shape[1], r.shape[2]
+        H = heads * d
+        gx, r, b_hn, h0 = gx.contiguous(), r.contiguous(), b_hn.contiguous(), h0.float().contiguous()
+        hs = torch.empty(T, B, H, dtype=torch.float32, device=gx.device)
+        act = torch.empty(T, B, 4 * H, dtype=torch.float32, device=gx.device)
+        gru_forward_kernel[(heads, triton.cdiv(B, BLOCK_B))](gx, r, b_hn, h0, keep if keep is not None else hs, hs,
+                                                             act, T, B, heads, D=d, BB=BLOCK_B,
+                                                             HAS_KEEP=keep is not None, PRECISION=_precision(gx))
+        ctx.save_for_backward(r, h0, keep, hs, act)
+        ctx.gx_dtype, ctx.b_dtype = gx.dtype, b_hn.dtype
+        return hs
+
+    @staticmethod
+    def backward(ctx, d_hs):
+        r, h0, keep, hs, act = ctx.saved_tensors
+        T, B, H = hs.shape
+        heads, d = r.shape[1], r.shape[2]
+        nb = triton.cdiv(B, BLOCK_B)
+        new = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=hs.device)  # noqa: E731
+        dgx, dr, dbhn, dh0 = new(T, B, 3 * H), new(nb, 3, heads, d, d), new(nb, H), torch.empty_like(h0)
+        gru_backward_kernel[(heads, nb)](d_hs.float().contiguous(), r, h0, keep if keep is not None else hs, hs, act,
+                                         dgx, dr, dbhn, dh0, T, B, heads, D=d, BB=BLOCK_B, HAS_KEEP=keep is not None,
+                                         PRECISION=_precision(hs))
+        return dgx.to(ctx.gx_dtype), dr.sum(0).to(r.dtype), dbhn.sum(0).to(ctx.b_dtype), dh0, None
+
+
+def gru_sequence(x, w_ih, w_hh, b_ih, b_hh, h0, keep, heads: int):
+    """The head-wise GRU over x [B, T, D] from h0: (y [B, T, H], (h_T,)). w_hh holds the recurrent blocks
+    ([3H, H / heads]); keep [T, B] float (0 where a row's state resets before that step) or None."""
+    B, T, _ = x.shape
+    H = w_hh.shape[0] // 3
+    d = H // heads
+    b_rz = torch.cat([b_ih[:2 * H] + b_hh[:2 * H], b_ih[2 * H:]])
+    gx = torch.addmm(b_rz, x.transpose(0, 1).reshape(T * B, -1), w_ih.t()).view(T, B, 3 * H)
+    hs = GRULoop.apply(gx, w_hh.view(3, heads, d, d), b_hh[2 * H:], h0, keep)
+    return hs.transpose(0, 1), (hs[-1],)

@@ -1,0 +1,92 @@
+"""The Triton modlstm loop (rpt/kernels/triton/modlstm.py) on the CPU through Triton's interpreter, in float32,
+against the float64 reference of the head-wise modlstm cell, for every gate rpt ships and the gate layer norm,
+peepholes and coupled gates: outputs, final state, and every gradient (x, W_x, the recurrent blocks, the bias or
+the layer norm's scale and shift, the peepholes, the initial state), with resets inside rows."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton reads it (the kernels are defined at import)
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from rpt.config import ModelConfig
+from rpt.models.block import build_cell
+
+VARIANTS = {  # name: (modlstm options, heads)
+    "sigmoid": (dict(), 2),
+    "hard-peep": (dict(gate="hard_sigmoid", peepholes=True), 2),
+    "coupled-peep": (dict(coupled_gates=True, peepholes=True), 3),
+    "exp": (dict(gate="exp"), 2),
+    "norm-peep": (dict(gate_norm=True, peepholes=True), 1),  # the gate norm spans a group's H units: one head
+    "exp-norm": (dict(gate="exp", gate_norm=True), 1),
+    "coupled-norm": (dict(coupled_gates=True, gate_norm=True, gate="hard_sigmoid"), 1),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_triton_modlstm_loop_equals_the_float64_reference(name):
+    from rpt.kernels.triton.modlstm import modlstm_sequence
+
+    options, heads = VARIANTS[name]
+    torch.manual_seed(0)
+    D = H = 16 * heads
+    B, T = 5, 6
+    cell = build_cell(ModelConfig(cell="modlstm", d_model=D, heads=heads, **options)).double()
+    with torch.no_grad():
+        for p in cell.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    state = [torch.randn(B, H, dtype=torch.float64) * 0.5 for _ in cell.state_sizes()]
+    if cell.exp:  # (h, c, n, m): a normaliser > 0 and a stabiliser
+        state[2] = torch.rand(B, H, dtype=torch.float64) + 0.5
+        state[3] = torch.randn(B, H, dtype=torch.float64) * 0.1
+    reset = torch.zeros(B, T, dtype=torch.bool)
+    reset[0, 3] = reset[4, 1] = True
+    w_y = torch.randn(B, T, H, dtype=torch.float64)
+    inputs = [x, *state[:3]]
+    params = {n: p for n, p in cell.named_parameters()}
+
+    def loss(y, s):
+        return (y * w_y).sum() + 0.7 * s[0].sum() - 0.4 * s[1].sum() + (0.2 * s[2].sum() if len(s) > 2 else 0)
+
+    for t in inputs:
+        t.requires_grad_()
+    y_ref, s_ref = cell.reference(x, tuple(state), reset)
+    names = ["x", "h0", "c0", "n0"][:len(inputs)] + list(params)
+    g_ref = torch.autograd.grad(loss(y_ref, s_ref), inputs + list(params.values()), allow_unused=True)
+    f32 = [t.detach().float().requires_grad_() for t in inputs + list(params.values())]
+    xf, rest = f32[0], f32[1:len(inputs)]
+    p32 = dict(zip(params, f32[len(inputs):]))
+    keep = (~reset).float().t().contiguous()
+    s0 = tuple(rest) + ((state[3].float(),) if cell.exp else ())
+    y, s = modlstm_sequence(xf, p32["w_x"], p32["w_h"], p32.get("bias"), p32.get("ln_weight"), p32.get("ln_bias"),
+                            p32.get("peep"), s0, keep, cell.gate, cell.coupled, heads)
+    torch.testing.assert_close(y.double(), y_ref, atol=2e-5, rtol=1e-4)
+    for a, b in zip(s, s_ref):
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-4)
+    g = torch.autograd.grad(loss(y, s), f32, allow_unused=True)
+    for name, a, b in zip(names, g, g_ref):
+        if b is None:
+            assert a is None or not a.abs().any(), name
+            continue
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-3, msg=lambda m: f"gradient of {name}: {m}")
+
+
+def test_which_modlstm_cells_the_triton_loop_takes():
+    """On a GPU: heads of 16-64 units with a built-in gate; the gate norm with one head only; a registered gate
+    without a Triton form takes the step loop, and says what that costs."""
+    from rpt.models import register_gate
+
+    takes = lambda **kw: build_cell(ModelConfig(cell="modlstm", **kw)).triton_loop()  # noqa: E731
+    assert takes(d_model=64, heads=4) and takes(d_model=64, heads=2, gate="exp") and takes(d_model=32, gate_norm=True)
+    assert not takes(d_model=96, heads=2)  # a head of 48 units
+    assert not takes(d_model=64, heads=4, gate_norm=True) and not takes(d_model=128)  # 128 units in one program
+    register_gate("softsign-gate-test", lambda x: 0.5 + 0.5 * x / (1 + x.abs()),
+                  lambda x, y: 0.5 / (1 + x.abs()) ** 2)
+    with pytest.warns(UserWarning, match="has no Triton form"):
+        assert not takes(d_model=64, heads=4, gate="softsign-gate-test")
