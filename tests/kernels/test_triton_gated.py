@@ -18,12 +18,12 @@ from rpt.config import ModelConfig
 from rpt.models.block import build_cell
 
 
-def reference_and_kernel(cell_name: str, heads: int, B: int, T: int, resets: bool):
+def reference_and_kernel(cell_name: str, heads: int, B: int, T: int, resets: bool, width: int = 16):
     from rpt.kernels.triton.gru import gru_sequence
     from rpt.kernels.triton.lstm import lstm_sequence
 
     torch.manual_seed(0)
-    D = H = 16 * heads  # no projection: the loop's output is the cell's
+    D = H = width * heads  # no projection: the loop's output is the cell's
     cell = build_cell(ModelConfig(cell=cell_name, d_model=D, d_hidden=H, heads=heads)).double()
     with torch.no_grad():
         for p in cell.parameters():
@@ -57,9 +57,10 @@ def reference_and_kernel(cell_name: str, heads: int, B: int, T: int, resets: boo
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-@pytest.mark.parametrize("heads,B,T,resets", [(2, 3, 7, True), (1, 18, 4, False), (3, 5, 5, True)])
-def test_triton_loop_equals_the_float64_reference(cell, heads, B, T, resets):
-    (y_ref, s_ref, g_ref), (y, s, g) = reference_and_kernel(cell, heads, B, T, resets)
+@pytest.mark.parametrize("heads,B,T,resets,width", [(2, 3, 7, True, 16), (1, 18, 4, False, 16), (3, 5, 5, True, 16),
+                                                    (2, 3, 4, True, 24)])  # 24 units: padded to 32, masked
+def test_triton_loop_equals_the_float64_reference(cell, heads, B, T, resets, width):
+    (y_ref, s_ref, g_ref), (y, s, g) = reference_and_kernel(cell, heads, B, T, resets, width)
     torch.testing.assert_close(y.double(), y_ref, atol=2e-6, rtol=1e-5)
     for a, b in zip(s, s_ref):
         torch.testing.assert_close(a.double(), b, atol=2e-6, rtol=1e-5)

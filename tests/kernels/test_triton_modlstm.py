@@ -17,14 +17,16 @@ pytest.importorskip("triton")
 from rpt.config import ModelConfig
 from rpt.models.block import build_cell
 
-VARIANTS = {  # name: (modlstm options, heads)
-    "sigmoid": (dict(), 2),
-    "hard-peep": (dict(gate="hard_sigmoid", peepholes=True), 2),
-    "coupled-peep": (dict(coupled_gates=True, peepholes=True), 3),
-    "exp": (dict(gate="exp"), 2),
-    "norm-peep": (dict(gate_norm=True, peepholes=True), 1),  # the gate norm spans a group's H units: one head
-    "exp-norm": (dict(gate="exp", gate_norm=True), 1),
-    "coupled-norm": (dict(coupled_gates=True, gate_norm=True, gate="hard_sigmoid"), 1),
+VARIANTS = {  # name: (modlstm options, heads, a head's width)
+    "sigmoid": (dict(), 2, 16),
+    "hard-peep": (dict(gate="hard_sigmoid", peepholes=True), 2, 16),
+    "coupled-peep": (dict(coupled_gates=True, peepholes=True), 3, 16),
+    "exp": (dict(gate="exp"), 2, 16),
+    "norm-peep": (dict(gate_norm=True, peepholes=True), 1, 16),  # the gate norm spans a group's H units: one head
+    "exp-norm": (dict(gate="exp", gate_norm=True), 1, 32),
+    "coupled-norm": (dict(coupled_gates=True, gate_norm=True, gate="hard_sigmoid"), 1, 16),
+    "peep-width-24": (dict(peepholes=True), 2, 24),  # padded to 32 on chip, the padding masked
+    "exp-width-20": (dict(gate="exp"), 1, 20),
 }
 
 
@@ -32,9 +34,9 @@ VARIANTS = {  # name: (modlstm options, heads)
 def test_triton_modlstm_loop_equals_the_float64_reference(name):
     from rpt.kernels.triton.modlstm import modlstm_sequence
 
-    options, heads = VARIANTS[name]
+    options, heads, width = VARIANTS[name]
     torch.manual_seed(0)
-    D = H = 16 * heads
+    D = H = width * heads
     B, T = 5, 6
     cell = build_cell(ModelConfig(cell="modlstm", d_model=D, heads=heads, **options)).double()
     with torch.no_grad():
@@ -84,8 +86,9 @@ def test_which_modlstm_cells_the_triton_loop_takes():
 
     takes = lambda **kw: build_cell(ModelConfig(cell="modlstm", **kw)).triton_loop()  # noqa: E731
     assert takes(d_model=64, heads=4) and takes(d_model=64, heads=2, gate="exp") and takes(d_model=32, gate_norm=True)
-    assert not takes(d_model=96, heads=2)  # a head of 48 units
+    assert takes(d_model=96, heads=2) and not takes(d_model=96, heads=8)  # heads of 48 units (padded), of 12
     assert not takes(d_model=64, heads=4, gate_norm=True) and not takes(d_model=128)  # 128 units in one program
+    assert not takes(d_model=48, gate_norm=True)  # the norm's statistics are not masked
     register_gate("softsign-gate-test", lambda x: 0.5 + 0.5 * x / (1 + x.abs()),
                   lambda x, y: 0.5 / (1 + x.abs()) ** 2)
     with pytest.warns(UserWarning, match="has no Triton form"):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 
-HEAD_WIDTHS = (16, 32, 64)  # a head's state on chip: tl.arange needs a power of two, tl.dot 16 or more
-
-
-def on_chip(d_hidden: int, heads: int) -> bool:
-    """Whether a head of `d_hidden / heads` units fits the Triton loops (and triton is installed)."""
-    return d_hidden // heads in HEAD_WIDTHS and importlib.util.find_spec("triton") is not None
+def on_chip(d_hidden: int, heads: int, power_of_two: bool = False) -> bool:
+    """Whether a head of `d_hidden / heads` units fits the Triton loops (and triton is installed): 16 to 64 units
+    (a width that is not a power of two is padded to the next one, the padding masked)."""
+    width = d_hidden // heads
+    fits = 16 <= width <= 64 and (not power_of_two or width & (width - 1) == 0)
+    return fits and importlib.util.find_spec("triton") is not None

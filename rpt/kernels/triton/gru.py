@@ -14,23 +14,21 @@ import torch
 import triton
 import triton.language as tl
 
-from rpt.kernels.triton.lstm import BLOCK_B, _precision, _program, _tanh
+from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded
 
 
 @triton.jit
 def _blocks3(R, j, heads, rows, cols, D: tl.constexpr):
-    base = R + j * D * D
-    step = heads * D * D
-    return (tl.load(base + rows * D + cols).to(tl.float32), tl.load(base + step + rows * D + cols).to(tl.float32),
-            tl.load(base + 2 * step + rows * D + cols).to(tl.float32))
+    return (_block(R, 0, j, heads, rows, cols, D), _block(R, 1, j, heads, rows, cols, D),
+            _block(R, 2, j, heads, rows, cols, D))
 
 
 @triton.jit
-def gru_forward_kernel(GX, R, BHN, H0, KEEP, HS, ACT, T, B, heads, D: tl.constexpr, BB: tl.constexpr,
-                       HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
-    j, _, b, u, H, ok = _program(B, heads, D, BB)
+def gru_forward_kernel(GX, R, BHN, H0, KEEP, HS, ACT, T, B, heads, D: tl.constexpr, DP: tl.constexpr,
+                       BB: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
+    j, _, b, u, H, ok = _program(B, heads, D, DP, BB)
     r_r, r_z, r_n = _blocks3(R, j, heads, u[None, :], u[:, None], D)  # R_g^T, [in, out]
-    b_hn = tl.load(BHN + j * D + u).to(tl.float32)[None, :]
+    b_hn = tl.load(BHN + j * D + u, mask=u < D, other=0.0).to(tl.float32)[None, :]
     state = b[:, None] * H + j * D + u[None, :]
     h = tl.load(H0 + state, mask=ok, other=0.0).to(tl.float32)
     for t in range(T):
@@ -52,14 +50,14 @@ def gru_forward_kernel(GX, R, BHN, H0, KEEP, HS, ACT, T, B, heads, D: tl.constex
 
 @triton.jit
 def gru_backward_kernel(DHS, R, H0, KEEP, HS, ACT, DGX, DR, DBHN, DH0, T, B, heads, D: tl.constexpr,
-                        BB: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
-    j, pb, b, u, H, ok = _program(B, heads, D, BB)
+                        DP: tl.constexpr, BB: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
+    j, pb, b, u, H, ok = _program(B, heads, D, DP, BB)
     r_r, r_z, r_n = _blocks3(R, j, heads, u[:, None], u[None, :], D)  # R_g, [out, in]
     state = b[:, None] * H + j * D + u[None, :]
-    dh = tl.zeros((BB, D), dtype=tl.float32)
-    dr_r = tl.zeros((D, D), dtype=tl.float32)
+    dh = tl.zeros((BB, DP), dtype=tl.float32)
+    dr_r = tl.zeros((DP, DP), dtype=tl.float32)
     dr_z, dr_n = dr_r, dr_r
-    db_hn = tl.zeros((D,), dtype=tl.float32)
+    db_hn = tl.zeros((DP,), dtype=tl.float32)
     for step in range(T):
         t = T - 1 - step
         dh += tl.load(DHS + t * B * H + state, mask=ok, other=0.0)
@@ -88,10 +86,11 @@ def gru_backward_kernel(DHS, R, H0, KEEP, HS, ACT, DGX, DR, DBHN, DH0, T, B, hea
               + tl.dot(d_hn, r_n, input_precision=PRECISION)) * keep
     tl.store(DH0 + state, dh, mask=ok)
     blocks = DR + pb * 3 * heads * D * D + j * D * D + u[:, None] * D + u[None, :]
-    tl.store(blocks, dr_r)
-    tl.store(blocks + heads * D * D, dr_z)
-    tl.store(blocks + 2 * heads * D * D, dr_n)
-    tl.store(DBHN + pb * H + j * D + u, db_hn)
+    real = (u[:, None] < D) & (u[None, :] < D)
+    tl.store(blocks, dr_r, mask=real)
+    tl.store(blocks + heads * D * D, dr_z, mask=real)
+    tl.store(blocks + 2 * heads * D * D, dr_n, mask=real)
+    tl.store(DBHN + pb * H + j * D + u, db_hn, mask=u < D)
 
 
 class GRULoop(torch.autograd.Function):
@@ -106,7 +105,7 @@ class GRULoop(torch.autograd.Function):
         hs = torch.empty(T, B, H, dtype=torch.float32, device=gx.device)
         act = torch.empty(T, B, 4 * H, dtype=torch.float32, device=gx.device)
         gru_forward_kernel[(heads, triton.cdiv(B, BLOCK_B))](gx, r, b_hn, h0, keep if keep is not None else hs, hs,
-                                                             act, T, B, heads, D=d, BB=BLOCK_B,
+                                                             act, T, B, heads, D=d, DP=padded(d), BB=BLOCK_B,
                                                              HAS_KEEP=keep is not None, PRECISION=_precision(gx))
         ctx.save_for_backward(r, h0, keep, hs, act)
         ctx.gx_dtype, ctx.b_dtype = gx.dtype, b_hn.dtype
@@ -121,7 +120,8 @@ class GRULoop(torch.autograd.Function):
         new = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=hs.device)  # noqa: E731
         dgx, dr, dbhn, dh0 = new(T, B, 3 * H), new(nb, 3, heads, d, d), new(nb, H), torch.empty_like(h0)
         gru_backward_kernel[(heads, nb)](d_hs.float().contiguous(), r, h0, keep if keep is not None else hs, hs, act,
-                                         dgx, dr, dbhn, dh0, T, B, heads, D=d, BB=BLOCK_B, HAS_KEEP=keep is not None,
+                                         dgx, dr, dbhn, dh0, T, B, heads, D=d, DP=padded(d), BB=BLOCK_B,
+                                         HAS_KEEP=keep is not None,
                                          PRECISION=_precision(hs))
         return dgx.to(ctx.gx_dtype), dr.sum(0).to(r.dtype), dbhn.sum(0).to(ctx.b_dtype), dh0, None
 

@@ -28,27 +28,35 @@ def _tanh(x):
 
 
 @triton.jit
-def _program(B, heads, D: tl.constexpr, BB: tl.constexpr):
-    """This program's head j, batch block pb, rows b, units u, the width H and the rows' mask [BB, 1]."""
+def _program(B, heads, D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr):
+    """This program's head j, batch block pb, rows b, units u (D of them, padded to DP), the width H, and the mask
+    [BB, DP] of its real rows and units."""
     pb = tl.program_id(1)
     b = pb * BB + tl.arange(0, BB)
-    return tl.program_id(0), pb, b, tl.arange(0, D), heads * D, (b < B)[:, None]
+    u = tl.arange(0, DP)
+    return tl.program_id(0), pb, b, u, heads * D, (b < B)[:, None] & (u < D)[None, :]
 
 
 @triton.jit
 def _load_blocks(R, j, heads, rows, cols, D: tl.constexpr):
-    """Head j's four [D, D] blocks of R (gates x heads x D x D, out x in), each read as [rows, cols] offsets."""
-    base = R + j * D * D
-    step = heads * D * D
-    return (tl.load(base + rows * D + cols).to(tl.float32), tl.load(base + step + rows * D + cols).to(tl.float32),
-            tl.load(base + 2 * step + rows * D + cols).to(tl.float32),
-            tl.load(base + 3 * step + rows * D + cols).to(tl.float32))
+    """Head j's four [D, D] blocks of R (gates x heads x D x D, out x in), each read as [rows, cols] offsets (zero
+    past D)."""
+    return (_block(R, 0, j, heads, rows, cols, D), _block(R, 1, j, heads, rows, cols, D),
+            _block(R, 2, j, heads, rows, cols, D), _block(R, 3, j, heads, rows, cols, D))
+
+
+@triton.jit
+def _block(R, g, j, heads, rows, cols, D: tl.constexpr):
+    """Group g's block of head j in R [groups, heads, D, D], at [rows, cols] offsets, zero past D."""
+    return tl.load(R + (g * heads + j) * D * D + rows * D + cols, mask=(rows < D) & (cols < D), other=0.0).to(
+        tl.float32)
 
 
 @triton.jit
 def lstm_forward_kernel(GX, R, H0, C0, KEEP, HS, CS, ACT, T, B, heads,
-                        D: tl.constexpr, BB: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
-    j, _, b, u, H, ok = _program(B, heads, D, BB)
+                        D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, HAS_KEEP: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    j, _, b, u, H, ok = _program(B, heads, D, DP, BB)
     # R^T per gate, [in, out]: P_g = h @ R_g^T
     r_i, r_f, r_g, r_o = _load_blocks(R, j, heads, u[None, :], u[:, None], D)
     state = b[:, None] * H + j * D + u[None, :]
@@ -63,7 +71,8 @@ def lstm_forward_kernel(GX, R, H0, C0, KEEP, HS, CS, ACT, T, B, heads,
         i = tl.sigmoid(tl.load(gx, mask=ok, other=0.0).to(tl.float32) + tl.dot(h, r_i, input_precision=PRECISION))
         f = tl.sigmoid(tl.load(gx + H, mask=ok, other=0.0).to(tl.float32) + tl.dot(h, r_f, input_precision=PRECISION))
         g = _tanh(tl.load(gx + 2 * H, mask=ok, other=0.0).to(tl.float32) + tl.dot(h, r_g, input_precision=PRECISION))
-        o = tl.sigmoid(tl.load(gx + 3 * H, mask=ok, other=0.0).to(tl.float32) + tl.dot(h, r_o, input_precision=PRECISION))
+        p_o = tl.load(gx + 3 * H, mask=ok, other=0.0).to(tl.float32) + tl.dot(h, r_o, input_precision=PRECISION)
+        o = tl.sigmoid(p_o)
         c = f * c + i * g
         h = o * _tanh(c)
         out = t * B * H + state
@@ -78,16 +87,17 @@ def lstm_forward_kernel(GX, R, H0, C0, KEEP, HS, CS, ACT, T, B, heads,
 
 @triton.jit
 def lstm_backward_kernel(DHS, DCS, R, H0, C0, KEEP, HS, CS, ACT, DGX, DR, DH0, DC0, T, B, heads,
-                         D: tl.constexpr, BB: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
-    j, pb, b, u, H, ok = _program(B, heads, D, BB)
+                         D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, HAS_KEEP: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    j, pb, b, u, H, ok = _program(B, heads, D, DP, BB)
     r_i, r_f, r_g, r_o = _load_blocks(R, j, heads, u[:, None], u[None, :], D)  # [out, in]: dh = dP_g @ R_g
     state = b[:, None] * H + j * D + u[None, :]
-    dh = tl.zeros((BB, D), dtype=tl.float32)
-    dc = tl.zeros((BB, D), dtype=tl.float32)
-    dr_i = tl.zeros((D, D), dtype=tl.float32)
-    dr_f = tl.zeros((D, D), dtype=tl.float32)
-    dr_g = tl.zeros((D, D), dtype=tl.float32)
-    dr_o = tl.zeros((D, D), dtype=tl.float32)
+    dh = tl.zeros((BB, DP), dtype=tl.float32)
+    dc = tl.zeros((BB, DP), dtype=tl.float32)
+    dr_i = tl.zeros((DP, DP), dtype=tl.float32)
+    dr_f = tl.zeros((DP, DP), dtype=tl.float32)
+    dr_g = tl.zeros((DP, DP), dtype=tl.float32)
+    dr_o = tl.zeros((DP, DP), dtype=tl.float32)
     for step in range(T):
         t = T - 1 - step
         dh += tl.load(DHS + t * B * H + state, mask=ok, other=0.0)  # from y_t (and h_T)
@@ -127,10 +137,16 @@ def lstm_backward_kernel(DHS, DCS, R, H0, C0, KEEP, HS, CS, ACT, DGX, DR, DH0, D
     # this program's share of R's gradient: DR[pb, gate, j] (summed over batch blocks after)
     blocks = DR + pb * 4 * heads * D * D + j * D * D + u[:, None] * D + u[None, :]
     step_g = heads * D * D
-    tl.store(blocks, dr_i)
-    tl.store(blocks + step_g, dr_f)
-    tl.store(blocks + 2 * step_g, dr_g)
-    tl.store(blocks + 3 * step_g, dr_o)
+    real = (u[:, None] < D) & (u[None, :] < D)
+    tl.store(blocks, dr_i, mask=real)
+    tl.store(blocks + step_g, dr_f, mask=real)
+    tl.store(blocks + 2 * step_g, dr_g, mask=real)
+    tl.store(blocks + 3 * step_g, dr_o, mask=real)
+
+
+def padded(d: int) -> int:
+    """A head's width as the kernels lay it out: a power of two (tl.arange), 16 or more (tl.dot)."""
+    return max(16, triton.next_power_of_2(d))
 
 
 def _precision(t: torch.Tensor) -> str:
@@ -151,7 +167,7 @@ class LSTMLoop(torch.autograd.Function):
         cs, act = torch.empty_like(hs), gx.new_empty(T, B, 4 * H, dtype=torch.float32)
         grid = (heads, triton.cdiv(B, BLOCK_B))
         lstm_forward_kernel[grid](gx, r, h0, c0, keep if keep is not None else hs, hs, cs, act, T, B, heads,
-                                  D=d, BB=BLOCK_B, HAS_KEEP=keep is not None, PRECISION=_precision(gx))
+                                  D=d, DP=padded(d), BB=BLOCK_B, HAS_KEEP=keep is not None, PRECISION=_precision(gx))
         ctx.save_for_backward(r, h0, c0, keep, hs, cs, act)
         ctx.gx_dtype = gx.dtype
         return hs, cs
@@ -169,7 +185,7 @@ class LSTMLoop(torch.autograd.Function):
         dh0, dc0 = torch.empty_like(h0), torch.empty_like(c0)
         lstm_backward_kernel[(heads, nb)](d_hs, d_cs, r, h0, c0,
                                           keep if keep is not None else hs, hs, cs, act, dgx, dr, dh0, dc0, T, B,
-                                          heads, D=d, BB=BLOCK_B, HAS_KEEP=keep is not None,
+                                          heads, D=d, DP=padded(d), BB=BLOCK_B, HAS_KEEP=keep is not None,
                                           PRECISION=_precision(hs))
         return dgx.to(ctx.gx_dtype), dr.sum(0).to(r.dtype), dh0, dc0, None
 

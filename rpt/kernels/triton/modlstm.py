@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rpt.kernels.triton.lstm import BLOCK_B, _precision, _program, _tanh
+from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded
 
 GATES = {"sigmoid": 0, "hard_sigmoid": 1, "exp": 2}
 
@@ -58,11 +58,6 @@ def _norm_grad(dy, xhat, rstd, w, D: tl.constexpr):
 
 
 @triton.jit
-def _block(R, g, j, heads, rows, cols, D: tl.constexpr):
-    return tl.load(R + (g * heads + j) * D * D + rows * D + cols).to(tl.float32)
-
-
-@triton.jit
 def _blocks(R, j, heads, rows, cols, D: tl.constexpr, GF: tl.constexpr, COUPLED: tl.constexpr):
     """Head j's blocks of the groups (i, f, z, o); i repeats f's with coupled gates (it has none)."""
     r_f = _block(R, GF, j, heads, rows, cols, D)
@@ -73,21 +68,23 @@ def _blocks(R, j, heads, rows, cols, D: tl.constexpr, GF: tl.constexpr, COUPLED:
 
 
 @triton.jit
-def _peepholes(PEEP, j, H, D: tl.constexpr, G: tl.constexpr, COUPLED: tl.constexpr, PEEPHOLES: tl.constexpr):
+def _peepholes(PEEP, j, H, D: tl.constexpr, DP: tl.constexpr, G: tl.constexpr, COUPLED: tl.constexpr,
+               PEEPHOLES: tl.constexpr):
     """Head j's peephole weights of i, f, o as [1, D] rows (zeros where the cell has none)."""
-    p_i = tl.zeros((1, D), dtype=tl.float32)
+    p_i = tl.zeros((1, DP), dtype=tl.float32)
     p_f, p_o = p_i, p_i
     if PEEPHOLES:
-        p_f, p_o = _vector(PEEP, G - 3, j, H, D)[None, :], _vector(PEEP, G - 2, j, H, D)[None, :]
+        p_f, p_o = _vector(PEEP, G - 3, j, H, D, DP)[None, :], _vector(PEEP, G - 2, j, H, D, DP)[None, :]
         if not COUPLED:
-            p_i = _vector(PEEP, 0, j, H, D)[None, :]
+            p_i = _vector(PEEP, 0, j, H, D, DP)[None, :]
     return p_i, p_f, p_o
 
 
 @triton.jit
-def _vector(V, g, j, H, D: tl.constexpr):
-    """Row g of a [groups, H] parameter, head j's D units."""
-    return tl.load(V + g * H + j * D + tl.arange(0, D)).to(tl.float32)
+def _vector(V, g, j, H, D: tl.constexpr, DP: tl.constexpr):
+    """Row g of a [groups, H] parameter, head j's D units (zero past D)."""
+    u = tl.arange(0, DP)
+    return tl.load(V + g * H + j * D + u, mask=u < D, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -98,20 +95,22 @@ def _pre(GX, R_T, h, g, t, B, b, ok, j, u, H, G: tl.constexpr, D: tl.constexpr, 
 
 
 @triton.jit
-def _norm_forward(p, g, XHAT, RSTD, LNW, LNB, t, B, b, ok, u, H, G: tl.constexpr, D: tl.constexpr):
+def _norm_forward(p, g, XHAT, RSTD, LNW, LNB, t, B, b, ok, u, H, G: tl.constexpr, D: tl.constexpr,
+                  DP: tl.constexpr):
     """Group g's layer norm at step t (heads == 1), keeping the normalised input and 1/std for the backward."""
-    y, xhat, rstd = _norm(p, _vector(LNW, g, 0, H, D), _vector(LNB, g, 0, H, D), D)
+    y, xhat, rstd = _norm(p, _vector(LNW, g, 0, H, D, DP), _vector(LNB, g, 0, H, D, DP), D)
     tl.store(XHAT + t * B * G * H + b[:, None] * G * H + g * H + u[None, :], xhat, mask=ok)
     tl.store(RSTD + t * B * G + b * G + g, rstd, mask=b < B)
     return y
 
 
 @triton.jit
-def _norm_backward(dy, g, XHAT, RSTD, LNW, t, B, b, ok, u, H, G: tl.constexpr, D: tl.constexpr):
+def _norm_backward(dy, g, XHAT, RSTD, LNW, t, B, b, ok, u, H, G: tl.constexpr, D: tl.constexpr,
+                   DP: tl.constexpr):
     """Back through group g's layer norm: (the raw pre-activation's gradient, the scale's and the shift's shares)."""
     xhat = tl.load(XHAT + t * B * G * H + b[:, None] * G * H + g * H + u[None, :], mask=ok, other=0.0)
     rstd = tl.load(RSTD + t * B * G + b * G + g, mask=b < B, other=0.0)
-    return _norm_grad(dy, xhat, rstd, _vector(LNW, g, 0, H, D), D), _row_sum(dy * xhat), _row_sum(dy)
+    return _norm_grad(dy, xhat, rstd, _vector(LNW, g, 0, H, D, DP), D), _row_sum(dy * xhat), _row_sum(dy)
 
 
 @triton.jit
@@ -121,15 +120,16 @@ def _row_sum(x):
 
 @triton.jit
 def modlstm_forward_kernel(GX, R, LNW, LNB, PEEP, H0, C0, N0, M0, KEEP, HS, CS, NS, MS, ACT, PRE, XHAT, RSTD,
-                           T, B, heads, D: tl.constexpr, BB: tl.constexpr, G: tl.constexpr, GATE: tl.constexpr,
+                           T, B, heads, D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, G: tl.constexpr,
+                           GATE: tl.constexpr,
                            COUPLED: tl.constexpr, PEEPHOLES: tl.constexpr, NORM: tl.constexpr,
                            HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
-    j, _, b, u, H, ok = _program(B, heads, D, BB)
+    j, _, b, u, H, ok = _program(B, heads, D, DP, BB)
     GF: tl.constexpr = G - 3  # group order: (i, f, z, o), or (f, z, o) with coupled gates
     state = b[:, None] * H + j * D + u[None, :]
     h = tl.load(H0 + state, mask=ok, other=0.0).to(tl.float32)
     c = tl.load(C0 + state, mask=ok, other=0.0).to(tl.float32)
-    n = tl.zeros((BB, D), dtype=tl.float32)
+    n = tl.zeros((BB, DP), dtype=tl.float32)
     m = n
     if GATE == 2:
         n = tl.load(N0 + state, mask=ok, other=0.0).to(tl.float32)
@@ -146,11 +146,11 @@ def modlstm_forward_kernel(GX, R, LNW, LNB, PEEP, H0, C0, N0, M0, KEEP, HS, CS, 
         if not COUPLED:
             p_i = _pre(GX, r_i, h, 0, t, B, b, ok, j, u, H, G, D, PRECISION)
         if NORM:  # heads == 1: the program holds every unit of each group
-            p_f = _norm_forward(p_f, GF, XHAT, RSTD, LNW, LNB, t, B, b, ok, u, H, G, D)
-            p_z = _norm_forward(p_z, GF + 1, XHAT, RSTD, LNW, LNB, t, B, b, ok, u, H, G, D)
-            p_o = _norm_forward(p_o, GF + 2, XHAT, RSTD, LNW, LNB, t, B, b, ok, u, H, G, D)
+            p_f = _norm_forward(p_f, GF, XHAT, RSTD, LNW, LNB, t, B, b, ok, u, H, G, D, DP)
+            p_z = _norm_forward(p_z, GF + 1, XHAT, RSTD, LNW, LNB, t, B, b, ok, u, H, G, D, DP)
+            p_o = _norm_forward(p_o, GF + 2, XHAT, RSTD, LNW, LNB, t, B, b, ok, u, H, G, D, DP)
             if not COUPLED:
-                p_i = _norm_forward(p_i, 0, XHAT, RSTD, LNW, LNB, t, B, b, ok, u, H, G, D)
+                p_i = _norm_forward(p_i, 0, XHAT, RSTD, LNW, LNB, t, B, b, ok, u, H, G, D, DP)
         z = _tanh(p_z)
         if GATE == 2:  # the stabilised exponential gate: m_t = max(P_f + m_{t-1}, P_i), -inf before a fresh start
             m_prev = tl.where(n > 0, m, float("-inf"))
@@ -165,9 +165,9 @@ def modlstm_forward_kernel(GX, R, LNW, LNB, PEEP, H0, C0, N0, M0, KEEP, HS, CS, 
             tl.store(MS + t * B * H + state, m, mask=ok)
         else:
             if PEEPHOLES:
-                p_f = p_f + _vector(PEEP, G - 3, j, H, D)[None, :] * c
+                p_f = p_f + _vector(PEEP, G - 3, j, H, D, DP)[None, :] * c
                 if not COUPLED:
-                    p_i = p_i + _vector(PEEP, 0, j, H, D)[None, :] * c
+                    p_i = p_i + _vector(PEEP, 0, j, H, D, DP)[None, :] * c
             f = _gate(p_f, GATE)
             if COUPLED:
                 i = 1.0 - f
@@ -178,7 +178,7 @@ def modlstm_forward_kernel(GX, R, LNW, LNB, PEEP, H0, C0, N0, M0, KEEP, HS, CS, 
             tl.store(pre + H, p_i, mask=ok)
             c = f * c + i * z
             if PEEPHOLES:
-                p_o = p_o + _vector(PEEP, G - 2, j, H, D)[None, :] * c
+                p_o = p_o + _vector(PEEP, G - 2, j, H, D, DP)[None, :] * c
             o = tl.sigmoid(p_o)
             h = o * _tanh(c)
         _store_groups(ACT + t * B * G * H + b[:, None] * G * H + j * D + u[None, :], ok, H, i, f, z, o, GF, COUPLED)
@@ -194,6 +194,18 @@ def _store_groups(ptr, mask, stride, i, f, z, o, GF: tl.constexpr, COUPLED: tl.c
     tl.store(ptr + (GF + 2) * stride, o, mask=mask)
     if not COUPLED:
         tl.store(ptr, i, mask=mask)
+
+
+@triton.jit
+def _store_peepholes(ptr, mask, stride, i, f, o, COUPLED: tl.constexpr):
+    """The peepholes' rows: (i, f, o), or (f, o) with coupled gates."""
+    if COUPLED:
+        tl.store(ptr, f, mask=mask)
+        tl.store(ptr + stride, o, mask=mask)
+    else:
+        tl.store(ptr, i, mask=mask)
+        tl.store(ptr + stride, f, mask=mask)
+        tl.store(ptr + 2 * stride, o, mask=mask)
 
 
 @triton.jit
@@ -231,18 +243,19 @@ def _sigmoid_grads(dh, dc, c, c_prev, x_i, x_f, i, f, z, o, peep_i, peep_f, peep
 @triton.jit
 def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, H0, C0, N0, KEEP, HS, CS, NS, ACT, PRE, XHAT, RSTD,
                             DGX, DR, DPEEP, DLNW, DLNB, DH0, DC0, DN0, T, B, heads, D: tl.constexpr,
+                            DP: tl.constexpr,
                             BB: tl.constexpr, G: tl.constexpr, GATE: tl.constexpr, COUPLED: tl.constexpr,
                             PEEPHOLES: tl.constexpr, NORM: tl.constexpr, HAS_KEEP: tl.constexpr,
                             PRECISION: tl.constexpr):
-    j, pb, b, u, H, ok = _program(B, heads, D, BB)
+    j, pb, b, u, H, ok = _program(B, heads, D, DP, BB)
     GF: tl.constexpr = G - 3
     state = b[:, None] * H + j * D + u[None, :]
     r_i, r_f, r_z, r_o = _blocks(R, j, heads, u[:, None], u[None, :], D, GF, COUPLED)  # R_g: dh = dP_g @ R_g
-    zero_d = tl.zeros((D,), dtype=tl.float32)
-    peep_i, peep_f, peep_o = _peepholes(PEEP, j, H, D, G, COUPLED, PEEPHOLES)
-    dh = tl.zeros((BB, D), dtype=tl.float32)
+    zero_d = tl.zeros((DP,), dtype=tl.float32)
+    peep_i, peep_f, peep_o = _peepholes(PEEP, j, H, D, DP, G, COUPLED, PEEPHOLES)
+    dh = tl.zeros((BB, DP), dtype=tl.float32)
     dc, dn = dh, dh
-    dr_f = tl.zeros((D, D), dtype=tl.float32)
+    dr_f = tl.zeros((DP, DP), dtype=tl.float32)
     dr_z, dr_o, dr_i = dr_f, dr_f, dr_f
     dpeep_i, dpeep_f, dpeep_o = zero_d, zero_d, zero_d
     dlnw_i, dlnw_f, dlnw_z, dlnw_o = zero_d, zero_d, zero_d, zero_d
@@ -278,10 +291,10 @@ def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, H0, C0, N0, KEEP, HS, C
                 o, peep_i, peep_f, peep_o, GATE, COUPLED, PEEPHOLES)
             dpeep_i, dpeep_f, dpeep_o = dpeep_i + s_i, dpeep_f + s_f, dpeep_o + s_o
         if NORM:  # back through each group's layer norm (heads == 1)
-            dp_f, w_f, b_f = _norm_backward(dp_f, GF, XHAT, RSTD, LNW, t, B, b, ok, u, H, G, D)
-            dp_z, w_z, b_z = _norm_backward(dp_z, GF + 1, XHAT, RSTD, LNW, t, B, b, ok, u, H, G, D)
-            dp_o, w_o, b_o = _norm_backward(dp_o, GF + 2, XHAT, RSTD, LNW, t, B, b, ok, u, H, G, D)
-            dp_i, w_i, b_i = _norm_backward(dp_i, 0, XHAT, RSTD, LNW, t, B, b, ok, u, H, G, D)  # (unused if coupled)
+            dp_f, w_f, b_f = _norm_backward(dp_f, GF, XHAT, RSTD, LNW, t, B, b, ok, u, H, G, D, DP)
+            dp_z, w_z, b_z = _norm_backward(dp_z, GF + 1, XHAT, RSTD, LNW, t, B, b, ok, u, H, G, D, DP)
+            dp_o, w_o, b_o = _norm_backward(dp_o, GF + 2, XHAT, RSTD, LNW, t, B, b, ok, u, H, G, D, DP)
+            dp_i, w_i, b_i = _norm_backward(dp_i, 0, XHAT, RSTD, LNW, t, B, b, ok, u, H, G, D, DP)  # (coupled: unused)
             dlnw_i, dlnw_f, dlnw_z, dlnw_o = dlnw_i + w_i, dlnw_f + w_f, dlnw_z + w_z, dlnw_o + w_o
             dlnb_i, dlnb_f, dlnb_z, dlnb_o = dlnb_i + b_i, dlnb_f + b_f, dlnb_z + b_z, dlnb_o + b_o
         _store_groups(DGX + t * B * G * H + b[:, None] * G * H + j * D + u[None, :], ok, H, dp_i, dp_f, dp_z, dp_o,
@@ -301,17 +314,14 @@ def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, H0, C0, N0, KEEP, HS, C
     if GATE == 2:
         tl.store(DN0 + state, dn, mask=ok)
     # this program's shares, summed over batch blocks after: DR[pb, g, j], DPEEP[pb, g, j*D:], DLN*[pb, g, :]
-    _store_groups(DR + pb * G * heads * D * D + j * D * D + u[:, None] * D + u[None, :], u[:, None] >= 0,
+    _store_groups(DR + pb * G * heads * D * D + j * D * D + u[:, None] * D + u[None, :],
+                  (u[:, None] < D) & (u[None, :] < D),
                   heads * D * D, dr_i, dr_f, dr_z, dr_o, GF, COUPLED)
-    if PEEPHOLES:  # rows (i, f, o), or (f, o)
-        peep = DPEEP + pb * (G - 1) * H + j * D + u
-        tl.store(peep + (G - 3) * H, dpeep_f)
-        tl.store(peep + (G - 2) * H, dpeep_o)
-        if not COUPLED:
-            tl.store(peep, dpeep_i)
+    if PEEPHOLES:
+        _store_peepholes(DPEEP + pb * (G - 1) * H + j * D + u, u < D, H, dpeep_i, dpeep_f, dpeep_o, COUPLED)
     if NORM:
-        _store_groups(DLNW + pb * G * H + u, u >= 0, H, dlnw_i, dlnw_f, dlnw_z, dlnw_o, GF, COUPLED)
-        _store_groups(DLNB + pb * G * H + u, u >= 0, H, dlnb_i, dlnb_f, dlnb_z, dlnb_o, GF, COUPLED)
+        _store_groups(DLNW + pb * G * H + u, u < D, H, dlnw_i, dlnw_f, dlnw_z, dlnw_o, GF, COUPLED)
+        _store_groups(DLNB + pb * G * H + u, u < D, H, dlnb_i, dlnb_f, dlnb_z, dlnb_o, GF, COUPLED)
 
 
 class ModLSTMLoop(torch.autograd.Function):
@@ -331,8 +341,8 @@ class ModLSTMLoop(torch.autograd.Function):
         ns, ms = (new(T, B, H), new(T, B, H)) if exp else (new(0), new(0))
         act, pre = new(T, B, G * H), new(T, B, 2 * H) if not exp else hs
         xhat, rstd = (new(T, B, G * H), new(T, B, G)) if norm else (hs, hs)
-        flags = dict(D=d, BB=BLOCK_B, G=G, GATE=GATES[gate], COUPLED=coupled, PEEPHOLES=peep is not None, NORM=norm,
-                     HAS_KEEP=keep is not None, PRECISION=_precision(gx))
+        flags = dict(D=d, DP=padded(d), BB=BLOCK_B, G=G, GATE=GATES[gate], COUPLED=coupled, PEEPHOLES=peep is not None,
+                     NORM=norm, HAS_KEEP=keep is not None, PRECISION=_precision(gx))
         some = lambda t: t if t is not None else hs  # noqa: E731  (a pointer the kernel does not read)
         modlstm_forward_kernel[(heads, triton.cdiv(B, BLOCK_B))](
             gx, r, some(ln_w), some(ln_b), some(peep), h0, c0, n0, m0, some(keep), hs, cs, some(ns if exp else None),

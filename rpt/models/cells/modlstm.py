@@ -155,8 +155,8 @@ class ModLSTM(Cell):
 
     def triton_loop(self) -> bool:
         """Whether rpt.kernels.triton's loop runs this cell on a GPU: a built-in gate, a head of 16-64 units, and
-        the gate norm only with one head (it normalises a group's H units together)."""
-        if self.gate_norm and self.heads > 1 or not on_chip(self.d_hidden, self.heads):
+        the gate norm only with one head of 16, 32 or 64 (it normalises a group's H units together, unpadded)."""
+        if self.gate_norm and self.heads > 1 or not on_chip(self.d_hidden, self.heads, power_of_two=self.gate_norm):
             return False
         if self.gate not in ("sigmoid", "hard_sigmoid", "exp"):
             warnings.warn(f"model.gate = '{self.gate}' has no Triton form: the modlstm runs its step loop on the GPU "
