@@ -101,13 +101,16 @@ class GateFunction:
 
     `fn(x)` maps a pre-activation to the gate value; `grad(x, y)` is dy/dx given x and y = fn(x),
     used by the fused kernel's hand-written backward. Gates should map into [0, 1]. `forget_bias` is the
-    forget gate's initial bias that suits this gate (`model.forget_bias = "auto"` takes it).
+    forget gate's initial bias that suits this gate (`model.forget_bias = "auto"` takes it). `triton`: the same
+    two as `triton.jit` functions of Triton blocks, (fn, grad), for the GPU's one-kernel loop (without them a
+    head-wise modlstm on a GPU runs its step loop instead, and says so).
     """
 
     name: str
     fn: Callable[[torch.Tensor], torch.Tensor]
     grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     forget_bias: float = 1.0
+    triton: tuple | None = None
 
 
 # The exponential gate's forget bias: f = exp(P_f) weighs the carried average against each new input, so
@@ -118,10 +121,11 @@ class GateFunction:
 EXP_FORGET_BIAS = -1.0
 
 
-def register_gate(name: str, fn: Callable, grad: Callable, forget_bias: float = 1.0) -> GateFunction:
+def register_gate(name: str, fn: Callable, grad: Callable, forget_bias: float = 1.0,
+                  triton: tuple | None = None) -> GateFunction:
     if name == "exp":
         raise RptError("'exp' is the built-in stabilised exponential gate", "register your gate under another name")
-    gate = GateFunction(name, fn, grad, forget_bias)
+    gate = GateFunction(name, fn, grad, forget_bias, triton)
     GATES[name] = gate
     return gate
 

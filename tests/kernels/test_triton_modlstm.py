@@ -12,10 +12,28 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton reads it (the kernels are 
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
-from rpt.config import ModelConfig
-from rpt.models.block import build_cell
+from rpt.config import ModelConfig  # noqa: E402
+from rpt.models import register_gate  # noqa: E402
+from rpt.models.block import build_cell  # noqa: E402
+
+
+@triton.jit
+def softsign_gate(x):
+    return 0.5 + 0.5 * x / (1.0 + tl.abs(x))
+
+
+@triton.jit
+def softsign_gate_grad(x, y):
+    d = 1.0 + tl.abs(x)
+    return 0.5 / (d * d)
+
+
+# a gate of the user's: its torch form for the reference, its Triton form for the loop
+register_gate("softsign-triton-test", lambda x: 0.5 + 0.5 * x / (1 + x.abs()), lambda x, y: 0.5 / (1 + x.abs()) ** 2,
+              triton=(softsign_gate, softsign_gate_grad))
 
 VARIANTS = {  # name: (modlstm options, heads, a head's width)
     "sigmoid": (dict(), 2, 16),
@@ -27,6 +45,7 @@ VARIANTS = {  # name: (modlstm options, heads, a head's width)
     "coupled-norm": (dict(coupled_gates=True, gate_norm=True, gate="hard_sigmoid"), 1, 16),
     "peep-width-24": (dict(peepholes=True), 2, 24),  # padded to 32 on chip, the padding masked
     "exp-width-20": (dict(gate="exp"), 1, 20),
+    "registered-peep": (dict(gate="softsign-triton-test", peepholes=True), 2, 16),
 }
 
 
@@ -67,7 +86,8 @@ def test_triton_modlstm_loop_equals_the_float64_reference(name):
     keep = (~reset).float().t().contiguous()
     s0 = tuple(rest) + ((state[3].float(),) if cell.exp else ())
     y, s = modlstm_sequence(xf, p32["w_x"], p32["w_h"], p32.get("bias"), p32.get("ln_weight"), p32.get("ln_bias"),
-                            p32.get("peep"), s0, keep, cell.gate, cell.coupled, heads)
+                            p32.get("peep"), s0, keep, cell.gate, cell.coupled, heads,
+                            None if cell.exp else cell.gate_fn.triton)
     torch.testing.assert_close(y.double(), y_ref, atol=2e-5, rtol=1e-4)
     for a, b in zip(s, s_ref):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-4)
@@ -80,15 +100,14 @@ def test_triton_modlstm_loop_equals_the_float64_reference(name):
 
 
 def test_which_modlstm_cells_the_triton_loop_takes():
-    """On a GPU: heads of 16-64 units with a built-in gate; the gate norm with one head only; a registered gate
-    without a Triton form takes the step loop, and says what that costs."""
-    from rpt.models import register_gate
-
+    """On a GPU: heads of 16-64 units with a built-in gate or a registered one with its Triton form; the gate norm
+    with one head only; a registered gate without a Triton form takes the step loop, and says what that costs."""
     takes = lambda **kw: build_cell(ModelConfig(cell="modlstm", **kw)).triton_loop()  # noqa: E731
     assert takes(d_model=64, heads=4) and takes(d_model=64, heads=2, gate="exp") and takes(d_model=32, gate_norm=True)
     assert takes(d_model=96, heads=2) and not takes(d_model=96, heads=8)  # heads of 48 units (padded), of 12
     assert not takes(d_model=64, heads=4, gate_norm=True) and not takes(d_model=128)  # 128 units in one program
     assert not takes(d_model=48, gate_norm=True)  # the norm's statistics are not masked
+    assert takes(d_model=64, heads=4, gate="softsign-triton-test")
     register_gate("softsign-gate-test", lambda x: 0.5 + 0.5 * x / (1 + x.abs()),
                   lambda x, y: 0.5 / (1 + x.abs()) ** 2)
     with pytest.warns(UserWarning, match="has no Triton form"):

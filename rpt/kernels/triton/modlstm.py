@@ -18,22 +18,27 @@ import triton.language as tl
 
 from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded
 
-GATES = {"sigmoid": 0, "hard_sigmoid": 1, "exp": 2}
+GATES = {"sigmoid": 0, "hard_sigmoid": 1, "exp": 2}  # any other: a registered gate's own Triton form (3)
+REGISTERED = 3
 
 
 @triton.jit
-def _gate(x, GATE: tl.constexpr):
+def _gate(x, GATE: tl.constexpr, FN: tl.constexpr):
     if GATE == 1:
         y = tl.minimum(tl.maximum(x / 6.0 + 0.5, 0.0), 1.0)
+    elif GATE == 3:
+        y = FN(x)
     else:
         y = tl.sigmoid(x)
     return y
 
 
 @triton.jit
-def _gate_grad(x, y, GATE: tl.constexpr):
+def _gate_grad(x, y, GATE: tl.constexpr, FN_GRAD: tl.constexpr):
     if GATE == 1:
         dy = tl.where((x > -3.0) & (x < 3.0), 1.0 / 6.0, 0.0)
+    elif GATE == 3:
+        dy = FN_GRAD(x, y)
     else:
         dy = y * (1.0 - y)
     return dy
@@ -123,7 +128,7 @@ def modlstm_forward_kernel(GX, R, LNW, LNB, PEEP, H0, C0, N0, M0, KEEP, HS, CS, 
                            T, B, heads, D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, G: tl.constexpr,
                            GATE: tl.constexpr,
                            COUPLED: tl.constexpr, PEEPHOLES: tl.constexpr, NORM: tl.constexpr,
-                           HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
+                           HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr, FN: tl.constexpr, FN_GRAD: tl.constexpr):
     j, _, b, u, H, ok = _program(B, heads, D, DP, BB)
     GF: tl.constexpr = G - 3  # group order: (i, f, z, o), or (f, z, o) with coupled gates
     state = b[:, None] * H + j * D + u[None, :]
@@ -168,11 +173,11 @@ def modlstm_forward_kernel(GX, R, LNW, LNB, PEEP, H0, C0, N0, M0, KEEP, HS, CS, 
                 p_f = p_f + _vector(PEEP, G - 3, j, H, D, DP)[None, :] * c
                 if not COUPLED:
                     p_i = p_i + _vector(PEEP, 0, j, H, D, DP)[None, :] * c
-            f = _gate(p_f, GATE)
+            f = _gate(p_f, GATE, FN)
             if COUPLED:
                 i = 1.0 - f
             else:
-                i = _gate(p_i, GATE)
+                i = _gate(p_i, GATE, FN)
             pre = PRE + t * B * 2 * H + b[:, None] * 2 * H + j * D + u[None, :]
             tl.store(pre, p_f, mask=ok)
             tl.store(pre + H, p_i, mask=ok)
@@ -219,7 +224,7 @@ def _exp_grads(dh, dc, dn, c, c_prev, n, n_prev, i, f, z, o):
 
 @triton.jit
 def _sigmoid_grads(dh, dc, c, c_prev, x_i, x_f, i, f, z, o, peep_i, peep_f, peep_o, GATE: tl.constexpr,
-                   COUPLED: tl.constexpr, PEEPHOLES: tl.constexpr):
+                   FN_GRAD: tl.constexpr, COUPLED: tl.constexpr, PEEPHOLES: tl.constexpr):
     """The sigmoid family's step backward: the groups' gradients, that of c_{t-1}, and the peepholes' shares."""
     tc = _tanh(c)
     dp_o = dh * tc * o * (1.0 - o)
@@ -232,8 +237,8 @@ def _sigmoid_grads(dh, dc, c, c_prev, x_i, x_f, i, f, z, o, peep_i, peep_f, peep
     if COUPLED:
         d_f = d_f - dc * z
     else:
-        dp_i = dc * z * _gate_grad(x_i, i, GATE)
-    dp_f = d_f * _gate_grad(x_f, f, GATE)
+        dp_i = dc * z * _gate_grad(x_i, i, GATE, FN_GRAD)
+    dp_f = d_f * _gate_grad(x_f, f, GATE, FN_GRAD)
     dc_prev = dc * f
     if PEEPHOLES:
         dc_prev += dp_f * peep_f + dp_i * peep_i
@@ -246,7 +251,7 @@ def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, H0, C0, N0, KEEP, HS, C
                             DP: tl.constexpr,
                             BB: tl.constexpr, G: tl.constexpr, GATE: tl.constexpr, COUPLED: tl.constexpr,
                             PEEPHOLES: tl.constexpr, NORM: tl.constexpr, HAS_KEEP: tl.constexpr,
-                            PRECISION: tl.constexpr):
+                            PRECISION: tl.constexpr, FN: tl.constexpr, FN_GRAD: tl.constexpr):
     j, pb, b, u, H, ok = _program(B, heads, D, DP, BB)
     GF: tl.constexpr = G - 3
     state = b[:, None] * H + j * D + u[None, :]
@@ -288,7 +293,7 @@ def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, H0, C0, N0, KEEP, HS, C
             pre = PRE + t * B * 2 * H + b[:, None] * 2 * H + j * D + u[None, :]
             dp_i, dp_f, dp_z, dp_o, dc_prev, s_i, s_f, s_o = _sigmoid_grads(
                 dh, dc, c, c_prev, tl.load(pre + H, mask=ok, other=0.0), tl.load(pre, mask=ok, other=0.0), i, f, z,
-                o, peep_i, peep_f, peep_o, GATE, COUPLED, PEEPHOLES)
+                o, peep_i, peep_f, peep_o, GATE, FN_GRAD, COUPLED, PEEPHOLES)
             dpeep_i, dpeep_f, dpeep_o = dpeep_i + s_i, dpeep_f + s_f, dpeep_o + s_o
         if NORM:  # back through each group's layer norm (heads == 1)
             dp_f, w_f, b_f = _norm_backward(dp_f, GF, XHAT, RSTD, LNW, t, B, b, ok, u, H, G, D, DP)
@@ -329,7 +334,7 @@ class ModLSTMLoop(torch.autograd.Function):
     (n0, m0: the exponential gate's), keep [T, B] or None, gate, coupled) -> hs, cs, ns, ms [T, B, H]."""
 
     @staticmethod
-    def forward(ctx, gx, r, ln_w, ln_b, peep, h0, c0, n0, m0, keep, gate: str, coupled: bool):
+    def forward(ctx, gx, r, ln_w, ln_b, peep, h0, c0, n0, m0, keep, gate: str, coupled: bool, forms: tuple | None):
         T, B, _ = gx.shape
         G, heads, d = r.shape[0], r.shape[1], r.shape[2]
         H, exp, norm = heads * d, gate == "exp", ln_w is not None
@@ -341,8 +346,10 @@ class ModLSTMLoop(torch.autograd.Function):
         ns, ms = (new(T, B, H), new(T, B, H)) if exp else (new(0), new(0))
         act, pre = new(T, B, G * H), new(T, B, 2 * H) if not exp else hs
         xhat, rstd = (new(T, B, G * H), new(T, B, G)) if norm else (hs, hs)
-        flags = dict(D=d, DP=padded(d), BB=BLOCK_B, G=G, GATE=GATES[gate], COUPLED=coupled, PEEPHOLES=peep is not None,
-                     NORM=norm, HAS_KEEP=keep is not None, PRECISION=_precision(gx))
+        fn, fn_grad = forms if forms is not None else (_tanh, _tanh)  # (the built-in gates call neither)
+        flags = dict(D=d, DP=padded(d), BB=BLOCK_B, G=G, GATE=GATES.get(gate, REGISTERED), COUPLED=coupled,
+                     PEEPHOLES=peep is not None, NORM=norm, HAS_KEEP=keep is not None, PRECISION=_precision(gx),
+                     FN=fn, FN_GRAD=fn_grad)
         some = lambda t: t if t is not None else hs  # noqa: E731  (a pointer the kernel does not read)
         modlstm_forward_kernel[(heads, triton.cdiv(B, BLOCK_B))](
             gx, r, some(ln_w), some(ln_b), some(peep), h0, c0, n0, m0, some(keep), hs, cs, some(ns if exp else None),
@@ -372,13 +379,15 @@ class ModLSTMLoop(torch.autograd.Function):
             pre, xhat, rstd, dgx, dr, some(dpeep), some(dlnw), some(dlnb), dh0, dc0, dn0, T, B, heads, **ctx.flags)
         total = lambda t: None if t is None else t.sum(0)  # noqa: E731
         return (dgx.to(ctx.gx_dtype), dr.sum(0).to(r.dtype), total(dlnw), total(dlnb), total(dpeep), dh0, dc0,
-                dn0 if ctx.exp else None, None, None, None, None)
+                dn0 if ctx.exp else None, None, None, None, None, None)
 
 
-def modlstm_sequence(x, w_x, w_h, bias, ln_w, ln_b, peep, state: tuple, keep, gate: str, coupled: bool, heads: int):
+def modlstm_sequence(x, w_x, w_h, bias, ln_w, ln_b, peep, state: tuple, keep, gate: str, coupled: bool, heads: int,
+                     forms: tuple | None = None):
     """The head-wise modified LSTM over x [B, T, D] from `state` ((h, c), or (h, c, n, m) for the exponential
     gate): (y [B, T, H], the final state). w_h holds the recurrent blocks ([G*H, H / heads]); keep [T, B] float
-    (0 where a row's state resets before that step) or None."""
+    (0 where a row's state resets before that step) or None; `forms`: a registered gate's (fn, grad) as
+    triton.jit functions."""
     B, T, _ = x.shape
     G = 3 if coupled else 4
     H = w_x.shape[0] // G
@@ -388,6 +397,6 @@ def modlstm_sequence(x, w_x, w_h, bias, ln_w, ln_b, peep, state: tuple, keep, ga
     exp = gate == "exp"
     n0, m0 = (state[2], state[3]) if exp else (None, None)
     hs, cs, ns, ms = ModLSTMLoop.apply(gx, w_h.view(G, heads, d, d), ln_w, ln_b, peep, state[0], state[1], n0, m0,
-                                       keep, gate, coupled)
+                                       keep, gate, coupled, forms)
     final = (hs[-1], cs[-1], ns[-1], ms[-1]) if exp else (hs[-1], cs[-1])
     return hs.transpose(0, 1), final

@@ -143,7 +143,7 @@ class ModLSTM(Cell):
 
             keep = None if reset is None else (~reset).float().t().contiguous()
             y, final = loop(x, self.w_x, self.w_h, self.bias, self.ln_weight, self.ln_bias, self.peep, state, keep,
-                            self.gate, self.coupled, self.heads)
+                            self.gate, self.coupled, self.heads, None if self.exp else self.gate_fn.triton)
             return self._out(y.to(x.dtype)), tuple(s.to(state[0].dtype) for s in final)
         with full_precision(x):
             x = as_fp32(x)
@@ -158,10 +158,10 @@ class ModLSTM(Cell):
         the gate norm only with one head of 16, 32 or 64 (it normalises a group's H units together, unpadded)."""
         if self.gate_norm and self.heads > 1 or not on_chip(self.d_hidden, self.heads, power_of_two=self.gate_norm):
             return False
-        if self.gate not in ("sigmoid", "hard_sigmoid", "exp"):
+        if self.gate not in ("sigmoid", "hard_sigmoid", "exp") and self.gate_fn.triton is None:
             warnings.warn(f"model.gate = '{self.gate}' has no Triton form: the modlstm runs its step loop on the GPU "
                           "instead of one kernel for the sequence (about ten kernel launches a step, several times "
-                          "slower); use a built-in gate for speed", stacklevel=3)
+                          "slower); register_gate(..., triton=(fn, grad)) gives it one", stacklevel=3)
             return False
         return True
 
