@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from rpt.errors import RptError
+from rpt.kernels.triton import GATE_FORMS
 
 CELLS: dict[str, type] = {}
 GATES: dict[str, "GateFunction"] = {}
@@ -127,6 +128,8 @@ def register_gate(name: str, fn: Callable, grad: Callable, forget_bias: float = 
         raise RptError("'exp' is the built-in stabilised exponential gate", "register your gate under another name")
     gate = GateFunction(name, fn, grad, forget_bias, triton)
     GATES[name] = gate
+    if triton is not None:
+        GATE_FORMS[name] = triton
     return gate
 
 

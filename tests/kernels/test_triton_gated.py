@@ -67,3 +67,42 @@ def test_triton_loop_equals_the_float64_reference(cell, heads, B, T, resets, wid
     names = ["x", "h0", "c0"][:1 + len(s)] + ["w_ih", "w_hh", "b_ih", "b_hh"]
     for name, a, b in zip(names, g, g_ref):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-4, msg=lambda m: f"gradient of {name}: {m}")
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm-exp", "modlstm-peep"])
+def test_torch_compile_traces_each_triton_loop_in_one_graph(cell):
+    """The loops are custom operators with fake forms: torch.compile traces through them without a graph break
+    (fullgraph), and the compiled function's outputs and gradients are the eager ones."""
+    from rpt.kernels.triton.gru import gru_sequence
+    from rpt.kernels.triton.lstm import lstm_sequence
+    from rpt.kernels.triton.modlstm import modlstm_sequence
+
+    torch.manual_seed(0)
+    heads, H, B, T = 2, 32, 3, 4
+    name, _, variant = cell.partition("-")
+    options = {"exp": dict(gate="exp"), "peep": dict(peepholes=True, gate="hard_sigmoid")}.get(variant, {})
+    module = build_cell(ModelConfig(cell=name, d_model=H, heads=heads, **options))
+    x = torch.randn(B, T, H, requires_grad=True)
+    state = module.init_state(B)
+    keep = torch.ones(T, B)
+    keep[2, 1] = 0.0
+
+    def run(x):
+        if name == "lstm":
+            y, s = lstm_sequence(x, module.w_ih, module.w_hh, module.b_ih, module.b_hh, *state, keep, heads)
+        elif name == "gru":
+            y, s = gru_sequence(x, module.w_ih, module.w_hh, module.b_ih, module.b_hh, *state, keep, heads)
+        else:
+            y, s = modlstm_sequence(x, module.w_x, module.w_h, module.bias, None, None, module.peep, state, keep,
+                                    module.gate, False, heads)
+        return y.square().sum() + s[0].sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
+    params = [p for p in module.parameters()]
+    eager, compiled_loss = run(x), compiled(x)
+    torch.testing.assert_close(compiled_loss, eager)
+    g_eager = torch.autograd.grad(eager, [x, *params])
+    g_compiled = torch.autograd.grad(compiled_loss, [x, *params])
+    for a, b in zip(g_compiled, g_eager):
+        torch.testing.assert_close(a, b)

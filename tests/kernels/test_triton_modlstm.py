@@ -86,8 +86,7 @@ def test_triton_modlstm_loop_equals_the_float64_reference(name):
     keep = (~reset).float().t().contiguous()
     s0 = tuple(rest) + ((state[3].float(),) if cell.exp else ())
     y, s = modlstm_sequence(xf, p32["w_x"], p32["w_h"], p32.get("bias"), p32.get("ln_weight"), p32.get("ln_bias"),
-                            p32.get("peep"), s0, keep, cell.gate, cell.coupled, heads,
-                            None if cell.exp else cell.gate_fn.triton)
+                            p32.get("peep"), s0, keep, cell.gate, cell.coupled, heads)
     torch.testing.assert_close(y.double(), y_ref, atol=2e-5, rtol=1e-4)
     for a, b in zip(s, s_ref):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-4)

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 
+# A registered gate's Triton form, by name: (fn, grad) as triton.jit functions (rpt.models.register_gate fills it)
+GATE_FORMS: dict[str, tuple] = {}
+
 def on_chip(d_hidden: int, heads: int, power_of_two: bool = False) -> bool:
     """Whether a head of `d_hidden / heads` units fits the Triton loops (and triton is installed): 16 to 64 units
     (a width that is not a power of two is padded to the next one, the padding masked)."""

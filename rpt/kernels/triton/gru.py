@@ -10,9 +10,12 @@ gradient with R's, summed per program in float32 (no atomics).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded
 
@@ -93,37 +96,68 @@ def gru_backward_kernel(DHS, R, H0, KEEP, HS, ACT, DGX, DR, DBHN, DH0, T, B, hea
     tl.store(DBHN + pb * H + j * D + u, db_hn, mask=u < D)
 
 
-class GRULoop(torch.autograd.Function):
-    """(GX [T, B, 3H], R [3, heads, d, d], b_hn [H], h0 [B, H], keep [T, B] or None) -> hs [T, B, H]."""
+# The loop as a pair of torch custom operators (see lstm.py): torch.compile traces through them in one graph.
+@torch.library.custom_op("rpt::triton_gru_loop", mutates_args=())
+def gru_loop(gx: Tensor, r: Tensor, b_hn: Tensor, h0: Tensor, keep: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(GX [T, B, 3H], R [3, heads, d, d], b_hn [H], h0 [B, H], keep [T, B] or None) -> hs [T, B, H] and the
+    values the backward reads (r, z, n and h R_n^T + b_hn)."""
+    T, B, _ = gx.shape
+    heads, d = r.shape[1], r.shape[2]
+    hs, act = _gru_buffers(gx, heads * d)
+    gru_forward_kernel[(heads, triton.cdiv(B, BLOCK_B))](
+        gx.contiguous(), r.contiguous(), b_hn.contiguous(), h0.float().contiguous(), keep if keep is not None else hs,
+        hs, act, T, B, heads, D=d, DP=padded(d), BB=BLOCK_B, HAS_KEEP=keep is not None, PRECISION=_precision(gx))
+    return hs, act
 
-    @staticmethod
-    def forward(ctx, gx, r, b_hn, h0, keep):
-        T, B, _ = gx.shape
-        heads, d = r.shape[1], r.shape[2]
-        H = heads * d
-        gx, r, b_hn, h0 = gx.contiguous(), r.contiguous(), b_hn.contiguous(), h0.float().contiguous()
-        hs = torch.empty(T, B, H, dtype=torch.float32, device=gx.device)
-        act = torch.empty(T, B, 4 * H, dtype=torch.float32, device=gx.device)
-        gru_forward_kernel[(heads, triton.cdiv(B, BLOCK_B))](gx, r, b_hn, h0, keep if keep is not None else hs, hs,
-                                                             act, T, B, heads, D=d, DP=padded(d), BB=BLOCK_B,
-                                                             HAS_KEEP=keep is not None, PRECISION=_precision(gx))
-        ctx.save_for_backward(r, h0, keep, hs, act)
-        ctx.gx_dtype, ctx.b_dtype = gx.dtype, b_hn.dtype
-        return hs
 
-    @staticmethod
-    def backward(ctx, d_hs):
-        r, h0, keep, hs, act = ctx.saved_tensors
-        T, B, H = hs.shape
-        heads, d = r.shape[1], r.shape[2]
-        nb = triton.cdiv(B, BLOCK_B)
-        new = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=hs.device)  # noqa: E731
-        dgx, dr, dbhn, dh0 = new(T, B, 3 * H), new(nb, 3, heads, d, d), new(nb, H), torch.empty_like(h0)
-        gru_backward_kernel[(heads, nb)](d_hs.float().contiguous(), r, h0, keep if keep is not None else hs, hs, act,
-                                         dgx, dr, dbhn, dh0, T, B, heads, D=d, DP=padded(d), BB=BLOCK_B,
-                                         HAS_KEEP=keep is not None,
-                                         PRECISION=_precision(hs))
-        return dgx.to(ctx.gx_dtype), dr.sum(0).to(r.dtype), dbhn.sum(0).to(ctx.b_dtype), dh0, None
+def _gru_buffers(gx: Tensor, H: int):
+    T, B, _ = gx.shape
+    return gx.new_empty(T, B, H, dtype=torch.float32), gx.new_empty(T, B, 4 * H, dtype=torch.float32)
+
+
+gru_loop.register_fake(lambda gx, r, b_hn, h0, keep: _gru_buffers(gx, gx.shape[2] // 3))
+
+
+@torch.library.custom_op("rpt::triton_gru_loop_backward", mutates_args=())
+def gru_loop_backward(d_hs: Tensor, r: Tensor, h0: Tensor, keep: Optional[Tensor], hs: Tensor,
+                      act: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of GX, R, b_hn and h0 (float32)."""
+    T, B, H = hs.shape
+    heads, d = r.shape[1], r.shape[2]
+    nb = triton.cdiv(B, BLOCK_B)
+    dgx, dr, dbhn, dh0 = _gru_grads(hs, r, nb)
+    gru_backward_kernel[(heads, nb)](d_hs.float().contiguous(), r.contiguous(), h0.float().contiguous(),
+                                     keep if keep is not None else hs, hs, act, dgx, dr, dbhn, dh0, T, B, heads,
+                                     D=d, DP=padded(d), BB=BLOCK_B, HAS_KEEP=keep is not None,
+                                     PRECISION=_precision(hs))
+    return dgx, dr.sum(0), dbhn.sum(0), dh0
+
+
+def _gru_grads(hs: Tensor, r: Tensor, blocks: int):
+    T, B, H = hs.shape
+    new = lambda *shape: hs.new_empty(*shape, dtype=torch.float32)  # noqa: E731
+    return new(T, B, 3 * H), new(blocks, *r.shape), new(blocks, H), new(B, H)
+
+
+@gru_loop_backward.register_fake
+def _(d_hs, r, h0, keep, hs, act):
+    dgx, dr, dbhn, dh0 = _gru_grads(hs, r, 1)
+    return dgx, dr[0], dbhn[0], dh0
+
+
+def _gru_setup(ctx, inputs, output):
+    gx, r, b_hn, h0, keep = inputs
+    ctx.save_for_backward(r, h0, keep, *output)
+    ctx.dtypes = gx.dtype, r.dtype, b_hn.dtype, h0.dtype
+
+
+def _gru_backward(ctx, d_hs, _):
+    r, h0, keep, hs, act = ctx.saved_tensors
+    grads = gru_loop_backward(torch.zeros_like(hs) if d_hs is None else d_hs, r, h0, keep, hs, act)
+    return *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None
+
+
+gru_loop.register_autograd(_gru_backward, setup_context=_gru_setup)
 
 
 def gru_sequence(x, w_ih, w_hh, b_ih, b_hh, h0, keep, heads: int):
@@ -134,5 +168,5 @@ def gru_sequence(x, w_ih, w_hh, b_ih, b_hh, h0, keep, heads: int):
     d = H // heads
     b_rz = torch.cat([b_ih[:2 * H] + b_hh[:2 * H], b_ih[2 * H:]])
     gx = torch.addmm(b_rz, x.transpose(0, 1).reshape(T * B, -1), w_ih.t()).view(T, B, 3 * H)
-    hs = GRULoop.apply(gx, w_hh.view(3, heads, d, d), b_hh[2 * H:], h0, keep)
+    hs, _ = gru_loop(gx, w_hh.view(3, heads, d, d), b_hh[2 * H:], h0, keep)
     return hs.transpose(0, 1), (hs[-1],)

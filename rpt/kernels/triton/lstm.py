@@ -15,9 +15,12 @@ so that a gate is a Triton function and the same source runs on the CPU interpre
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 BLOCK_B = 16  # rows a program carries: tl.dot needs 16 or more on each side
 
@@ -153,41 +156,73 @@ def _precision(t: torch.Tensor) -> str:
     return "tf32" if t.is_cuda else "ieee"
 
 
-class LSTMLoop(torch.autograd.Function):
-    """(GX [T, B, 4H], R [4, heads, d, d], h0, c0 [B, H], keep [T, B] or None) -> (hs, cs) [T, B, H]."""
+# The loop as a pair of torch custom operators (forward; backward, registered as its gradient), as the CPU
+# kernels are: torch.compile traces a model through them in one graph (their fake forms give the shapes).
+@torch.library.custom_op("rpt::triton_lstm_loop", mutates_args=())
+def lstm_loop(gx: Tensor, r: Tensor, h0: Tensor, c0: Tensor, keep: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(GX [T, B, 4H], R [4, heads, d, d], h0, c0 [B, H], keep [T, B] or None) -> hs, cs [T, B, H] and the gate
+    values the backward reads."""
+    T, B, G = gx.shape
+    heads, d = r.shape[1], r.shape[2]
+    hs, cs, act = _lstm_buffers(gx, G // 4)
+    lstm_forward_kernel[(heads, triton.cdiv(B, BLOCK_B))](
+        gx.contiguous(), r.contiguous(), h0.float().contiguous(), c0.float().contiguous(),
+        keep if keep is not None else hs, hs, cs, act, T, B, heads, D=d, DP=padded(d), BB=BLOCK_B,
+        HAS_KEEP=keep is not None, PRECISION=_precision(gx))
+    return hs, cs, act
 
-    @staticmethod
-    def forward(ctx, gx, r, h0, c0, keep):
-        T, B, G = gx.shape
-        heads, d = r.shape[1], r.shape[2]
-        H = G // 4
-        gx, r = gx.contiguous(), r.contiguous()
-        h0, c0 = h0.float().contiguous(), c0.float().contiguous()
-        hs = gx.new_empty(T, B, H, dtype=torch.float32)
-        cs, act = torch.empty_like(hs), gx.new_empty(T, B, 4 * H, dtype=torch.float32)
-        grid = (heads, triton.cdiv(B, BLOCK_B))
-        lstm_forward_kernel[grid](gx, r, h0, c0, keep if keep is not None else hs, hs, cs, act, T, B, heads,
-                                  D=d, DP=padded(d), BB=BLOCK_B, HAS_KEEP=keep is not None, PRECISION=_precision(gx))
-        ctx.save_for_backward(r, h0, c0, keep, hs, cs, act)
-        ctx.gx_dtype = gx.dtype
-        return hs, cs
 
-    @staticmethod
-    def backward(ctx, d_hs, d_cs):
-        r, h0, c0, keep, hs, cs, act = ctx.saved_tensors
-        T, B, H = hs.shape
-        heads, d = r.shape[1], r.shape[2]
-        d_hs = torch.zeros_like(hs) if d_hs is None else d_hs.float().contiguous()
-        d_cs = torch.zeros_like(cs) if d_cs is None else d_cs.float().contiguous()
-        nb = triton.cdiv(B, BLOCK_B)
-        dgx = torch.empty(T, B, 4 * H, dtype=torch.float32, device=hs.device)
-        dr = torch.empty(nb, 4, heads, d, d, dtype=torch.float32, device=hs.device)
-        dh0, dc0 = torch.empty_like(h0), torch.empty_like(c0)
-        lstm_backward_kernel[(heads, nb)](d_hs, d_cs, r, h0, c0,
-                                          keep if keep is not None else hs, hs, cs, act, dgx, dr, dh0, dc0, T, B,
-                                          heads, D=d, DP=padded(d), BB=BLOCK_B, HAS_KEEP=keep is not None,
-                                          PRECISION=_precision(hs))
-        return dgx.to(ctx.gx_dtype), dr.sum(0).to(r.dtype), dh0, dc0, None
+def _lstm_buffers(gx: Tensor, H: int):
+    T, B, _ = gx.shape
+    new = lambda *shape: gx.new_empty(*shape, dtype=torch.float32)  # noqa: E731
+    return new(T, B, H), new(T, B, H), new(T, B, 4 * H)
+
+
+lstm_loop.register_fake(lambda gx, r, h0, c0, keep: _lstm_buffers(gx, gx.shape[2] // 4))
+
+
+@torch.library.custom_op("rpt::triton_lstm_loop_backward", mutates_args=())
+def lstm_loop_backward(d_hs: Tensor, d_cs: Tensor, r: Tensor, h0: Tensor, c0: Tensor, keep: Optional[Tensor],
+                       hs: Tensor, cs: Tensor, act: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of GX, R, h0 and c0 (float32)."""
+    T, B, H = hs.shape
+    heads, d = r.shape[1], r.shape[2]
+    nb = triton.cdiv(B, BLOCK_B)
+    dgx, dr, dh0, dc0 = _lstm_grads(hs, r, nb)
+    lstm_backward_kernel[(heads, nb)](
+        d_hs.float().contiguous(), d_cs.float().contiguous(), r.contiguous(), h0.float().contiguous(),
+        c0.float().contiguous(), keep if keep is not None else hs, hs, cs, act, dgx, dr, dh0, dc0, T, B, heads,
+        D=d, DP=padded(d), BB=BLOCK_B, HAS_KEEP=keep is not None, PRECISION=_precision(hs))
+    return dgx, dr.sum(0), dh0, dc0
+
+
+def _lstm_grads(hs: Tensor, r: Tensor, blocks: int):
+    T, B, H = hs.shape
+    new = lambda *shape: hs.new_empty(*shape, dtype=torch.float32)  # noqa: E731
+    return new(T, B, 4 * H), new(blocks, *r.shape), new(B, H), new(B, H)
+
+
+@lstm_loop_backward.register_fake
+def _(d_hs, d_cs, r, h0, c0, keep, hs, cs, act):
+    dgx, dr, dh0, dc0 = _lstm_grads(hs, r, 1)
+    return dgx, dr[0], dh0, dc0
+
+
+def _lstm_setup(ctx, inputs, output):
+    gx, r, h0, c0, keep = inputs
+    ctx.save_for_backward(r, h0, c0, keep, *output)
+    ctx.dtypes = gx.dtype, r.dtype, h0.dtype, c0.dtype
+
+
+def _lstm_backward(ctx, d_hs, d_cs, _):
+    r, h0, c0, keep, hs, cs, act = ctx.saved_tensors
+    d_hs = torch.zeros_like(hs) if d_hs is None else d_hs
+    d_cs = torch.zeros_like(cs) if d_cs is None else d_cs
+    grads = lstm_loop_backward(d_hs, d_cs, r, h0, c0, keep, hs, cs, act)
+    return *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None
+
+
+lstm_loop.register_autograd(_lstm_backward, setup_context=_lstm_setup)
 
 
 def lstm_sequence(x, w_ih, w_hh, b_ih, b_hh, h0, c0, keep, heads: int):
@@ -197,5 +232,5 @@ def lstm_sequence(x, w_ih, w_hh, b_ih, b_hh, h0, c0, keep, heads: int):
     H = w_hh.shape[0] // 4
     d = H // heads
     gx = torch.addmm(b_ih + b_hh, x.transpose(0, 1).reshape(T * B, -1), w_ih.t()).view(T, B, 4 * H)
-    hs, cs = LSTMLoop.apply(gx, w_hh.view(4, heads, d, d), h0, c0, keep)
+    hs, cs, _ = lstm_loop(gx, w_hh.view(4, heads, d, d), h0, c0, keep)
     return hs.transpose(0, 1), (hs[-1], cs[-1])

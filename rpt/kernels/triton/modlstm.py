@@ -12,10 +12,14 @@ of the gradients of R, the peepholes and the layer norm's scale and shift, in fl
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
+from rpt.kernels.triton import GATE_FORMS
 from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded
 
 GATES = {"sigmoid": 0, "hard_sigmoid": 1, "exp": 2}  # any other: a registered gate's own Triton form (3)
@@ -329,65 +333,106 @@ def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, H0, C0, N0, KEEP, HS, C
         _store_groups(DLNB + pb * G * H + u, u < D, H, dlnb_i, dlnb_f, dlnb_z, dlnb_o, GF, COUPLED)
 
 
-class ModLSTMLoop(torch.autograd.Function):
-    """(GX [T, B, G*H], R [G, heads, d, d], ln_w, ln_b [G, H] or None, peep [G-1, H] or None, h0, c0, n0, m0 [B, H]
-    (n0, m0: the exponential gate's), keep [T, B] or None, gate, coupled) -> hs, cs, ns, ms [T, B, H]."""
-
-    @staticmethod
-    def forward(ctx, gx, r, ln_w, ln_b, peep, h0, c0, n0, m0, keep, gate: str, coupled: bool, forms: tuple | None):
-        T, B, _ = gx.shape
-        G, heads, d = r.shape[0], r.shape[1], r.shape[2]
-        H, exp, norm = heads * d, gate == "exp", ln_w is not None
-        gx, r = gx.contiguous(), r.contiguous()
-        h0, c0 = h0.float().contiguous(), c0.float().contiguous()
-        n0, m0 = (n0.float().contiguous(), m0.float().contiguous()) if exp else (h0, h0)
-        new = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=gx.device)  # noqa: E731
-        hs, cs = new(T, B, H), new(T, B, H)
-        ns, ms = (new(T, B, H), new(T, B, H)) if exp else (new(0), new(0))
-        act, pre = new(T, B, G * H), new(T, B, 2 * H) if not exp else hs
-        xhat, rstd = (new(T, B, G * H), new(T, B, G)) if norm else (hs, hs)
-        fn, fn_grad = forms if forms is not None else (_tanh, _tanh)  # (the built-in gates call neither)
-        flags = dict(D=d, DP=padded(d), BB=BLOCK_B, G=G, GATE=GATES.get(gate, REGISTERED), COUPLED=coupled,
-                     PEEPHOLES=peep is not None, NORM=norm, HAS_KEEP=keep is not None, PRECISION=_precision(gx),
-                     FN=fn, FN_GRAD=fn_grad)
-        some = lambda t: t if t is not None else hs  # noqa: E731  (a pointer the kernel does not read)
-        modlstm_forward_kernel[(heads, triton.cdiv(B, BLOCK_B))](
-            gx, r, some(ln_w), some(ln_b), some(peep), h0, c0, n0, m0, some(keep), hs, cs, some(ns if exp else None),
-            some(ms if exp else None), act, pre, xhat, rstd, T, B, heads, **flags)
-        ctx.save_for_backward(r, ln_w, peep, h0, c0, n0, keep, hs, cs, ns, act, pre, xhat, rstd)
-        ctx.flags, ctx.gx_dtype, ctx.exp = flags, gx.dtype, exp
-        ctx.mark_non_differentiable(ms)
-        return hs, cs, ns, ms
-
-    @staticmethod
-    def backward(ctx, d_hs, d_cs, d_ns, d_ms):
-        r, ln_w, peep, h0, c0, n0, keep, hs, cs, ns, act, pre, xhat, rstd = ctx.saved_tensors
-        T, B, H = hs.shape
-        G, heads, d = r.shape[0], r.shape[1], r.shape[2]
-        nb = triton.cdiv(B, BLOCK_B)
-        grad = lambda g, like: torch.zeros_like(like) if g is None else g.float().contiguous()  # noqa: E731
-        d_hs, d_cs = grad(d_hs, hs), grad(d_cs, cs)
-        d_ns = grad(d_ns, ns) if ctx.exp else hs
-        new = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=hs.device)  # noqa: E731
-        dgx, dr = new(T, B, G * H), new(nb, G, heads, d, d)
-        dpeep = new(nb, G - 1, H) if peep is not None else None
-        dlnw, dlnb = (new(nb, G, H), new(nb, G, H)) if ln_w is not None else (None, None)
-        dh0, dc0, dn0 = torch.empty_like(h0), torch.empty_like(c0), torch.empty_like(h0)
-        some = lambda t: t if t is not None else hs  # noqa: E731
-        modlstm_backward_kernel[(heads, nb)](
-            d_hs, d_cs, d_ns, r, some(ln_w), some(peep), h0, c0, n0, some(keep), hs, cs, ns if ctx.exp else hs, act,
-            pre, xhat, rstd, dgx, dr, some(dpeep), some(dlnw), some(dlnb), dh0, dc0, dn0, T, B, heads, **ctx.flags)
-        total = lambda t: None if t is None else t.sum(0)  # noqa: E731
-        return (dgx.to(ctx.gx_dtype), dr.sum(0).to(r.dtype), total(dlnw), total(dlnb), total(dpeep), dh0, dc0,
-                dn0 if ctx.exp else None, None, None, None, None, None)
+def _flags(r: Tensor, gate: str, coupled: bool, peep, norm: bool, keep, on: Tensor) -> dict:
+    d = r.shape[2]
+    fn, fn_grad = GATE_FORMS.get(gate, (_tanh, _tanh))  # a registered gate's Triton form (built-ins call neither)
+    return dict(D=d, DP=padded(d), BB=BLOCK_B, G=r.shape[0], GATE=GATES.get(gate, REGISTERED), COUPLED=coupled,
+                PEEPHOLES=peep is not None, NORM=norm, HAS_KEEP=keep is not None, PRECISION=_precision(on), FN=fn,
+                FN_GRAD=fn_grad)
 
 
-def modlstm_sequence(x, w_x, w_h, bias, ln_w, ln_b, peep, state: tuple, keep, gate: str, coupled: bool, heads: int,
-                     forms: tuple | None = None):
+# The loop as a pair of torch custom operators (see lstm.py): torch.compile traces through them in one graph. An
+# operator returns a fixed number of tensors: one this variant has not is empty.
+@torch.library.custom_op("rpt::triton_modlstm_loop", mutates_args=())
+def modlstm_loop(gx: Tensor, r: Tensor, ln_w: Optional[Tensor], ln_b: Optional[Tensor], peep: Optional[Tensor],
+                 h0: Tensor, c0: Tensor, n0: Optional[Tensor], m0: Optional[Tensor], keep: Optional[Tensor], gate: str,
+                 coupled: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(GX [T, B, G*H], R [G, heads, d, d], ln_w, ln_b [G, H], peep [G-1, H], h0, c0, n0, m0 [B, H] (n0, m0: the
+    exponential gate's), keep [T, B]) -> hs, cs, ns, ms [T, B, H] and the buffers the backward reads (gate
+    values, gate inputs, the layer norm's normalised input and 1/std)."""
+    T, B, _ = gx.shape
+    exp = gate == "exp"
+    hs, cs, ns, ms, act, pre, xhat, rstd = out = _modlstm_buffers(gx, r, exp, ln_w is not None)
+    some = lambda t: t if t is not None and t.numel() else hs  # noqa: E731  (a pointer the kernel does not read)
+    f32 = lambda t: t.float().contiguous() if t is not None else hs  # noqa: E731
+    modlstm_forward_kernel[(r.shape[1], triton.cdiv(B, BLOCK_B))](
+        gx.contiguous(), r.contiguous(), some(ln_w), some(ln_b), some(peep), f32(h0), f32(c0), f32(n0), f32(m0),
+        some(keep), hs, cs, some(ns), some(ms), act, some(pre), some(xhat), some(rstd), T, B, r.shape[1],
+        **_flags(r, gate, coupled, peep, ln_w is not None, keep, gx))
+    return out
+
+
+def _modlstm_buffers(gx: Tensor, r: Tensor, exp: bool, norm: bool):
+    T, B, _ = gx.shape
+    G, H = r.shape[0], r.shape[1] * r.shape[2]
+    new = lambda keep_it, *shape: gx.new_empty(*shape if keep_it else (0,), dtype=torch.float32)  # noqa: E731
+    return (new(True, T, B, H), new(True, T, B, H), new(exp, T, B, H), new(exp, T, B, H), new(True, T, B, G * H),
+            new(not exp, T, B, 2 * H), new(norm, T, B, G * H), new(norm, T, B, G))
+
+
+@modlstm_loop.register_fake
+def _(gx, r, ln_w, ln_b, peep, h0, c0, n0, m0, keep, gate, coupled):
+    return _modlstm_buffers(gx, r, gate == "exp", ln_w is not None)
+
+
+@torch.library.custom_op("rpt::triton_modlstm_loop_backward", mutates_args=())
+def modlstm_loop_backward(d_hs: Tensor, d_cs: Tensor, d_ns: Tensor, r: Tensor, ln_w: Optional[Tensor],
+                          peep: Optional[Tensor], h0: Tensor, c0: Tensor, n0: Optional[Tensor], keep: Optional[Tensor],
+                          hs: Tensor, cs: Tensor, ns: Tensor, act: Tensor, pre: Tensor, xhat: Tensor, rstd: Tensor,
+                          gate: str, coupled: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                             Tensor]:
+    """The gradients of GX, R, ln_w, ln_b, peep, h0, c0 and n0 (float32; empty for those the cell has not)."""
+    T, B, H = hs.shape
+    nb = triton.cdiv(B, BLOCK_B)
+    dgx, dr, dlnw, dlnb, dpeep, dh0, dc0, dn0 = grads = _modlstm_grads(hs, r, peep, ln_w, gate == "exp", nb)
+    some = lambda t: t if t is not None and t.numel() else hs  # noqa: E731
+    f32 = lambda t: t.float().contiguous() if t is not None and t.numel() else hs  # noqa: E731
+    modlstm_backward_kernel[(r.shape[1], nb)](
+        f32(d_hs), f32(d_cs), f32(d_ns), r.contiguous(), some(ln_w), some(peep), f32(h0), f32(c0), f32(n0),
+        some(keep), hs, cs, some(ns), act, some(pre), some(xhat), some(rstd), dgx, dr, some(dpeep), some(dlnw),
+        some(dlnb), dh0, dc0, some(dn0), T, B, r.shape[1], **_flags(r, gate, coupled, peep, ln_w is not None, keep, hs))
+    return tuple(g.sum(0) if k in (1, 2, 3, 4) and g.numel() else g for k, g in enumerate(grads))
+
+
+def _modlstm_grads(hs: Tensor, r: Tensor, peep, ln_w, exp: bool, blocks: int):
+    T, B, H = hs.shape
+    G = r.shape[0]
+    new = lambda keep_it, *shape: hs.new_empty(*shape if keep_it else (0,), dtype=torch.float32)  # noqa: E731
+    norm = ln_w is not None
+    return (new(True, T, B, G * H), new(True, blocks, *r.shape), new(norm, blocks, G, H), new(norm, blocks, G, H),
+            new(peep is not None, blocks, G - 1, H), new(True, B, H), new(True, B, H), new(exp, B, H))
+
+
+@modlstm_loop_backward.register_fake
+def _(d_hs, d_cs, d_ns, r, ln_w, peep, h0, c0, n0, keep, hs, cs, ns, act, pre, xhat, rstd, gate, coupled):
+    grads = _modlstm_grads(hs, r, peep, ln_w, gate == "exp", 1)
+    return tuple(g[0] if k in (1, 2, 3, 4) and g.numel() else g for k, g in enumerate(grads))
+
+
+def _modlstm_setup(ctx, inputs, output):
+    gx, r, ln_w, ln_b, peep, h0, c0, n0, m0, keep, gate, coupled = inputs
+    ctx.save_for_backward(r, ln_w, peep, h0, c0, n0, keep, *output[:3], *output[4:])
+    ctx.gate, ctx.coupled = gate, coupled
+    ctx.dtypes = [gx.dtype, r.dtype, *(t.dtype if t is not None else None for t in (ln_w, ln_b, peep, h0, c0, n0))]
+
+
+def _modlstm_backward(ctx, d_hs, d_cs, d_ns, *_):
+    r, ln_w, peep, h0, c0, n0, keep, hs, cs, ns, act, pre, xhat, rstd = ctx.saved_tensors
+    zero = lambda g, like: torch.zeros_like(like) if g is None else g  # noqa: E731
+    grads = modlstm_loop_backward(zero(d_hs, hs), zero(d_cs, cs), zero(d_ns, ns), r, ln_w, peep, h0, c0, n0, keep,
+                                  hs, cs, ns, act, pre, xhat, rstd, ctx.gate, ctx.coupled)
+    grads = [g.to(dtype) if dtype is not None and g.numel() else None for g, dtype in zip(grads, ctx.dtypes)]
+    return (*grads, None, None, None, None)  # m0 (a constant to differentiation), keep, gate, coupled
+
+
+modlstm_loop.register_autograd(_modlstm_backward, setup_context=_modlstm_setup)
+
+
+def modlstm_sequence(x, w_x, w_h, bias, ln_w, ln_b, peep, state: tuple, keep, gate: str, coupled: bool, heads: int):
     """The head-wise modified LSTM over x [B, T, D] from `state` ((h, c), or (h, c, n, m) for the exponential
     gate): (y [B, T, H], the final state). w_h holds the recurrent blocks ([G*H, H / heads]); keep [T, B] float
-    (0 where a row's state resets before that step) or None; `forms`: a registered gate's (fn, grad) as
-    triton.jit functions."""
+    (0 where a row's state resets before that step) or None; a registered gate needs its Triton form
+    (rpt.kernels.triton.GATE_FORMS, filled by register_gate)."""
     B, T, _ = x.shape
     G = 3 if coupled else 4
     H = w_x.shape[0] // G
@@ -396,7 +441,7 @@ def modlstm_sequence(x, w_x, w_h, bias, ln_w, ln_b, peep, state: tuple, keep, ga
     gx = (torch.addmm(bias, xt, w_x.t()) if bias is not None else xt @ w_x.t()).view(T, B, G * H)
     exp = gate == "exp"
     n0, m0 = (state[2], state[3]) if exp else (None, None)
-    hs, cs, ns, ms = ModLSTMLoop.apply(gx, w_h.view(G, heads, d, d), ln_w, ln_b, peep, state[0], state[1], n0, m0,
-                                       keep, gate, coupled, forms)
+    hs, cs, ns, ms, *_ = modlstm_loop(gx, w_h.view(G, heads, d, d), ln_w, ln_b, peep, state[0], state[1], n0, m0,
+                                      keep, gate, coupled)
     final = (hs[-1], cs[-1], ns[-1], ms[-1]) if exp else (hs[-1], cs[-1])
     return hs.transpose(0, 1), final

@@ -143,7 +143,7 @@ class ModLSTM(Cell):
 
             keep = None if reset is None else (~reset).float().t().contiguous()
             y, final = loop(x, self.w_x, self.w_h, self.bias, self.ln_weight, self.ln_bias, self.peep, state, keep,
-                            self.gate, self.coupled, self.heads, None if self.exp else self.gate_fn.triton)
+                            self.gate, self.coupled, self.heads)
             return self._out(y.to(x.dtype)), tuple(s.to(state[0].dtype) for s in final)
         with full_precision(x):
             x = as_fp32(x)
