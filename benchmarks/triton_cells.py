@@ -5,7 +5,8 @@
 
 For each cell, hidden size and head count, one layer (d_model = hidden) at B x T: rpt's cell with `heads` (its
 block-diagonal recurrence in rpt/kernels/triton/, a program per head), nn.LSTM of the same hidden size (dense:
-k times the recurrent parameters), and nn.LSTM of equal parameters (the hidden size whose dense LSTM has as many). Each row: median of --repeats timed forward + backward passes after two warm-ups.
+k times the recurrent parameters), and nn.LSTM of equal parameters (the hidden size whose dense LSTM has as many).
+Each row: median of --repeats timed forward + backward passes after two warm-ups.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ so the folder is what `from_pretrained(DIR, trust_remote_code=True)` expects of 
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -36,6 +35,7 @@ def export_run(run_dir: str | Path, out: str | Path, checkpoint: str = "best", m
                force: bool = False) -> dict:
     """Write the export of `run_dir`'s checkpoint to `out`; returns what was written."""
     require_transformers()
+    from rpt.train.init_from import run_tokenizer_sha256
     from rpt.train.run import load_run
 
     run_dir, out = Path(run_dir), Path(out)
@@ -44,7 +44,7 @@ def export_run(run_dir: str | Path, out: str | Path, checkpoint: str = "best", m
     cfg, model, tokenizer, path, ck = load_run(run_dir, checkpoint, "cpu")
     if out.exists():
         shutil.rmtree(out)
-    export_model(cfg, model, run_dir / "tokenizer.json", out, _tokenizer_sha256(run_dir),
+    export_model(cfg, model, run_dir / "tokenizer.json", out, run_tokenizer_sha256(run_dir),
                  f"{run_dir.name}, checkpoint {ck.describe(path)}", max_shard_size)
     return {"out": str(out), "checkpoint": path, "about": ck.describe(path),
             "files": sorted(p.name for p in out.iterdir()), "params": sum(p.numel() for p in model.parameters())}
@@ -103,11 +103,6 @@ def hf_config(cfg, model, eot: int, tokenizer_sha256: str):
                      gate_norm=m.gate_norm, coupled_gates=m.coupled_gates, peepholes=m.peepholes, heads=m.heads,
                      reset_at_eot=cfg.data.reset_at_documents, eot_token_id=eot, tie_word_embeddings=m.tie_embeddings,
                      tokenizer_sha256=tokenizer_sha256, architectures=["RptForCausalLM"])
-
-
-def _tokenizer_sha256(run_dir: Path) -> str:
-    meta = run_dir / "meta.json"
-    return json.loads(meta.read_text()).get("tokenizer_sha256", "") if meta.is_file() else ""
 
 
 def _model_card(out: Path, about: str, config) -> str:

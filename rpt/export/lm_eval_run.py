@@ -10,11 +10,11 @@ every request as a document from the end-of-text token's state, as rpt's evaluat
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
 from rpt.errors import RptError
+from rpt.train.init_from import is_export
 
 
 def run_lm_eval(path: str | Path, tasks: list[str], include_path: str | None = None, limit: float | None = None,
@@ -33,7 +33,7 @@ def run_lm_eval(path: str | Path, tasks: list[str], include_path: str | None = N
             from rpt.export.hf_export import export_run
 
             path = Path(export_run(path, Path(tmp) / "export", checkpoint)["out"])
-        elif not _is_export(path):
+        elif not is_export(path):
             raise RptError(f"{path} is neither an rpt export nor a run directory",
                            "pass a folder `rpt export` wrote, or a run directory (runs/NAME) to export first")
         manager = TaskManager(include_path=include_path) if include_path else TaskManager()
@@ -46,11 +46,6 @@ def run_lm_eval(path: str | Path, tasks: list[str], include_path: str | None = N
         return simple_evaluate(model="hf", model_args=args,
                                tasks=tasks, task_manager=manager, limit=limit, batch_size=batch_size, device=device,
                                num_fewshot=num_fewshot, log_samples=log_samples)
-
-
-def _is_export(path: Path) -> bool:
-    config = path / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == "rpt"
 
 
 def summary(results: dict) -> str:

@@ -37,20 +37,27 @@ def read_weights(path: str | Path) -> Weights:
         cfg = Config.load(p / "config.toml")
         ck = Checkpointer(cfg.checkpoint.path or str(p / "checkpoints"))
         found = ck.resolve("best", str(p))
-        return Weights(ck.read_model(found), _meta_sha(p), found)
+        return Weights(ck.read_model(found), run_tokenizer_sha256(p), found)
     if (p / MANIFEST).is_file():
         ck = Checkpointer(str(p.parent))
         found = ck.resolve(str(p), str(p.parent))
-        return Weights(ck.read_model(found), _meta_sha(p.parent.parent), found)
-    config = p / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get("model_type") == "rpt":
-        return Weights(_read_safetensors(p), json.loads(config.read_text()).get("tokenizer_sha256", ""), str(p))
+        return Weights(ck.read_model(found), run_tokenizer_sha256(p.parent.parent), found)
+    if is_export(p):
+        return Weights(_read_safetensors(p), json.loads((p / "config.json").read_text()).get("tokenizer_sha256", ""),
+                       str(p))
     raise RptError(f"train.init_from = {path} is not a run directory, a checkpoint folder or an rpt export",
                    "point it at a folder `rpt train` wrote (runs/NAME), one of its checkpoints/step_N, or a folder "
                    "that `rpt export` wrote")
 
 
-def _meta_sha(run_dir: Path) -> str:
+def is_export(folder: Path) -> bool:
+    """Whether `folder` is one `rpt export` wrote (its config.json names model_type "rpt")."""
+    config = folder / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "rpt"
+
+
+def run_tokenizer_sha256(run_dir: Path) -> str:
+    """The sha256 of the tokenizer a run trained with (its meta.json), "" when unknown."""
     meta = run_dir / "meta.json"
     return json.loads(meta.read_text()).get("tokenizer_sha256", "") if meta.is_file() else ""
 
@@ -80,7 +87,7 @@ def load_weights(model: torch.nn.Module, weights: Weights, fresh: list[str], tie
         raise RptError(f"train.init_from: {weights.source} was trained with another tokenizer than this run's data",
                        "prepare the data with its tokenizer (rpt prepare --tokenizer RUN/tokenizer.json), or start the "
                        "embedding and head fresh: train.init_fresh = [\"embed\", \"head\"]")
-    target = {k: v for k, v in get_model_state_dict(model).items()}
+    target = get_model_state_dict(model)
     skip = lambda key: key.split(".", 1)[0] in fresh
     source = _as_target(dict(weights.tensors), target, tie_embeddings)
     problems = []

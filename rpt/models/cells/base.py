@@ -95,10 +95,13 @@ class GatedRNNCell(Cell):
         nn.init.uniform_(self.w_hh, -1 / math.sqrt(H // heads), 1 / math.sqrt(H // heads))  # its fan-in
         self.proj = nn.Linear(H, D, bias=False) if H != D else None
 
+    def recurrent_blocks(self) -> torch.Tensor:
+        """w_hh, with DropConnect while training (one mask for the whole sequence; the step form is for generation)."""
+        return F.dropout(self.w_hh, self.weight_drop, self.training) if self.weight_drop else self.w_hh
+
     def recurrent_weight(self) -> torch.Tensor:
-        """The dense recurrent matrix, with DropConnect on w_hh while training (one mask for the whole sequence)."""
-        w = F.dropout(self.w_hh, self.weight_drop, self.training) if self.weight_drop else self.w_hh
-        return block_diagonal(w, self.n_gates, self.heads)
+        """The dense recurrent matrix of `recurrent_blocks`."""
+        return block_diagonal(self.recurrent_blocks(), self.n_gates, self.heads)
 
     def step_weight(self) -> torch.Tensor:
         """The dense recurrent matrix the step forms read (generation: no DropConnect)."""

@@ -1,8 +1,8 @@
 """Classic GRU (Cho et al. 2014), PyTorch's formulation and gate layout (r, z, n).
 
-Fast paths: on GPU, torch's fused GRU (cuDNN; a head-wise GRU there runs rpt.kernels.triton's loop). On CPU
-torch's GRU has no oneDNN kernel (only
-its LSTM has one) and runs a small-batch GEMM per step, about 0.2 of the matmul peak at B=2;
+Fast paths: on GPU, torch's fused GRU (cuDNN; a head-wise GRU there runs rpt.kernels.triton's loop). On
+CPU torch's GRU has no oneDNN kernel (only its LSTM has one) and runs a small-batch GEMM per step, about
+0.2 of the matmul peak at B=2;
 there `gru_sequence` runs instead: a fused sequence kernel with a hand-written backward, like
 the modified LSTM's (input projections and weight gradients as single GEMMs, the per-step
 product packed for oneDNN), whose two time loops run in C++ where rpt.kernels.cpu's loops could

@@ -47,8 +47,8 @@ class LSTM(GatedRNNCell):
             from rpt.kernels.triton.lstm import lstm_sequence
 
             keep = None if reset is None else (~reset).float().t().contiguous()
-            w_hh = F.dropout(self.w_hh, self.weight_drop, self.training) if self.weight_drop else self.w_hh
-            y, new = lstm_sequence(x, self.w_ih, w_hh, self.b_ih, self.b_hh, state[0], state[1], keep, self.heads)
+            y, new = lstm_sequence(x, self.w_ih, self.recurrent_blocks(), self.b_ih, self.b_hh, state[0], state[1], keep,
+                                   self.heads)
             return self._out(y.to(x.dtype)), tuple(s.to(state[0].dtype) for s in new)
         if x.is_cuda:  # cuDNN runs the autocast dtype; the carried state keeps the caller's
             dtype = state[0].dtype
