@@ -16,11 +16,13 @@
 #
 # Parts, in order of what matters most if time runs out:
 #   1. probe: the GPU, torch, and the measured matmul peaks (fp32, tf32, bf16)
-#   2. tests/models on the GPU (RPT_TEST_DEVICE=cuda): every cell's fast path against its reference
-#   3. benchmarks/cells.py on the GPU (issue 3's table, generation memory); benchmarks/compiled_cells.py;
-#      benchmarks/triton_cells.py (the head-wise cells' Triton loops against cuDNN)
-#   4. rpt train on the GPU: fp32, bf16 (with a profiled range), fp16 with loss scaling; exact resume
-#   5. throughput at a GPU-sized shape (lstm and mingru, bf16), and trainer overhead against a minimal loop
+#   2. benchmarks/triton_cells.py: rpt's cells on their GPU paths (issue 27's Triton loops, the modlstm's CUDA-graph
+#      step loop) against cuDNN's nn.LSTM, each path first checked against its reference loop
+#   3. training runs at a GPU-sized shape (4 x 1024, bf16): lstm, mingru, modlstm with 16 heads, dense modlstm
+#   4. tests/models on the GPU (RPT_TEST_DEVICE=cuda): every cell's fast path against its reference
+#   5. benchmarks/cells.py on the GPU (issue 3's table, generation memory); benchmarks/compiled_cells.py
+#   6. rpt train on the GPU: fp32, bf16 (with a profiled range), fp16 with loss scaling; exact resume; a mixed job
+#   7. the run report of every run, and trainer overhead against a minimal loop
 set -u
 OUT=${OUT:-/tmp/rpt-gpu-check}
 WORK=${WORK:-/tmp/rpt-gpu-work}
@@ -75,6 +77,29 @@ if [ -f "$WORK/probe.log" ]; then  # PEAK_BF16=797 stands in when the probe is n
 fi
 BF16_PEAK=${PEAK_BF16:-}
 
+# the head-wise modlstm, lstm and gru on rpt's Triton loops against cuDNN's nn.LSTM (issue 27); a dry run: the interpreter
+if [ "$QUICK" = 1 ]; then TRITON_RUN=(env TRITON_INTERPRET=1 $PY benchmarks/triton_cells.py --quick --repeats 1)
+else TRITON_RUN=($PY benchmarks/triton_cells.py); fi
+part triton-cells 240 "${TRITON_RUN[@]}"
+grep -E "^\||reference" "$WORK/triton-cells.log" >>"$SUMMARY"
+
+part prepare 60 $PY -m rpt prepare --out data/stdlib
+RUNS=$WORK/runs
+rm -rf "$RUNS"
+COMMON=(--config configs/demo-cpu.toml --device "$DEV" --set train.max_time=0 --set train.eval_interval=0
+        --set train.eval_tokens=65536 --set monitor.log_interval=25)
+BIGSET=(--set "$BIG" --set model.n_layers=4 --set train.batch_size=64 --set train.seq_len=256
+        --set train.precision=bf16 --set monitor.log_interval=10)
+part big-lstm 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set train.max_steps=80 --run-dir "$RUNS/big-lstm"
+part big-mingru 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set model.cell=mingru --set train.max_steps=80 \
+    --run-dir "$RUNS/big-mingru"
+# the modlstm with 16 heads of 64 units: its time loop in rpt/kernels/triton (issue 27)
+part big-modlstm-heads 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set model.cell=modlstm \
+    --set model.heads=16 --set train.max_steps=80 --run-dir "$RUNS/big-modlstm-heads"
+# the dense modlstm (one head of 1024 units): a product and one Triton kernel a step, each loop one CUDA graph
+part big-modlstm 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set model.cell=modlstm --set train.max_steps=80 \
+    --run-dir "$RUNS/big-modlstm"
+
 if [ "$QUICK" = 1 ]; then
     note "- models-tests: skipped in a dry run"
 else
@@ -91,17 +116,6 @@ grep -E "^\||matmul peak" "$WORK/cells.log" >>"$SUMMARY"
 part compiled-cells 90 $PY benchmarks/compiled_cells.py --device "$DEV" --repeats $([ "$QUICK" = 1 ] && echo 2 || echo 10)
 grep -E "^\|" "$WORK/compiled-cells.log" >>"$SUMMARY"
 
-# the head-wise modlstm, lstm and gru on rpt's Triton loops against cuDNN's nn.LSTM (issue 27); a dry run: the interpreter
-if [ "$QUICK" = 1 ]; then TRITON_RUN=(env TRITON_INTERPRET=1 $PY benchmarks/triton_cells.py --quick --repeats 1)
-else TRITON_RUN=($PY benchmarks/triton_cells.py); fi
-part triton-cells 240 "${TRITON_RUN[@]}"
-grep -E "^\||reference" "$WORK/triton-cells.log" >>"$SUMMARY"
-
-part prepare 60 $PY -m rpt prepare --out data/stdlib
-RUNS=$WORK/runs
-rm -rf "$RUNS"
-COMMON=(--config configs/demo-cpu.toml --device "$DEV" --set train.max_time=0 --set train.eval_interval=0
-        --set train.eval_tokens=65536 --set monitor.log_interval=25)
 part train-fp32 60 $PY -m rpt train "${COMMON[@]}" --set train.max_steps=$STEPS --run-dir "$RUNS/fp32"
 part train-bf16 60 $PY -m rpt train "${COMMON[@]}" --set train.max_steps=$STEPS --set train.precision=bf16 \
     --profile 20:23 --run-dir "$RUNS/bf16"
@@ -149,15 +163,7 @@ part mixed 120 bash -c "$(declare -p COMMON RUNS PY DEV); $(declare -f mixed_ran
 note "  $(grep -h -o 'mixes CPU and GPU ranks' "$WORK/mixed.log" | head -1); digests: \
 $(grep -h -o 'parameter digest [0-9a-f]\{12\}' "$RUNS"/mixed/logs/rank*.log | tr '\n' ' ')"
 
-BIGSET=(--set "$BIG" --set model.n_layers=4 --set train.batch_size=64 --set train.seq_len=256
-        --set train.precision=bf16 --set monitor.log_interval=10)
-part big-lstm 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set train.max_steps=80 --run-dir "$RUNS/big-lstm"
-part big-mingru 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set model.cell=mingru --set train.max_steps=80 \
-    --run-dir "$RUNS/big-mingru"
-# the modlstm with 16 heads of 64 units: its time loop in rpt/kernels/triton (issue 27)
-part big-modlstm-heads 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set model.cell=modlstm \
-    --set model.heads=16 --set train.max_steps=80 --run-dir "$RUNS/big-modlstm-heads"
-$PY benchmarks/run_report.py "$RUNS"/{fp32,fp32-again,bf16,fp16,gru-bf16,modlstm-bf16,resumed,mixed,big-lstm,big-mingru,big-modlstm-heads} \
+$PY benchmarks/run_report.py "$RUNS"/{fp32,fp32-again,bf16,fp16,gru-bf16,modlstm-bf16,resumed,mixed,big-lstm,big-mingru,big-modlstm-heads,big-modlstm} \
     ${BF16_PEAK:+--peak-tflops $BF16_PEAK} | tee -a "$SUMMARY"
 
 part overhead 75 $PY benchmarks/train_overhead.py --data data/stdlib --device "$DEV" --steps $((STEPS / 2)) --rounds 2

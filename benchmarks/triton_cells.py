@@ -1,12 +1,15 @@
-"""The head-wise modlstm, lstm and gru on rpt's Triton loops against cuDNN's nn.LSTM: forward + backward tokens/s, bf16.
+"""rpt's recurrent cells on their GPU paths against cuDNN's nn.LSTM: forward + backward tokens/s, bf16 autocast.
 
     python benchmarks/triton_cells.py                 # on a GPU
     TRITON_INTERPRET=1 python benchmarks/triton_cells.py --quick   # the script itself, on the CPU interpreter
 
-For each cell, hidden size and head count, one layer (d_model = hidden) at B x T: rpt's cell with `heads` (its
-block-diagonal recurrence in rpt/kernels/triton/, a program per head), nn.LSTM of the same hidden size (dense:
-k times the recurrent parameters), and nn.LSTM of equal parameters (the hidden size whose dense LSTM has as many).
-Each row: median of --repeats timed forward + backward passes after two warm-ups.
+For each cell, hidden size and head count, one layer (d_model = hidden) at B x T: rpt's cell with `heads`, nn.LSTM
+of the same hidden size (dense: `heads` times the recurrent parameters) and nn.LSTM of equal parameters (the hidden
+size whose dense LSTM has as many). The path column says what ran rpt's cell: `kernel` (heads of 16-64 units: the
+whole time loop in one Triton kernel, a program per head), `graph` (the modlstm otherwise: a cuBLAS product and one
+Triton kernel a step, the loop one CUDA graph), `cuDNN` (lstm and gru otherwise; not timed, it is the peer). Each
+row: median of --repeats timed forward + backward passes after two warm-ups; before the rows of a cell, its fast
+path against its reference loop in fp32 (outputs and the recurrent weight's gradient, 64 steps).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 import torch
 
 from rpt.config import ModelConfig
+from rpt.kernels.triton import on_chip
 from rpt.models.block import build_cell
 
 
@@ -57,22 +61,57 @@ def main() -> None:
     ap.add_argument("--cells", default="modlstm,lstm,gru")
     args = ap.parse_args()
     device = torch.device("cpu" if args.quick else "cuda")
-    shapes = [(32, 2, 3, 4)] if args.quick else [
-        (hidden, heads, B, T) for hidden, heads in ((1024, 16), (1024, 32), (768, 16), (768, 48))
-        for B, T in ((16, 1024), (64, 256))]
-    print("| cell | hidden | heads | B x T | rpt tokens/s | nn.LSTM same hidden | ratio | nn.LSTM equal params "
+    shapes = [(32, 2, 3, 4), (80, 1, 3, 4)] if args.quick else [
+        (hidden, heads, B, T) for hidden, head_counts in ((768, (1, 8, 16, 48)), (1024, (1, 8, 16, 64)))
+        for heads in head_counts for B, T in ((16, 1024), (64, 256))]
+    print("| cell | hidden | heads | path | B x T | rpt tokens/s | nn.LSTM same hidden | ratio | nn.LSTM equal params "
           "(hidden) | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for cell_name in args.cells.split(","):
+        checked = set()
         for hidden, heads, B, T in shapes:
-            row(cell_name, hidden, heads, B, T, device, args)
+            cell = build_cell(ModelConfig(cell=cell_name, d_model=hidden, heads=heads)).to(device)
+            kind = path(cell, hidden, heads)
+            if kind == "cuDNN":
+                continue
+            if not args.quick and (hidden, heads) not in checked:
+                check(cell_name, cell, hidden, heads, kind, device)
+                checked.add((hidden, heads))
+            row(cell_name, cell, kind, hidden, heads, B, T, device, args)
 
 
-def row(cell_name: str, hidden: int, heads: int, B: int, T: int, device, args) -> None:
+def path(cell, hidden: int, heads: int) -> str:
+    if on_chip(hidden, heads) and (cell.name != "modlstm" or cell.triton_loop()):
+        return "kernel"
+    return "graph" if cell.name == "modlstm" else "cuDNN"
+
+
+def check(cell_name: str, cell, hidden: int, heads: int, kind: str, device) -> None:
+    """The fast path against the reference loop on 2 x 64 tokens, fp32 (tf32 products): output and the gradient of
+    the recurrent weight, as max |difference| / max |reference|."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 64, hidden, device=device)
+    w = torch.randn(2, 64, hidden, device=device)
+    weight = cell.w_h if cell_name == "modlstm" else cell.w_hh
+    results = []
+    for form in (cell.forward, cell.reference):
+        y = form(x)[0]
+        results.append((y.detach(), torch.autograd.grad((y * w).sum(), weight)[0]))
+    (y, g), (y_ref, g_ref) = results
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
+    print(f"{cell_name} hidden {hidden} heads {heads} ({kind}): against the reference loop, output {rel(y, y_ref):.1e}, "
+          f"recurrent weight gradient {rel(g, g_ref):.1e} (relative, fp32 in, tf32 products)", flush=True)
+
+
+def row(cell_name: str, cell, kind: str, hidden: int, heads: int, B: int, T: int, device, args) -> None:
     torch.manual_seed(0)
     x = torch.randn(B, T, hidden, device=device, requires_grad=True)
-    cell = build_cell(ModelConfig(cell=cell_name, d_model=hidden, heads=heads)).to(device)
-    if args.quick:  # the CPU takes the dense path: call the Triton loop itself
+    if args.quick and kind == "graph":  # the CPU would take its own loops: the GPU's choice, run as it is
+        from rpt.models.cells import modlstm
+
+        modlstm.fused_steps = lambda x, v: True
+        ours = fwd_bwd(cell, x)
+    elif args.quick:  # the CPU takes its own loops: call the Triton loop itself
         from rpt.kernels.triton.gru import gru_sequence
         from rpt.kernels.triton.lstm import lstm_sequence
         from rpt.kernels.triton.modlstm import modlstm_sequence
@@ -90,9 +129,6 @@ def row(cell_name: str, hidden: int, heads: int, B: int, T: int, device, args) -
             y.sum().backward()
     else:
         ours = fwd_bwd(cell, x)
-        with torch.no_grad():  # fp32: the Triton loop (tf32 products) against the reference loop
-            error = (cell(x[:2, :64])[0] - cell.reference(x[:2, :64])[0]).abs().max().item()
-        print(f"{cell_name} hidden {hidden} heads {heads}: max |y - reference| {error:.2e} (fp32 in, tf32 products)")
     t_ours = timed(ours, device, args.repeats)
     same = torch.nn.LSTM(hidden, hidden, batch_first=True).to(device)
     params = sum(p.numel() for p in cell.parameters())
@@ -100,7 +136,7 @@ def row(cell_name: str, hidden: int, heads: int, B: int, T: int, device, args) -
     equal = torch.nn.LSTM(hidden, h_eq, batch_first=True).to(device)
     t_same, t_equal = (timed(fwd_bwd(m, x), device, args.repeats) for m in (same, equal))
     tok = B * T
-    print(f"| {cell_name} | {hidden} | {heads} | {B} x {T} | {tok / t_ours:,.0f} | {tok / t_same:,.0f} | "
+    print(f"| {cell_name} | {hidden} | {heads} | {kind} | {B} x {T} | {tok / t_ours:,.0f} | {tok / t_same:,.0f} | "
           f"{t_same / t_ours:.2f} | {tok / t_equal:,.0f} ({h_eq}) | {t_equal / t_ours:.2f} |", flush=True)
 
 

@@ -13,27 +13,12 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
 
 from rpt.config import ModelConfig  # noqa: E402
 from rpt.models import register_gate  # noqa: E402
 from rpt.models.block import build_cell  # noqa: E402
+from triton_cases import SOFTSIGN, float64_case  # noqa: E402  (SOFTSIGN: a registered gate with its Triton form)
 
-
-@triton.jit
-def softsign_gate(x):
-    return 0.5 + 0.5 * x / (1.0 + tl.abs(x))
-
-
-@triton.jit
-def softsign_gate_grad(x, y):
-    d = 1.0 + tl.abs(x)
-    return 0.5 / (d * d)
-
-
-# a gate of the user's: its torch form for the reference, its Triton form for the loop
-register_gate("softsign-triton-test", lambda x: 0.5 + 0.5 * x / (1 + x.abs()), lambda x, y: 0.5 / (1 + x.abs()) ** 2,
-              triton=(softsign_gate, softsign_gate_grad))
 
 VARIANTS = {  # name: (modlstm options, heads, a head's width)
     "sigmoid": (dict(), 2, 16),
@@ -45,7 +30,7 @@ VARIANTS = {  # name: (modlstm options, heads, a head's width)
     "coupled-norm": (dict(coupled_gates=True, gate_norm=True, gate="hard_sigmoid"), 1, 16),
     "peep-width-24": (dict(peepholes=True), 2, 24),  # padded to 32 on chip, the padding masked
     "exp-width-20": (dict(gate="exp"), 1, 20),
-    "registered-peep": (dict(gate="softsign-triton-test", peepholes=True), 2, 16),
+    "registered-peep": (dict(gate=SOFTSIGN, peepholes=True), 2, 16),
 }
 
 
@@ -57,15 +42,7 @@ def test_triton_modlstm_loop_equals_the_float64_reference(name):
     torch.manual_seed(0)
     D = H = width * heads
     B, T = 5, 6
-    cell = build_cell(ModelConfig(cell="modlstm", d_model=D, heads=heads, **options)).double()
-    with torch.no_grad():
-        for p in cell.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    x = torch.randn(B, T, D, dtype=torch.float64)
-    state = [torch.randn(B, H, dtype=torch.float64) * 0.5 for _ in cell.state_sizes()]
-    if cell.exp:  # (h, c, n, m): a normaliser > 0 and a stabiliser
-        state[2] = torch.rand(B, H, dtype=torch.float64) + 0.5
-        state[3] = torch.randn(B, H, dtype=torch.float64) * 0.1
+    cell, x, state = float64_case(B, T, d_model=D, heads=heads, **options)
     reset = torch.zeros(B, T, dtype=torch.bool)
     reset[0, 3] = reset[4, 1] = True
     w_y = torch.randn(B, T, H, dtype=torch.float64)
@@ -106,7 +83,7 @@ def test_which_modlstm_cells_the_triton_loop_takes():
     assert takes(d_model=96, heads=2) and not takes(d_model=96, heads=8)  # heads of 48 units (padded), of 12
     assert not takes(d_model=64, heads=4, gate_norm=True) and not takes(d_model=128)  # 128 units in one program
     assert not takes(d_model=48, gate_norm=True)  # the norm's statistics are not masked
-    assert takes(d_model=64, heads=4, gate="softsign-triton-test")
+    assert takes(d_model=64, heads=4, gate=SOFTSIGN)
     register_gate("softsign-gate-test", lambda x: 0.5 + 0.5 * x / (1 + x.abs()),
                   lambda x, y: 0.5 / (1 + x.abs()) ** 2)
     with pytest.warns(UserWarning, match="has no Triton form"):

@@ -144,6 +144,7 @@ def modlstm_forward_kernel(GX, R, LNW, LNB, PEEP, H0, C0, N0, M0, KEEP, HS, CS, 
         n = tl.load(N0 + state, mask=ok, other=0.0).to(tl.float32)
         m = tl.load(M0 + state, mask=ok, other=0.0).to(tl.float32)
     r_i, r_f, r_z, r_o = _blocks(R, j, heads, u[None, :], u[:, None], D, GF, COUPLED)  # R_g^T, [in, out]
+    peep_i, peep_f, peep_o = _peepholes(PEEP, j, H, D, DP, G, COUPLED, PEEPHOLES)
     for t in range(T):
         if HAS_KEEP:
             keep = tl.load(KEEP + t * B + b, mask=b < B, other=1.0).to(tl.float32)[:, None]
@@ -161,38 +162,53 @@ def modlstm_forward_kernel(GX, R, LNW, LNB, PEEP, H0, C0, N0, M0, KEEP, HS, CS, 
             if not COUPLED:
                 p_i = _norm_forward(p_i, 0, XHAT, RSTD, LNW, LNB, t, B, b, ok, u, H, G, D, DP)
         z = _tanh(p_z)
-        if GATE == 2:  # the stabilised exponential gate: m_t = max(P_f + m_{t-1}, P_i), -inf before a fresh start
-            m_prev = tl.where(n > 0, m, float("-inf"))
-            m = tl.maximum(p_f + m_prev, p_i)
-            i = tl.exp(p_i - m)
-            f = tl.exp(p_f + m_prev - m)
-            c = f * c + i * z
-            n = f * n + i
-            o = tl.sigmoid(p_o)
-            h = o * c / n
+        if GATE == 2:
+            i, f, o, c, n, m, h = _exp_step(p_i, p_f, z, p_o, c, n, m)
             tl.store(NS + t * B * H + state, n, mask=ok)
             tl.store(MS + t * B * H + state, m, mask=ok)
         else:
-            if PEEPHOLES:
-                p_f = p_f + _vector(PEEP, G - 3, j, H, D, DP)[None, :] * c
-                if not COUPLED:
-                    p_i = p_i + _vector(PEEP, 0, j, H, D, DP)[None, :] * c
-            f = _gate(p_f, GATE, FN)
-            if COUPLED:
-                i = 1.0 - f
-            else:
-                i = _gate(p_i, GATE, FN)
+            i, f, o, c, h, p_i, p_f, p_o = _sigmoid_step(p_i, p_f, z, p_o, c, peep_i, peep_f, peep_o, GATE, FN,
+                                                         COUPLED, PEEPHOLES)
             pre = PRE + t * B * 2 * H + b[:, None] * 2 * H + j * D + u[None, :]
             tl.store(pre, p_f, mask=ok)
             tl.store(pre + H, p_i, mask=ok)
-            c = f * c + i * z
-            if PEEPHOLES:
-                p_o = p_o + _vector(PEEP, G - 2, j, H, D, DP)[None, :] * c
-            o = tl.sigmoid(p_o)
-            h = o * _tanh(c)
         _store_groups(ACT + t * B * G * H + b[:, None] * G * H + j * D + u[None, :], ok, H, i, f, z, o, GF, COUPLED)
         tl.store(HS + t * B * H + state, h, mask=ok)
         tl.store(CS + t * B * H + state, c, mask=ok)
+
+
+@triton.jit
+def _exp_step(p_i, p_f, z, p_o, c, n, m):
+    """The stabilised exponential gate's step, m_t = max(P_f + m_{t-1}, P_i) (-inf before a fresh start): the gate
+    values i, f, o and the new c, n, m, h."""
+    m_prev = tl.where(n > 0, m, float("-inf"))
+    m = tl.maximum(p_f + m_prev, p_i)
+    i = tl.exp(p_i - m)
+    f = tl.exp(p_f + m_prev - m)
+    c = f * c + i * z
+    n = f * n + i
+    o = tl.sigmoid(p_o)
+    return i, f, o, c, n, m, o * c / n
+
+
+@triton.jit
+def _sigmoid_step(p_i, p_f, z, p_o, c, peep_i, peep_f, peep_o, GATE: tl.constexpr, FN: tl.constexpr,
+                  COUPLED: tl.constexpr, PEEPHOLES: tl.constexpr):
+    """The sigmoid family's step from c_{t-1}: the gate values i, f, o, the new c and h, and the gate inputs with
+    their peepholes (i's is f's with coupled gates), as the backward reads them."""
+    if PEEPHOLES:
+        p_f = p_f + peep_f * c
+        if not COUPLED:
+            p_i = p_i + peep_i * c
+    f = _gate(p_f, GATE, FN)
+    i = 1.0 - f
+    if not COUPLED:
+        i = _gate(p_i, GATE, FN)
+    c = f * c + i * z
+    if PEEPHOLES:
+        p_o = p_o + peep_o * c
+    o = tl.sigmoid(p_o)
+    return i, f, o, c, o * _tanh(c), p_i, p_f, p_o
 
 
 @triton.jit

@@ -26,9 +26,12 @@ unroll the time loop, and a Python loop through autograd records every op of eve
 The two time loops (`forward_steps`, `backward_steps`, at the end of this file) run in C++
 where rpt.kernels.cpu's loops could be built, which halves their dispatch cost at small batch;
 on the CPU there each step's elementwise part is one vector pass, the backward's deriving its
-factors in that pass.
+factors in that pass. On a GPU the loops are rpt.kernels.triton's: the whole sequence in one kernel for heads
+of 16-64 units (`triton_loop`), else a cuBLAS product and one fused Triton kernel a step, replayed as one
+CUDA graph (`fused_steps`).
 """
 
+import importlib.util
 import math
 import warnings
 from typing import NamedTuple, Optional
@@ -154,16 +157,16 @@ class ModLSTM(Cell):
         return self._out(y), tuple(final if self.exp else final[:2])
 
     def triton_loop(self) -> bool:
-        """Whether rpt.kernels.triton's loop runs this cell on a GPU: a built-in gate, a head of 16-64 units, and
-        the gate norm only with one head of 16, 32 or 64 (it normalises a group's H units together, unpadded)."""
-        if self.gate_norm and self.heads > 1 or not on_chip(self.d_hidden, self.heads, power_of_two=self.gate_norm):
+        """Whether rpt.kernels.triton's one-kernel loop runs this cell on a GPU: a built-in gate (or a registered one
+        with its Triton form), a head of 16-64 units, and the gate norm only with one head of 16, 32 or 64 (it
+        normalises a group's H units together, unpadded). A wider cell takes modlstm_steps (`fused_steps`)."""
+        if not has_triton_form(self.gate):
+            warnings.warn(f"model.gate = '{self.gate}' has no Triton form: the modlstm runs its Python step loop on the "
+                          "GPU (about ten kernel launches a step, several times slower than rpt's Triton loops); "
+                          "register_gate(..., triton=(fn, grad)) gives it one", stacklevel=3)
             return False
-        if self.gate not in ("sigmoid", "hard_sigmoid", "exp") and self.gate_fn.triton is None:
-            warnings.warn(f"model.gate = '{self.gate}' has no Triton form: the modlstm runs its step loop on the GPU "
-                          "instead of one kernel for the sequence (about ten kernel launches a step, several times "
-                          "slower); register_gate(..., triton=(fn, grad)) gives it one", stacklevel=3)
-            return False
-        return True
+        return not (self.gate_norm and self.heads > 1) and on_chip(self.d_hidden, self.heads,
+                                                                     power_of_two=self.gate_norm)
 
     def _out(self, h):
         return self.linear(h, self.proj.weight) if self.proj is not None else h
@@ -239,7 +242,11 @@ def modlstm_sequence(x: Tensor, w_x: Tensor, w_h: Tensor, bias: Optional[Tensor]
     buffers = (acts, pre, cs, hs, ns, ln_in, ln_stats)
     state = (h0, c0, n0, m0) if v.exp else (h0, c0)
     native = backend.loops() if v.native_gate is not None else None
-    if native is not None:
+    if fused_steps(x, v):  # a GPU: a product and one Triton kernel a step, the loop one CUDA graph
+        from rpt.kernels.triton import modlstm_steps
+
+        final = modlstm_steps.forward_steps(gate, coupled, XP, w_h, keep, state, *buffers, ln_w, ln_b, peep)
+    elif native is not None:
         final = native.modlstm_forward(XP, *W.operand, keep, h0, c0, n0, m0, *buffers, ln_w, ln_b, peep,
                                        v.native_gate, coupled, backend.fused_steps)
     else:
@@ -281,7 +288,13 @@ def modlstm_sequence_backward(
     dP_raw = torch.empty_like(acts) if v.gate_norm else dP
     native = backend.loops() if v.native_gate is not None else None
     summed = None  # the gradients of ln_w, ln_b and peep, where the loop sums them
-    if native is not None and backend.fused_steps and x.is_cpu:  # the factors derived inside each step's pass
+    if fused_steps(x, v):
+        from rpt.kernels.triton import modlstm_steps
+
+        factors = backward_factors(v, acts, pre, cs, ns, keep3, state, peep)
+        grad_state = modlstm_steps.backward_steps(grad_y, *factors, dP, dP_raw, keep, w_h, dh, dc, dn, ln_w, ln_in,
+                                                  ln_stats)
+    elif native is not None and backend.fused_steps and x.is_cpu:  # the factors derived inside each step's pass
         norm_sums = [x.new_zeros(G, H), x.new_zeros(G, H)] if v.gate_norm else [None, None]
         summed = [*norm_sums, x.new_zeros(G - 1, H) if v.peepholes else None]
         grad_state = native.modlstm_backward_cpu(grad_y, acts, pre, cs, ns, c0, n0, keep, peep, dP, dP_raw,
@@ -329,6 +342,16 @@ def _(grad_y, dh, dc, dn, x, w_x, w_h, ln_w, peep, h0, c0, n0, keep, acts, pre, 
     return (x.new_empty(T, B, x.shape[2]).transpose(0, 1), torch.empty_like(w_x), torch.empty_like(w_h),
             x.new_empty(G4 if has_bias else 0), like(ln_w), like(ln_w), like(peep), torch.empty_like(h0),
             torch.empty_like(c0), like(n0))
+
+
+def fused_steps(x: Tensor, v: Variant) -> bool:
+    """Whether the kernel's loops run rpt.kernels.triton.modlstm_steps: on a GPU with triton, for a built-in gate or
+    a registered one with its Triton form."""
+    return x.is_cuda and has_triton_form(v.gate) and importlib.util.find_spec("triton") is not None
+
+
+def has_triton_form(gate: str) -> bool:
+    return gate in ("sigmoid", "hard_sigmoid", "exp") or get_gate(gate).triton is not None
 
 
 def _some(t: Tensor) -> Optional[Tensor]:
