@@ -9,7 +9,8 @@ size whose dense LSTM has as many). The path column says what ran rpt's cell: `k
 whole time loop in one Triton kernel, a program per head), `graph` (the modlstm otherwise: a cuBLAS product and one
 Triton kernel a step, the loop one CUDA graph), `cuDNN` (lstm and gru otherwise; not timed, it is the peer). Each
 row: median of --repeats timed forward + backward passes after two warm-ups; before the rows of a cell, its fast
-path against its reference loop in fp32 (outputs and the recurrent weight's gradient, 64 steps).
+path against its reference loop in fp32 (outputs and the recurrent weight's gradient, 64 steps). Last, minGRU's
+and minLSTM's Triton scan against the ATen chunked scan it replaced.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--cells", default="modlstm,lstm,gru")
+    ap.add_argument("--cells", default="modlstm,lstm,gru,mingru,minlstm")
     args = ap.parse_args()
     device = torch.device("cpu" if args.quick else "cuda")
     shapes = [(32, 2, 3, 4), (80, 1, 3, 4)] if args.quick else [
@@ -68,6 +69,8 @@ def main() -> None:
           "(hidden) | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for cell_name in args.cells.split(","):
+        if cell_name in ("mingru", "minlstm"):
+            continue
         checked = set()
         for hidden, heads, B, T in shapes:
             cell = build_cell(ModelConfig(cell=cell_name, d_model=hidden, heads=heads)).to(device)
@@ -78,6 +81,35 @@ def main() -> None:
                 check(cell_name, cell, hidden, heads, kind, device)
                 checked.add((hidden, heads))
             row(cell_name, cell, kind, hidden, heads, B, T, device, args)
+    scans(args, device)
+
+
+def scans(args, device) -> None:
+    """minGRU and minLSTM (d_model 1024, d_hidden 2048) with their Triton scan against the ATen chunked scan it
+    replaced (the cell's own fallback), forward + backward under bf16 autocast, and the two outputs' difference."""
+    from rpt.models.cells import minrnn
+
+    print("\n| cell | B x T | Triton scan tokens/s | ATen scan tokens/s | speed-up | max abs. difference of y |")
+    print("|---|---|---|---|---|---|")
+    shapes = [(32, 2, 8)] if args.quick else [(1024, 64, 256), (1024, 16, 1024)]
+    chosen = minrnn.triton_scan
+    for cell_name in ("mingru", "minlstm"):
+        if cell_name not in args.cells.split(","):
+            continue
+        for d, B, T in shapes:
+            torch.manual_seed(0)
+            cell = build_cell(ModelConfig(cell=cell_name, d_model=d)).to(device)
+            x = torch.randn(B, T, d, device=device, requires_grad=True)
+            times, outputs = [], []
+            for use in ((lambda u, kind: kind is not None), (lambda u, kind: False)):
+                minrnn.triton_scan = use
+                times.append(timed(fwd_bwd(cell, x), device, args.repeats))
+                with torch.no_grad():
+                    outputs.append(cell(x)[0].float())
+            minrnn.triton_scan = chosen
+            tok = B * T
+            print(f"| {cell_name} | {B} x {T} | {tok / times[0]:,.0f} | {tok / times[1]:,.0f} | "
+                  f"{times[1] / times[0]:.2f}x | {(outputs[0] - outputs[1]).abs().max().item():.1e} |", flush=True)
 
 
 def path(cell, hidden: int, heads: int) -> str:

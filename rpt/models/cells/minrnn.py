@@ -9,8 +9,9 @@ The hidden state is wider than the model (d_hidden, default 2 * d_model) and pro
 down, as in the paper's expansion. A reset sets a_t = 0: the carry is dropped at that step.
 
 On the CPU, where rpt.kernels.cpu's loops are built, the two cells' recurrence runs as one C++ pass each way
-(rpt/kernels/cpu/min_scan.cpp: the scan with the coefficients folded in, from the sigmoid gates); elsewhere, and for
-a subclass with its own `coefficients`, the coefficients and the chunked scan below run as ATen ops.
+(rpt/kernels/cpu/min_scan.cpp: the scan with the coefficients folded in, from the sigmoid gates); on a GPU with
+triton, one Triton kernel each way (rpt/kernels/triton/min_scan.py, the same fold); elsewhere, and for a subclass
+with its own `coefficients`, the coefficients and the chunked scan below run as ATen ops.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from rpt import kernels
 from rpt.kernels.cpu.backend import MinScan
 from rpt.kernels.cpu.products import linear
+from rpt.kernels.triton import available as triton_available
 from rpt.models.cells.base import Cell, as_fp32, full_precision
 from rpt.models.registry import register_cell
 from rpt.models.scan import linear_scan
@@ -50,9 +52,15 @@ class _MinRNN(Cell):
     def forward(self, x, state=None, reset=None):
         (h0,) = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
         u = linear(x, self.in_proj.weight, self.in_proj.bias)
+        kind = _NATIVE_KIND.get(type(self).coefficients)
+        if triton_scan(u, kind):  # one Triton kernel each way, u read in its own dtype
+            from rpt.kernels.triton.min_scan import min_scan
+
+            keep = None if reset is None else (~reset).float().contiguous()
+            h = min_scan(u, h0, keep, kind)
+            return linear(h, self.out_proj.weight), (h[:, -1].to(h0.dtype),)
         with full_precision(u):
             u = as_fp32(u)
-            kind = _NATIVE_KIND.get(type(self).coefficients)
             backend = kernels.current()
             ops = backend.loops() if kind is not None and u.is_cpu and backend.fused_steps else None
             if ops is not None:
@@ -88,6 +96,11 @@ class MinLSTM(_MinRNN):
         f, i = torch.sigmoid(f_pre), torch.sigmoid(i_pre)
         total = f + i
         return f / total, i / total * h_tilde
+
+
+def triton_scan(u: torch.Tensor, kind: int | None) -> bool:
+    """Whether the recurrence runs rpt.kernels.triton.min_scan: a built-in cell's (`kind`), on a GPU with triton."""
+    return u.is_cuda and kind is not None and triton_available()
 
 
 _NATIVE_KIND = {MinGRU.coefficients: int(MinScan.MINGRU), MinLSTM.coefficients: int(MinScan.MINLSTM)}

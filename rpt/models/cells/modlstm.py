@@ -31,7 +31,6 @@ of 16-64 units (`triton_loop`), else a cuBLAS product and one fused Triton kerne
 CUDA graph (`fused_steps`).
 """
 
-import importlib.util
 import math
 import warnings
 from typing import NamedTuple, Optional
@@ -44,7 +43,7 @@ from rpt import kernels
 from rpt.errors import RptError
 from rpt.kernels.cpu.backend import Gate
 from rpt.kernels.cpu.products import PackedLinear, matmul
-from rpt.kernels.triton import on_chip
+from rpt.kernels.triton import available as triton_available, on_chip
 from rpt.models.cells.base import Cell, as_fp32, block_diagonal, full_precision, head_width
 from rpt.models.registry import GateFunction, default_forget_bias, get_gate, register_cell
 
@@ -347,7 +346,7 @@ def _(grad_y, dh, dc, dn, x, w_x, w_h, ln_w, peep, h0, c0, n0, keep, acts, pre, 
 def fused_steps(x: Tensor, v: Variant) -> bool:
     """Whether the kernel's loops run rpt.kernels.triton.modlstm_steps: on a GPU with triton, for a built-in gate or
     a registered one with its Triton form."""
-    return x.is_cuda and has_triton_form(v.gate) and importlib.util.find_spec("triton") is not None
+    return x.is_cuda and has_triton_form(v.gate) and triton_available()
 
 
 def has_triton_form(gate: str) -> bool:
