@@ -81,7 +81,7 @@ BF16_PEAK=${PEAK_BF16:-}
 if [ "$QUICK" = 1 ]; then TRITON_RUN=(env TRITON_INTERPRET=1 $PY benchmarks/triton_cells.py --quick --repeats 1)
 else TRITON_RUN=($PY benchmarks/triton_cells.py); fi
 part triton-cells 240 "${TRITON_RUN[@]}"
-grep -E "^\||reference" "$WORK/triton-cells.log" >>"$SUMMARY"
+grep -E "^\||reference|^tuned" "$WORK/triton-cells.log" >>"$SUMMARY"
 
 part prepare 60 $PY -m rpt prepare --out data/stdlib
 RUNS=$WORK/runs

@@ -81,7 +81,19 @@ def main() -> None:
                 check(cell_name, cell, hidden, heads, kind, device)
                 checked.add((hidden, heads))
             row(cell_name, cell, kind, hidden, heads, B, T, device, args)
+    if not args.quick:
+        tuned_warps()
     scans(args, device)
+
+
+def tuned_warps() -> None:
+    """The warp count the autotuner chose for each loop kernel and key (rpt.kernels.triton.lstm.tuned)."""
+    from rpt.kernels.triton import gru, lstm, modlstm
+
+    for kernel in (lstm.lstm_forward_kernel, lstm.lstm_backward_kernel, gru.gru_forward_kernel,
+                   gru.gru_backward_kernel, modlstm.modlstm_forward_kernel, modlstm.modlstm_backward_kernel):
+        for key, config in kernel.cache.items():
+            print(f"tuned {kernel.fn.__name__} {dict(zip(kernel.keys, key))}: {config.num_warps} warps")
 
 
 def scans(args, device) -> None:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded
+from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded, tuned
 
 
 @triton.jit
@@ -26,6 +26,7 @@ def _blocks3(R, j, heads, rows, cols, D: tl.constexpr):
             _block(R, 2, j, heads, rows, cols, D))
 
 
+@tuned("T", "B", "heads", "D", "HAS_KEEP")
 @triton.jit
 def gru_forward_kernel(GX, R, BHN, H0, KEEP, HS, ACT, T, B, heads, D: tl.constexpr, DP: tl.constexpr,
                        BB: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
@@ -51,6 +52,7 @@ def gru_forward_kernel(GX, R, BHN, H0, KEEP, HS, ACT, T, B, heads, D: tl.constex
         tl.store(act + 3 * H, hn, mask=ok)
 
 
+@tuned("T", "B", "heads", "D", "HAS_KEEP")
 @triton.jit
 def gru_backward_kernel(DHS, R, H0, KEEP, HS, ACT, DGX, DR, DBHN, DH0, T, B, heads, D: tl.constexpr,
                         DP: tl.constexpr, BB: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):

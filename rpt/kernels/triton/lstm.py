@@ -15,6 +15,7 @@ so that a gate is a Triton function and the same source runs on the CPU interpre
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -23,6 +24,15 @@ import triton.language as tl
 from torch import Tensor
 
 BLOCK_B = 16  # rows a program carries: tl.dot needs 16 or more on each side
+
+
+def tuned(*key: str):
+    """triton.autotune over the warps a program runs: a loop kernel is latency-bound and holds its blocks in
+    registers, so which count wins depends on the head width and the GPU; timed at the first call of each key. One
+    config under the interpreter, which cannot time. The loop kernels only write their outputs (nothing is
+    accumulated in place), so running one several times while timing leaves the same results."""
+    warps = [4] if os.environ.get("TRITON_INTERPRET") == "1" else [2, 4, 8]
+    return triton.autotune([triton.Config({}, num_warps=w) for w in warps], key=list(key))
 
 
 @triton.jit
@@ -55,6 +65,7 @@ def _block(R, g, j, heads, rows, cols, D: tl.constexpr):
         tl.float32)
 
 
+@tuned("T", "B", "heads", "D", "HAS_KEEP")
 @triton.jit
 def lstm_forward_kernel(GX, R, H0, C0, KEEP, HS, CS, ACT, T, B, heads,
                         D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -88,6 +99,7 @@ def lstm_forward_kernel(GX, R, H0, C0, KEEP, HS, CS, ACT, T, B, heads,
         tl.store(act + 3 * H, o, mask=ok)
 
 
+@tuned("T", "B", "heads", "D", "HAS_KEEP")
 @triton.jit
 def lstm_backward_kernel(DHS, DCS, R, H0, C0, KEEP, HS, CS, ACT, DGX, DR, DH0, DC0, T, B, heads,
                          D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, HAS_KEEP: tl.constexpr,

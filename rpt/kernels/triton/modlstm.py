@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from rpt.kernels.triton import GATE_FORMS
-from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded
+from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded, tuned
 
 GATES = {"sigmoid": 0, "hard_sigmoid": 1, "exp": 2}  # any other: a registered gate's own Triton form (3)
 REGISTERED = 3
@@ -127,6 +127,7 @@ def _row_sum(x):
     return tl.sum(x, axis=0)
 
 
+@tuned("T", "B", "heads", "D", "GATE", "COUPLED", "PEEPHOLES", "NORM", "HAS_KEEP")
 @triton.jit
 def modlstm_forward_kernel(GX, R, LNW, LNB, PEEP, H0, C0, N0, M0, KEEP, HS, CS, NS, MS, ACT, PRE, XHAT, RSTD,
                            T, B, heads, D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, G: tl.constexpr,
@@ -265,6 +266,7 @@ def _sigmoid_grads(dh, dc, c, c_prev, x_i, x_f, i, f, z, o, peep_i, peep_f, peep
     return dp_i, dp_f, dp_z, dp_o, dc_prev, _row_sum(dp_i * c_prev), _row_sum(dp_f * c_prev), _row_sum(dp_o * c)
 
 
+@tuned("T", "B", "heads", "D", "GATE", "COUPLED", "PEEPHOLES", "NORM", "HAS_KEEP")
 @triton.jit
 def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, H0, C0, N0, KEEP, HS, CS, NS, ACT, PRE, XHAT, RSTD,
                             DGX, DR, DPEEP, DLNW, DLNB, DH0, DC0, DN0, T, B, heads, D: tl.constexpr,
