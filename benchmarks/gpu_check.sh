@@ -80,7 +80,7 @@ BF16_PEAK=${PEAK_BF16:-}
 # the head-wise modlstm, lstm and gru on rpt's Triton loops against cuDNN's nn.LSTM (issue 27); a dry run: the interpreter
 if [ "$QUICK" = 1 ]; then TRITON_RUN=(env TRITON_INTERPRET=1 $PY benchmarks/triton_cells.py --quick --repeats 1)
 else TRITON_RUN=($PY benchmarks/triton_cells.py); fi
-part triton-cells 240 "${TRITON_RUN[@]}"
+part triton-cells 300 "${TRITON_RUN[@]}"
 grep -E "^\||reference|^tuned" "$WORK/triton-cells.log" >>"$SUMMARY"
 
 part prepare 60 $PY -m rpt prepare --out data/stdlib

@@ -77,10 +77,14 @@ def main() -> None:
             kind = path(cell, hidden, heads)
             if kind == "cuDNN":
                 continue
-            if not args.quick and (hidden, heads) not in checked:
-                check(cell_name, cell, hidden, heads, kind, device)
-                checked.add((hidden, heads))
-            row(cell_name, cell, kind, hidden, heads, B, T, device, args)
+            try:  # one failing shape does not cost the rest of a GPU lease's table
+                if not args.quick and (hidden, heads) not in checked:
+                    check(cell_name, cell, hidden, heads, kind, device)
+                    checked.add((hidden, heads))
+                row(cell_name, cell, kind, hidden, heads, B, T, device, args)
+            except Exception as exc:  # noqa: BLE001
+                print(f"| {cell_name} | {hidden} | {heads} | {kind} | {B} x {T} | failed: {type(exc).__name__}: "
+                      f"{str(exc)[:300]} |", flush=True)
     if not args.quick:
         tuned_warps()
     scans(args, device)
