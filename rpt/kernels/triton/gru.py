@@ -4,8 +4,9 @@ runs the lstm (its blocks and its rows' state on chip for the whole sequence). P
     r = sigmoid(GX_r + h R_r^T),  z = sigmoid(GX_z + h R_z^T)      GX = x W_ih^T + b_ih (+ b_hh's r, z parts)
     n = tanh(GX_n + r * (h R_n^T + b_hn)),  h' = (1 - z) n + z h
 
-b_hn (b_hh's n part) sits inside the reset gate's product, so the kernel reads it; the backward returns its
-gradient with R's, summed per program in float32 (no atomics).
+b_hn (b_hh's n part) sits inside the reset gate's product, so the kernel reads it. The backward writes the
+pre-activations' gradient; R's and b_hn's are products and sums over it outside (lstm.recurrent_grad), n's
+through the reset gate.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded, tuned
+from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded, recurrent_grad, tuned
 
 
 @triton.jit
@@ -54,15 +55,12 @@ def gru_forward_kernel(GX, R, BHN, H0, KEEP, HS, ACT, T, B, heads, D: tl.constex
 
 @tuned("T", "B", "heads", "D", "HAS_KEEP")
 @triton.jit
-def gru_backward_kernel(DHS, R, H0, KEEP, HS, ACT, DGX, DR, DBHN, DH0, T, B, heads, D: tl.constexpr,
+def gru_backward_kernel(DHS, R, H0, KEEP, HS, ACT, DGX, DH0, T, B, heads, D: tl.constexpr,
                         DP: tl.constexpr, BB: tl.constexpr, HAS_KEEP: tl.constexpr, PRECISION: tl.constexpr):
-    j, pb, b, u, H, ok = _program(B, heads, D, DP, BB)
+    j, _, b, u, H, ok = _program(B, heads, D, DP, BB)
     r_r, r_z, r_n = _blocks3(R, j, heads, u[:, None], u[None, :], D)  # R_g, [out, in]
     state = b[:, None] * H + j * D + u[None, :]
     dh = tl.zeros((BB, DP), dtype=tl.float32)
-    dr_r = tl.zeros((DP, DP), dtype=tl.float32)
-    dr_z, dr_n = dr_r, dr_r
-    db_hn = tl.zeros((DP,), dtype=tl.float32)
     for step in range(T):
         t = T - 1 - step
         dh += tl.load(DHS + t * B * H + state, mask=ok, other=0.0)
@@ -83,19 +81,9 @@ def gru_backward_kernel(DHS, R, H0, KEEP, HS, ACT, DGX, DR, DBHN, DH0, T, B, hea
         tl.store(dgx, da_r, mask=ok)
         tl.store(dgx + H, da_z, mask=ok)
         tl.store(dgx + 2 * H, da_n, mask=ok)
-        db_hn += tl.sum(d_hn, axis=0)
-        dr_r += tl.dot(tl.trans(da_r), h_prev, input_precision=PRECISION)
-        dr_z += tl.dot(tl.trans(da_z), h_prev, input_precision=PRECISION)
-        dr_n += tl.dot(tl.trans(d_hn), h_prev, input_precision=PRECISION)
         dh = (dh * z + tl.dot(da_r, r_r, input_precision=PRECISION) + tl.dot(da_z, r_z, input_precision=PRECISION)
               + tl.dot(d_hn, r_n, input_precision=PRECISION)) * keep
     tl.store(DH0 + state, dh, mask=ok)
-    blocks = DR + pb * 3 * heads * D * D + j * D * D + u[:, None] * D + u[None, :]
-    real = (u[:, None] < D) & (u[None, :] < D)
-    tl.store(blocks, dr_r, mask=real)
-    tl.store(blocks + heads * D * D, dr_z, mask=real)
-    tl.store(blocks + 2 * heads * D * D, dr_n, mask=real)
-    tl.store(DBHN + pb * H + j * D + u, db_hn, mask=u < D)
 
 
 # The loop as a pair of torch custom operators (see lstm.py): torch.compile traces through them in one graph.
@@ -126,25 +114,24 @@ def gru_loop_backward(d_hs: Tensor, r: Tensor, h0: Tensor, keep: Optional[Tensor
     """The gradients of GX, R, b_hn and h0 (float32)."""
     T, B, H = hs.shape
     heads, d = r.shape[1], r.shape[2]
-    nb = triton.cdiv(B, BLOCK_B)
-    dgx, dr, dbhn, dh0 = _gru_grads(hs, r, nb)
-    gru_backward_kernel[(heads, nb)](d_hs.float().contiguous(), r.contiguous(), h0.float().contiguous(),
-                                     keep if keep is not None else hs, hs, act, dgx, dr, dbhn, dh0, T, B, heads,
-                                     D=d, DP=padded(d), BB=BLOCK_B, HAS_KEEP=keep is not None,
-                                     PRECISION=_precision(hs))
-    return dgx, dr.sum(0), dbhn.sum(0), dh0
+    dgx, dh0 = _gru_grads(hs)
+    gru_backward_kernel[(heads, triton.cdiv(B, BLOCK_B))](
+        d_hs.float().contiguous(), r.contiguous(), h0.float().contiguous(), keep if keep is not None else hs, hs, act,
+        dgx, dh0, T, B, heads, D=d, DP=padded(d), BB=BLOCK_B, HAS_KEEP=keep is not None, PRECISION=_precision(hs))
+    d_hp = dgx.clone()  # the gradient of h R^T (+ b_hn): n's reaches it through the reset gate r
+    d_hp[:, :, 2 * H:] *= act[:, :, :H]
+    return dgx, recurrent_grad(d_hp, hs, h0, keep, heads), d_hp[:, :, 2 * H:].sum((0, 1)), dh0
 
 
-def _gru_grads(hs: Tensor, r: Tensor, blocks: int):
+def _gru_grads(hs: Tensor):
     T, B, H = hs.shape
-    new = lambda *shape: hs.new_empty(*shape, dtype=torch.float32)  # noqa: E731
-    return new(T, B, 3 * H), new(blocks, *r.shape), new(blocks, H), new(B, H)
+    return hs.new_empty(T, B, 3 * H, dtype=torch.float32), hs.new_empty(B, H, dtype=torch.float32)
 
 
 @gru_loop_backward.register_fake
 def _(d_hs, r, h0, keep, hs, act):
-    dgx, dr, dbhn, dh0 = _gru_grads(hs, r, 1)
-    return dgx, dr[0], dbhn[0], dh0
+    dgx, dh0 = _gru_grads(hs)
+    return dgx, hs.new_empty(r.shape, dtype=torch.float32), hs.new_empty(hs.shape[2], dtype=torch.float32), dh0
 
 
 def _gru_setup(ctx, inputs, output):

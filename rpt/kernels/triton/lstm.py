@@ -6,10 +6,10 @@
 
 R is block-diagonal (rpt.models.cells.base.block_diagonal): program (j, b) keeps head j's four [d, d] blocks and
 its rows' (h, c) on chip and walks the whole sequence, reading GX_t and writing h_t, c_t and the gate values the
-backward reads. The backward walks back in time with the same blocks, writes the pre-activations' gradient (the
-GEMMs outside turn it into the gradients of x, W_ih and the biases) and sums its own rows' share of R's gradient
-in float32, written per program and summed after: no atomics. A reset (keep_t = 0) zeroes a row's carried state
-before step t, as the cells' `reset` does. Written here rather than taken from FlashRNN (CUDA headers per gate)
+backward reads. The backward walks back in time with the same blocks and writes the pre-activations' gradient; the
+products outside turn it into the gradients of x, W_ih, the biases and R (one batched product over the heads,
+`recurrent_grad`: no atomics, and no [d, d] accumulators in the loop's registers). A reset (keep_t = 0) zeroes a
+row's carried state before step t, as the cells' `reset` does. Written here rather than taken from FlashRNN (CUDA headers per gate)
 so that a gate is a Triton function and the same source runs on the CPU interpreter.
 """
 
@@ -101,18 +101,14 @@ def lstm_forward_kernel(GX, R, H0, C0, KEEP, HS, CS, ACT, T, B, heads,
 
 @tuned("T", "B", "heads", "D", "HAS_KEEP")
 @triton.jit
-def lstm_backward_kernel(DHS, DCS, R, H0, C0, KEEP, HS, CS, ACT, DGX, DR, DH0, DC0, T, B, heads,
+def lstm_backward_kernel(DHS, DCS, R, H0, C0, KEEP, HS, CS, ACT, DGX, DH0, DC0, T, B, heads,
                          D: tl.constexpr, DP: tl.constexpr, BB: tl.constexpr, HAS_KEEP: tl.constexpr,
                          PRECISION: tl.constexpr):
-    j, pb, b, u, H, ok = _program(B, heads, D, DP, BB)
+    j, _, b, u, H, ok = _program(B, heads, D, DP, BB)
     r_i, r_f, r_g, r_o = _load_blocks(R, j, heads, u[:, None], u[None, :], D)  # [out, in]: dh = dP_g @ R_g
     state = b[:, None] * H + j * D + u[None, :]
     dh = tl.zeros((BB, DP), dtype=tl.float32)
     dc = tl.zeros((BB, DP), dtype=tl.float32)
-    dr_i = tl.zeros((DP, DP), dtype=tl.float32)
-    dr_f = tl.zeros((DP, DP), dtype=tl.float32)
-    dr_g = tl.zeros((DP, DP), dtype=tl.float32)
-    dr_o = tl.zeros((DP, DP), dtype=tl.float32)
     for step in range(T):
         t = T - 1 - step
         dh += tl.load(DHS + t * B * H + state, mask=ok, other=0.0)  # from y_t (and h_T)
@@ -120,8 +116,7 @@ def lstm_backward_kernel(DHS, DCS, R, H0, C0, KEEP, HS, CS, ACT, DGX, DR, DH0, D
         keep = tl.full((BB, 1), 1.0, tl.float32)
         if HAS_KEEP:
             keep = tl.load(KEEP + t * B + b, mask=b < B, other=1.0).to(tl.float32)[:, None]
-        earlier = (t - 1) * B * H + state  # h_{t-1}, c_{t-1}: the saved step before, or the initial state
-        h_prev = tl.load(tl.where(t > 0, HS + earlier, H0 + state), mask=ok, other=0.0) * keep
+        earlier = (t - 1) * B * H + state  # c_{t-1}: the saved step before, or the initial state
         c_prev = tl.load(tl.where(t > 0, CS + earlier, C0 + state), mask=ok, other=0.0) * keep
         c = tl.load(CS + t * B * H + state, mask=ok, other=0.0)
         act = ACT + t * B * 4 * H + b[:, None] * 4 * H + j * D + u[None, :]
@@ -140,23 +135,11 @@ def lstm_backward_kernel(DHS, DCS, R, H0, C0, KEEP, HS, CS, ACT, DGX, DR, DH0, D
         tl.store(dgx + H, dp_f, mask=ok)
         tl.store(dgx + 2 * H, dp_g, mask=ok)
         tl.store(dgx + 3 * H, dp_o, mask=ok)
-        dr_i += tl.dot(tl.trans(dp_i), h_prev, input_precision=PRECISION)
-        dr_f += tl.dot(tl.trans(dp_f), h_prev, input_precision=PRECISION)
-        dr_g += tl.dot(tl.trans(dp_g), h_prev, input_precision=PRECISION)
-        dr_o += tl.dot(tl.trans(dp_o), h_prev, input_precision=PRECISION)
         dh = (tl.dot(dp_i, r_i, input_precision=PRECISION) + tl.dot(dp_f, r_f, input_precision=PRECISION)
               + tl.dot(dp_g, r_g, input_precision=PRECISION) + tl.dot(dp_o, r_o, input_precision=PRECISION)) * keep
         dc = dc * f * keep
     tl.store(DH0 + state, dh, mask=ok)
     tl.store(DC0 + state, dc, mask=ok)
-    # this program's share of R's gradient: DR[pb, gate, j] (summed over batch blocks after)
-    blocks = DR + pb * 4 * heads * D * D + j * D * D + u[:, None] * D + u[None, :]
-    step_g = heads * D * D
-    real = (u[:, None] < D) & (u[None, :] < D)
-    tl.store(blocks, dr_i, mask=real)
-    tl.store(blocks + step_g, dr_f, mask=real)
-    tl.store(blocks + 2 * step_g, dr_g, mask=real)
-    tl.store(blocks + 3 * step_g, dr_o, mask=real)
 
 
 def padded(d: int) -> int:
@@ -166,6 +149,20 @@ def padded(d: int) -> int:
 
 def _precision(t: torch.Tensor) -> str:
     return "tf32" if t.is_cuda else "ieee"
+
+
+def recurrent_grad(dgx: Tensor, hs: Tensor, h0: Tensor, keep: Optional[Tensor], heads: int) -> Tensor:
+    """The gradient of the recurrent blocks R [G, heads, d, d] from that of the pre-activations dGX [T, B, G*H]:
+    dR_g = sum over steps and rows of dGX_g^T h_{t-1} (h_{t-1} after the step's reset), head by head, as one
+    batched product. Summed in the loop kernels instead, the four [d, d] accumulators and their products per step
+    spilled registers at heads of 48-64 units (benchmarks/triton_compile.py)."""
+    T, B, H = hs.shape
+    d = H // heads
+    h_prev = torch.cat([h0.to(hs.dtype)[None], hs[:-1]])
+    if keep is not None:
+        h_prev = h_prev * keep[:, :, None]
+    # contiguous, as the operators' fake forms say (einsum may hand back a permuted view)
+    return torch.einsum("ngjo,nji->gjoi", dgx.reshape(T * B, -1, heads, d), h_prev.reshape(T * B, heads, d)).contiguous()
 
 
 # The loop as a pair of torch custom operators (forward; backward, registered as its gradient), as the CPU
@@ -199,25 +196,24 @@ def lstm_loop_backward(d_hs: Tensor, d_cs: Tensor, r: Tensor, h0: Tensor, c0: Te
     """The gradients of GX, R, h0 and c0 (float32)."""
     T, B, H = hs.shape
     heads, d = r.shape[1], r.shape[2]
-    nb = triton.cdiv(B, BLOCK_B)
-    dgx, dr, dh0, dc0 = _lstm_grads(hs, r, nb)
-    lstm_backward_kernel[(heads, nb)](
+    dgx, dh0, dc0 = _lstm_grads(hs)
+    lstm_backward_kernel[(heads, triton.cdiv(B, BLOCK_B))](
         d_hs.float().contiguous(), d_cs.float().contiguous(), r.contiguous(), h0.float().contiguous(),
-        c0.float().contiguous(), keep if keep is not None else hs, hs, cs, act, dgx, dr, dh0, dc0, T, B, heads,
+        c0.float().contiguous(), keep if keep is not None else hs, hs, cs, act, dgx, dh0, dc0, T, B, heads,
         D=d, DP=padded(d), BB=BLOCK_B, HAS_KEEP=keep is not None, PRECISION=_precision(hs))
-    return dgx, dr.sum(0), dh0, dc0
+    return dgx, recurrent_grad(dgx, hs, h0, keep, heads), dh0, dc0
 
 
-def _lstm_grads(hs: Tensor, r: Tensor, blocks: int):
+def _lstm_grads(hs: Tensor):
     T, B, H = hs.shape
     new = lambda *shape: hs.new_empty(*shape, dtype=torch.float32)  # noqa: E731
-    return new(T, B, 4 * H), new(blocks, *r.shape), new(B, H), new(B, H)
+    return new(T, B, 4 * H), new(B, H), new(B, H)
 
 
 @lstm_loop_backward.register_fake
 def _(d_hs, d_cs, r, h0, c0, keep, hs, cs, act):
-    dgx, dr, dh0, dc0 = _lstm_grads(hs, r, 1)
-    return dgx, dr[0], dh0, dc0
+    dgx, dh0, dc0 = _lstm_grads(hs)
+    return dgx, hs.new_empty(r.shape, dtype=torch.float32), dh0, dc0
 
 
 def _lstm_setup(ctx, inputs, output):

@@ -6,8 +6,9 @@ steps, one GEMM outside), the gate layer norm over each group (heads = 1 only: a
 coupled gates, the sigmoid and hard-sigmoid gates, and the exponential gate with its stabiliser m (a constant to
 differentiation, as in the spec). The forward keeps what the backward reads: gate values, the gate inputs,
 c, n and m per step, and the layer norm's normalised input and 1/std. The backward walks back in time and writes
-the raw pre-activations' gradient (turned into those of x, W_x and b by GEMMs outside), and each program's share
-of the gradients of R, the peepholes and the layer norm's scale and shift, in float32, summed after (no atomics).
+the raw pre-activations' gradient (turned into those of x, W_x, b and R by products outside: lstm.recurrent_grad),
+and each program's share of the gradients of the peepholes and the layer norm's scale and shift, in float32,
+summed after (no atomics).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from rpt.kernels.triton import GATE_FORMS
-from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded, tuned
+from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded, recurrent_grad, tuned
 
 GATES = {"sigmoid": 0, "hard_sigmoid": 1, "exp": 2}  # any other: a registered gate's own Triton form (3)
 REGISTERED = 3
@@ -268,8 +269,7 @@ def _sigmoid_grads(dh, dc, c, c_prev, x_i, x_f, i, f, z, o, peep_i, peep_f, peep
 
 @tuned("T", "B", "heads", "D", "GATE", "COUPLED", "PEEPHOLES", "NORM", "HAS_KEEP")
 @triton.jit
-def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, H0, C0, N0, KEEP, HS, CS, NS, ACT, PRE, XHAT, RSTD,
-                            DGX, DR, DPEEP, DLNW, DLNB, DH0, DC0, DN0, T, B, heads, D: tl.constexpr,
+def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, C0, N0, KEEP, CS, NS, ACT, PRE, XHAT, RSTD, DGX, DPEEP, DLNW, DLNB, DH0, DC0, DN0, T, B, heads, D: tl.constexpr,
                             DP: tl.constexpr,
                             BB: tl.constexpr, G: tl.constexpr, GATE: tl.constexpr, COUPLED: tl.constexpr,
                             PEEPHOLES: tl.constexpr, NORM: tl.constexpr, HAS_KEEP: tl.constexpr,
@@ -282,8 +282,6 @@ def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, H0, C0, N0, KEEP, HS, C
     peep_i, peep_f, peep_o = _peepholes(PEEP, j, H, D, DP, G, COUPLED, PEEPHOLES)
     dh = tl.zeros((BB, DP), dtype=tl.float32)
     dc, dn = dh, dh
-    dr_f = tl.zeros((DP, DP), dtype=tl.float32)
-    dr_z, dr_o, dr_i = dr_f, dr_f, dr_f
     dpeep_i, dpeep_f, dpeep_o = zero_d, zero_d, zero_d
     dlnw_i, dlnw_f, dlnw_z, dlnw_o = zero_d, zero_d, zero_d, zero_d
     dlnb_i, dlnb_f, dlnb_z, dlnb_o = zero_d, zero_d, zero_d, zero_d
@@ -295,7 +293,6 @@ def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, H0, C0, N0, KEEP, HS, C
         keep = tl.full((BB, 1), 1.0, tl.float32)
         if HAS_KEEP:
             keep = tl.load(KEEP + t * B + b, mask=b < B, other=1.0).to(tl.float32)[:, None]
-        h_prev = tl.load(tl.where(t > 0, HS + earlier, H0 + state), mask=ok, other=0.0) * keep
         c_prev = tl.load(tl.where(t > 0, CS + earlier, C0 + state), mask=ok, other=0.0) * keep
         c = tl.load(CS + here, mask=ok, other=0.0)
         acts = ACT + t * B * G * H + b[:, None] * G * H + j * D + u[None, :]
@@ -326,13 +323,9 @@ def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, H0, C0, N0, KEEP, HS, C
             dlnb_i, dlnb_f, dlnb_z, dlnb_o = dlnb_i + b_i, dlnb_f + b_f, dlnb_z + b_z, dlnb_o + b_o
         _store_groups(DGX + t * B * G * H + b[:, None] * G * H + j * D + u[None, :], ok, H, dp_i, dp_f, dp_z, dp_o,
                       GF, COUPLED)
-        dr_f += tl.dot(tl.trans(dp_f), h_prev, input_precision=PRECISION)
-        dr_z += tl.dot(tl.trans(dp_z), h_prev, input_precision=PRECISION)
-        dr_o += tl.dot(tl.trans(dp_o), h_prev, input_precision=PRECISION)
         dh = (tl.dot(dp_f, r_f, input_precision=PRECISION) + tl.dot(dp_z, r_z, input_precision=PRECISION)
               + tl.dot(dp_o, r_o, input_precision=PRECISION))
         if not COUPLED:
-            dr_i += tl.dot(tl.trans(dp_i), h_prev, input_precision=PRECISION)
             dh += tl.dot(dp_i, r_i, input_precision=PRECISION)
         dh = dh * keep
         dc = dc_prev * keep
@@ -340,10 +333,7 @@ def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, H0, C0, N0, KEEP, HS, C
     tl.store(DC0 + state, dc, mask=ok)
     if GATE == 2:
         tl.store(DN0 + state, dn, mask=ok)
-    # this program's shares, summed over batch blocks after: DR[pb, g, j], DPEEP[pb, g, j*D:], DLN*[pb, g, :]
-    _store_groups(DR + pb * G * heads * D * D + j * D * D + u[:, None] * D + u[None, :],
-                  (u[:, None] < D) & (u[None, :] < D),
-                  heads * D * D, dr_i, dr_f, dr_z, dr_o, GF, COUPLED)
+    # this program's shares, summed over batch blocks after: DPEEP[pb, g, j*D:], DLN*[pb, g, :]
     if PEEPHOLES:
         _store_peepholes(DPEEP + pb * (G - 1) * H + j * D + u, u < D, H, dpeep_i, dpeep_f, dpeep_o, COUPLED)
     if NORM:
@@ -402,14 +392,16 @@ def modlstm_loop_backward(d_hs: Tensor, d_cs: Tensor, d_ns: Tensor, r: Tensor, l
     """The gradients of GX, R, ln_w, ln_b, peep, h0, c0 and n0 (float32; empty for those the cell has not)."""
     T, B, H = hs.shape
     nb = triton.cdiv(B, BLOCK_B)
-    dgx, dr, dlnw, dlnb, dpeep, dh0, dc0, dn0 = grads = _modlstm_grads(hs, r, peep, ln_w, gate == "exp", nb)
+    dgx, dlnw, dlnb, dpeep, dh0, dc0, dn0 = _modlstm_grads(hs, r, peep, ln_w, gate == "exp", nb)
     some = lambda t: t if t is not None and t.numel() else hs  # noqa: E731
     f32 = lambda t: t.float().contiguous() if t is not None and t.numel() else hs  # noqa: E731
     modlstm_backward_kernel[(r.shape[1], nb)](
-        f32(d_hs), f32(d_cs), f32(d_ns), r.contiguous(), some(ln_w), some(peep), f32(h0), f32(c0), f32(n0),
-        some(keep), hs, cs, some(ns), act, some(pre), some(xhat), some(rstd), dgx, dr, some(dpeep), some(dlnw),
-        some(dlnb), dh0, dc0, some(dn0), T, B, r.shape[1], **_flags(r, gate, coupled, peep, ln_w is not None, keep, hs))
-    return tuple(g.sum(0) if k in (1, 2, 3, 4) and g.numel() else g for k, g in enumerate(grads))
+        f32(d_hs), f32(d_cs), f32(d_ns), r.contiguous(), some(ln_w), some(peep), f32(c0), f32(n0), some(keep), cs,
+        some(ns), act, some(pre), some(xhat), some(rstd), dgx, some(dpeep), some(dlnw), some(dlnb), dh0, dc0,
+        some(dn0), T, B, r.shape[1], **_flags(r, gate, coupled, peep, ln_w is not None, keep, hs))
+    summed = lambda g: g.sum(0) if g.numel() else g  # noqa: E731  (the programs' shares)
+    return (dgx, recurrent_grad(dgx, hs, h0, keep, r.shape[1]), summed(dlnw), summed(dlnb), summed(dpeep), dh0, dc0,
+            dn0)
 
 
 def _modlstm_grads(hs: Tensor, r: Tensor, peep, ln_w, exp: bool, blocks: int):
@@ -417,14 +409,15 @@ def _modlstm_grads(hs: Tensor, r: Tensor, peep, ln_w, exp: bool, blocks: int):
     G = r.shape[0]
     new = lambda keep_it, *shape: hs.new_empty(*shape if keep_it else (0,), dtype=torch.float32)  # noqa: E731
     norm = ln_w is not None
-    return (new(True, T, B, G * H), new(True, blocks, *r.shape), new(norm, blocks, G, H), new(norm, blocks, G, H),
+    return (new(True, T, B, G * H), new(norm, blocks, G, H), new(norm, blocks, G, H),
             new(peep is not None, blocks, G - 1, H), new(True, B, H), new(True, B, H), new(exp, B, H))
 
 
 @modlstm_loop_backward.register_fake
 def _(d_hs, d_cs, d_ns, r, ln_w, peep, h0, c0, n0, keep, hs, cs, ns, act, pre, xhat, rstd, gate, coupled):
-    grads = _modlstm_grads(hs, r, peep, ln_w, gate == "exp", 1)
-    return tuple(g[0] if k in (1, 2, 3, 4) and g.numel() else g for k, g in enumerate(grads))
+    dgx, *rest = _modlstm_grads(hs, r, peep, ln_w, gate == "exp", 1)
+    return dgx, hs.new_empty(r.shape, dtype=torch.float32), *(g[0] if k < 3 and g.numel() else g
+                                                             for k, g in enumerate(rest))
 
 
 def _modlstm_setup(ctx, inputs, output):
