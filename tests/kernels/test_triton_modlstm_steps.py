@@ -1,15 +1,13 @@
 """The wide modlstm's GPU loops (rpt/kernels/triton/modlstm_steps.py: a product and one Triton kernel a step) on the
-CPU through Triton's interpreter, in float32, against the float64 reference of the cell: outputs, final state and
-every gradient, with resets inside rows (and in float64, as the model tests run them on a GPU), for each gate rpt ships, a registered gate's Triton form, peepholes,
-coupled gates, and the gate norm with several heads and with a width that is not a power of two. On a GPU these
-loops are replayed as CUDA graphs (rpt/kernels/triton/graphs.py); here they run as they are."""
+CPU through Triton's interpreter, in float32 (and in float64, as the model tests run them on a GPU), against the
+float64 reference of the cell: outputs, final state and every gradient, with resets inside rows, for each gate rpt
+ships, a registered gate's Triton form, peepholes, coupled gates, and the gate norm with several heads and with a
+width that is not a power of two. On a GPU these loops are replayed as CUDA graphs (rpt/kernels/triton/graphs.py);
+here they run as they are."""
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton reads it (the kernels are defined at import)
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """What the modlstm's Triton tests share: a user's gate with its Triton form (softsign squashed into [0, 1]),
 registered once (its torch form runs in the reference, its Triton form in the loops), and the float64 case they
-hold the loops to. Imported after TRITON_INTERPRET is set."""
+hold the loops to. (tests/conftest.py sets TRITON_INTERPRET before triton is imported.)"""
 
 from __future__ import annotations
 
