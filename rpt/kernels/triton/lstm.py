@@ -28,11 +28,20 @@ BLOCK_B = 16  # rows a program carries: tl.dot needs 16 or more on each side
 
 def tuned(*key: str):
     """triton.autotune over the warps a program runs: a loop kernel is latency-bound and holds its blocks in
-    registers, so which count wins depends on the head width and the GPU; timed at the first call of each key. One
-    config under the interpreter, which cannot time. The loop kernels only write their outputs (nothing is
-    accumulated in place), so running one several times while timing leaves the same results."""
-    warps = [4] if os.environ.get("TRITON_INTERPRET") == "1" else [2, 4, 8]
-    return triton.autotune([triton.Config({}, num_warps=w) for w in warps], key=list(key))
+    registers, so which count wins depends on the head width and the GPU; timed at the first call of each key. Heads
+    of 16 units try 2 and 4 warps, wider ones 4 and 8 (2 spill kilobytes a thread there:
+    benchmarks/triton_compile.py), so each width compiles twice. One config under the interpreter, which cannot
+    time. The loop kernels only write their outputs (nothing is accumulated in place), so running one several times
+    while timing leaves the same results."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return triton.autotune([triton.Config({}, num_warps=4)], key=list(key))
+    return triton.autotune([triton.Config({}, num_warps=w) for w in (2, 4, 8)], key=list(key),
+                           prune_configs_by={"early_config_prune": _warps_for_width})
+
+
+def _warps_for_width(configs, named_args, **kwargs):
+    wide = kwargs.get("DP", named_args.get("DP", 64)) > 16
+    return [c for c in configs if c.num_warps in ((4, 8) if wide else (2, 4))]
 
 
 @triton.jit
