@@ -102,3 +102,39 @@ def test_torch_compile_traces_each_triton_loop_in_one_graph(cell):
     g_compiled = torch.autograd.grad(compiled_loss, [x, *params])
     for a, b in zip(g_compiled, g_eager):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm"])
+def test_triton_loops_read_bfloat16_pre_activations_and_keep_float32_state(cell):
+    """Under autocast the input projection hands the loops bf16 pre-activations: the loop reads them into its
+    float32 state and products, so it gives exactly what it gives for the same values in float32, and returns
+    their gradient in bf16 (the same values rounded)."""
+    from rpt.kernels.triton.gru import gru_loop
+    from rpt.kernels.triton.lstm import lstm_loop
+    from rpt.kernels.triton.modlstm import modlstm_loop
+
+    torch.manual_seed(0)
+    heads, d, B, T = 2, 16, 3, 5
+    G = {"lstm": 4, "gru": 3, "modlstm": 4}[cell]
+    r = 0.3 * torch.randn(G, heads, d, d)
+    h0, c0 = torch.randn(B, heads * d), torch.randn(B, heads * d)
+    keep = torch.ones(T, B)
+    keep[2, 1] = 0.0
+
+    def run(gx):
+        if cell == "lstm":
+            return lstm_loop(gx, r, h0, c0, keep)[0]
+        if cell == "gru":
+            return gru_loop(gx, r, torch.zeros(heads * d), h0, keep)[0]
+        return modlstm_loop(gx, r, None, None, None, h0, c0, None, None, keep, "sigmoid", False)[0]
+
+    gx = torch.randn(T, B, G * heads * d).bfloat16()
+    outputs, grads = [], []
+    for inputs in (gx.clone(), gx.float()):
+        inputs.requires_grad_()
+        hs = run(inputs)
+        (grad,) = torch.autograd.grad((hs * torch.linspace(-1, 1, hs.numel()).view_as(hs)).sum(), inputs)
+        outputs.append(hs)
+        grads.append(grad)
+    assert outputs[0].dtype == torch.float32 and torch.equal(outputs[0], outputs[1])
+    assert grads[0].dtype == torch.bfloat16 and torch.equal(grads[0], grads[1].bfloat16())
