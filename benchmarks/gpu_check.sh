@@ -22,7 +22,8 @@
 #   1. probe: the GPU, torch, and the measured matmul peaks (fp32, tf32, bf16)
 #   2. benchmarks/triton_cells.py: rpt's cells on their GPU paths (issue 27's Triton loops, the modlstm's CUDA-graph
 #      step loop) against cuDNN's nn.LSTM, each path first checked against its reference loop
-#   3. training runs at a GPU-sized shape (4 x 1024, bf16): lstm, mingru, modlstm with 16 heads, dense modlstm
+#   3. training runs at a GPU-sized shape (4 x 1024, bf16): lstm, mingru, modlstm with 16 heads, dense modlstm,
+#      each with its top GPU kernels over three profiled steps (benchmarks/trace_top.py)
 #   4. tests/models on the GPU (RPT_TEST_DEVICE=cuda): every cell's fast path against its reference
 #   5. benchmarks/cells.py on the GPU (issue 3's table, generation memory); benchmarks/compiled_cells.py
 #   6. rpt train on the GPU: fp32, bf16 (with a profiled range), fp16 with loss scaling; exact resume; a mixed job
@@ -93,7 +94,7 @@ rm -rf "$RUNS"
 COMMON=(--config configs/demo-cpu.toml --device "$DEV" --set train.max_time=0 --set train.eval_interval=0
         --set train.eval_tokens=65536 --set monitor.log_interval=25)
 BIGSET=(--set "$BIG" --set model.n_layers=4 --set train.batch_size=64 --set train.seq_len=256
-        --set train.precision=bf16 --set monitor.log_interval=10)
+        --set train.precision=bf16 --set monitor.log_interval=10 --profile 60:62)
 part big-lstm 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set train.max_steps=80 --run-dir "$RUNS/big-lstm"
 part big-mingru 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set model.cell=mingru --set train.max_steps=80 \
     --run-dir "$RUNS/big-mingru"
@@ -103,6 +104,12 @@ part big-modlstm-heads 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set m
 # the dense modlstm (one head of 1024 units): a product and one Triton kernel a step, each loop one CUDA graph
 part big-modlstm 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set model.cell=modlstm --set train.max_steps=80 \
     --run-dir "$RUNS/big-modlstm"
+for run in big-lstm big-mingru big-modlstm-heads big-modlstm; do  # where each big step's GPU time went
+    if [ -f "$RUNS/$run/traces/rank0.json" ]; then
+        $PY benchmarks/trace_top.py "$RUNS/$run" --top 8 >>"$SUMMARY" 2>&1
+        rm -rf "$RUNS/$run/traces"  # tens of MB: logs.tgz must stay under the device tool's 16 MiB a file
+    fi
+done
 
 if [ "$QUICK" = 1 ]; then
     note "- models-tests: skipped in a dry run"

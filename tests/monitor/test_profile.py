@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rpt.monitor.profile import STEP, summarize
@@ -40,3 +42,23 @@ def test_gpu_kernels_make_the_timeline_when_present():
     s = summarize(trace)
     assert (s["compute_s"], s["comm_s"], s["overlap_s"]) == pytest.approx((40e-6, 40e-6, 20e-6))
     assert s["idle_s"] == pytest.approx(40e-6)
+
+
+def test_trace_top_sums_each_kernel_and_the_gpu_busy_time_over_the_profiled_steps():
+    """benchmarks/trace_top.py on a synthetic trace: kernels summed by name, largest first, their shares of the
+    busy time, which is the union of overlapping kernels (not their sum)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "trace_top", Path(__file__).resolve().parents[2] / "benchmarks" / "trace_top.py")
+    trace_top = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace_top)
+    step = lambda n, ts: {"ph": "X", "name": f"{STEP}{n}", "ts": ts, "dur": 1000, "cat": "user_annotation"}  # noqa: E731
+    kernel = lambda name, ts, dur: {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": "kernel"}  # noqa: E731
+    trace = {"traceEvents": [step(1, 0), step(2, 1000), kernel("gemm", 100, 300), kernel("scan", 300, 200),
+                             kernel("gemm", 1100, 300), kernel("cpu_op_not_a_kernel", 0, 50) | {"cat": "cpu_op"}]}
+    lines = trace_top.top_kernels(trace, top=5)
+    assert lines[0].startswith("2 profiled steps: wall 2.0 ms, GPU busy 0.7 ms (35%), 3 kernels")  # 100-500, 1100-1400
+    assert lines[3] == "| gemm | 0.60 | 2 | 85.7% |" and lines[4] == "| scan | 0.20 | 1 | 28.6% |"
+    no_kernels = trace_top.top_kernels({"traceEvents": [step(1, 0)]}, 5)
+    assert no_kernels == ["no profiled steps or no GPU kernels in this trace"]
