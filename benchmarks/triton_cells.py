@@ -149,7 +149,8 @@ def check(cell_name: str, cell, hidden: int, heads: int, kind: str, device) -> N
     with torch.autocast("cuda", dtype=torch.bfloat16):  # the timed rows' precision
         y_bf16 = cell(x)[0].float()
     rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
-    print(f"{cell_name} hidden {hidden} heads {heads} ({kind}): against the reference loop, output {rel(y, y_ref):.1e}, "
+    print(f"{cell_name} hidden {hidden} heads {heads} ({kind}): against the reference loop, "
+          f"output {rel(y, y_ref):.1e}, "
           f"recurrent weight gradient {rel(g, g_ref):.1e} (relative, fp32 in, tf32 products); under bf16 autocast, "
           f"output {rel(y_bf16, y_ref):.1e}", flush=True)
 

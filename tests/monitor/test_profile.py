@@ -53,7 +53,7 @@ def test_trace_top_sums_each_kernel_and_the_gpu_busy_time_over_the_profiled_step
         "trace_top", Path(__file__).resolve().parents[2] / "benchmarks" / "trace_top.py")
     trace_top = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(trace_top)
-    step = lambda n, ts: {"ph": "X", "name": f"{STEP}{n}", "ts": ts, "dur": 1000, "cat": "user_annotation"}  # noqa: E731
+    step = lambda n, ts: {"ph": "X", "name": f"{STEP}{n}", "ts": ts, "dur": 1000, "cat": "annotation"}  # noqa: E731
     kernel = lambda name, ts, dur: {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": "kernel"}  # noqa: E731
     trace = {"traceEvents": [step(1, 0), step(2, 1000), kernel("gemm", 100, 300), kernel("scan", 300, 200),
                              kernel("gemm", 1100, 300), kernel("cpu_op_not_a_kernel", 0, 50) | {"cat": "cpu_op"}]}

@@ -9,8 +9,8 @@ its rows' (h, c) on chip and walks the whole sequence, reading GX_t and writing 
 backward reads. The backward walks back in time with the same blocks and writes the pre-activations' gradient; the
 products outside turn it into the gradients of x, W_ih, the biases and R (one batched product over the heads,
 `recurrent_grad`: no atomics, and no [d, d] accumulators in the loop's registers). A reset (keep_t = 0) zeroes a
-row's carried state before step t, as the cells' `reset` does. Written here rather than taken from FlashRNN (CUDA headers per gate)
-so that a gate is a Triton function and the same source runs on the CPU interpreter.
+row's carried state before step t, as the cells' `reset` does. Written here rather than taken from FlashRNN (CUDA
+headers per gate) so that a gate is a Triton function and the same source runs on the CPU interpreter.
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ def recurrent_grad(dgx: Tensor, hs: Tensor, h0: Tensor, keep: Optional[Tensor], 
     if keep is not None:
         h_prev = h_prev * keep[:, :, None]
     # contiguous, as the operators' fake forms say (einsum may hand back a permuted view)
-    return torch.einsum("ngjo,nji->gjoi", dgx.reshape(T * B, -1, heads, d), h_prev.reshape(T * B, heads, d)).contiguous()
+    grad = torch.einsum("ngjo,nji->gjoi", dgx.reshape(T * B, -1, heads, d), h_prev.reshape(T * B, heads, d))
+    return grad.contiguous()
 
 
 # The loop as a pair of torch custom operators (forward; backward, registered as its gradient), as the CPU

@@ -269,8 +269,8 @@ def _sigmoid_grads(dh, dc, c, c_prev, x_i, x_f, i, f, z, o, peep_i, peep_f, peep
 
 @tuned("T", "B", "heads", "D", "GATE", "COUPLED", "PEEPHOLES", "NORM", "HAS_KEEP")
 @triton.jit
-def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, C0, N0, KEEP, CS, NS, ACT, PRE, XHAT, RSTD, DGX, DPEEP, DLNW, DLNB, DH0, DC0, DN0, T, B, heads, D: tl.constexpr,
-                            DP: tl.constexpr,
+def modlstm_backward_kernel(DHS, DCS, DNS, R, LNW, PEEP, C0, N0, KEEP, CS, NS, ACT, PRE, XHAT, RSTD, DGX, DPEEP,
+                            DLNW, DLNB, DH0, DC0, DN0, T, B, heads, D: tl.constexpr, DP: tl.constexpr,
                             BB: tl.constexpr, G: tl.constexpr, GATE: tl.constexpr, COUPLED: tl.constexpr,
                             PEEPHOLES: tl.constexpr, NORM: tl.constexpr, HAS_KEEP: tl.constexpr,
                             PRECISION: tl.constexpr, FN: tl.constexpr, FN_GRAD: tl.constexpr):

@@ -160,8 +160,8 @@ class ModLSTM(Cell):
         with its Triton form), a head of 16-64 units, and the gate norm only with one head of 16, 32 or 64 (it
         normalises a group's H units together, unpadded). A wider cell takes modlstm_steps (`fused_steps`)."""
         if not has_triton_form(self.gate):
-            warnings.warn(f"model.gate = '{self.gate}' has no Triton form: the modlstm runs its Python step loop on the "
-                          "GPU (about ten kernel launches a step, several times slower than rpt's Triton loops); "
+            warnings.warn(f"model.gate = '{self.gate}' has no Triton form: the modlstm runs its Python step loop on "
+                          "the GPU (about ten kernel launches a step, several times slower than rpt's Triton loops); "
                           "register_gate(..., triton=(fn, grad)) gives it one", stacklevel=3)
             return False
         return not (self.gate_norm and self.heads > 1) and on_chip(self.d_hidden, self.heads,
