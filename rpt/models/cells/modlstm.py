@@ -147,11 +147,14 @@ class ModLSTM(Cell):
             y, final = loop(x, self.w_x, self.w_h, self.bias, self.ln_weight, self.ln_bias, self.peep, state, keep,
                             self.gate, self.coupled, self.heads)
             return self._out(y.to(x.dtype)), tuple(s.to(state[0].dtype) for s in final)
+        w_x, bias = self.w_x, self.bias
+        if fused_steps(x, self.variant):  # a GPU: the input projection in the autocast dtype, the loop in float32
+            x, w_x, bias = F.linear(x, w_x, bias), None, None
         with full_precision(x):
             x = as_fp32(x)
             keep = None if reset is None else (~reset).to(x.dtype).transpose(0, 1).contiguous()  # [T, B]
             n_m = state[2:] if self.exp else (None, None)
-            y, *final = modlstm_sequence(x, self.w_x, self.recurrent_weight(), self.bias, self.ln_weight, self.ln_bias,
+            y, *final = modlstm_sequence(x, w_x, self.recurrent_weight(), bias, self.ln_weight, self.ln_bias,
                                          self.peep, state[0], state[1], *n_m, keep, self.gate, self.coupled)[:5]
         return self._out(y), tuple(final if self.exp else final[:2])
 
@@ -218,17 +221,18 @@ def modlstm_step(v: Variant, x_t: Tensor, state: tuple, w_x: Tensor, w_h: Tensor
 # step's slice is contiguous. An operator returns a fixed number of tensors: one it does not have (the
 # exponential gate's state for the sigmoid family, a buffer this variant does not keep) is an empty tensor.
 @torch.library.custom_op("rpt::modlstm_sequence", mutates_args=())
-def modlstm_sequence(x: Tensor, w_x: Tensor, w_h: Tensor, bias: Optional[Tensor], ln_w: Optional[Tensor],
+def modlstm_sequence(x: Tensor, w_x: Optional[Tensor], w_h: Tensor, bias: Optional[Tensor], ln_w: Optional[Tensor],
                      ln_b: Optional[Tensor], peep: Optional[Tensor], h0: Tensor, c0: Tensor, n0: Optional[Tensor],
                      m0: Optional[Tensor], keep: Optional[Tensor], gate: str, coupled: bool) -> tuple[
         Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> y, the final state (h, c, n, m), and the buffers the backward reads (acts, pre, cs, hs, ns, ln_in,
-    ln_stats)."""
+    ln_stats). Without w_x (and bias), x is the input projection x W_x^T + b itself, as a GPU computes it under
+    autocast."""
     v = Variant(gate, coupled, ln_w is not None, peep is not None)
     B, T, D = x.shape
     H, G = w_h.shape[1], len(v.groups)
     xt = x.transpose(0, 1).reshape(T * B, D)
-    XP = matmul(xt, w_x, bias).view(T, B, G * H)
+    XP = (xt if w_x is None else matmul(xt, w_x, bias)).view(T, B, G * H)
     backend = kernels.current()
     W = PackedLinear(w_h, B, backend)
     acts = x.new_empty(T, B, G, H)  # gate values
@@ -268,7 +272,7 @@ def _(x, w_x, w_h, bias, ln_w, ln_b, peep, h0, c0, n0, m0, keep, gate, coupled):
 
 @torch.library.custom_op("rpt::modlstm_sequence_backward", mutates_args=())
 def modlstm_sequence_backward(
-        grad_y: Tensor, dh: Tensor, dc: Tensor, dn: Optional[Tensor], x: Tensor, w_x: Tensor, w_h: Tensor,
+        grad_y: Tensor, dh: Tensor, dc: Tensor, dn: Optional[Tensor], x: Tensor, w_x: Optional[Tensor], w_h: Tensor,
         ln_w: Optional[Tensor], peep: Optional[Tensor], h0: Tensor, c0: Tensor, n0: Optional[Tensor],
         keep: Optional[Tensor], acts: Tensor, pre: Optional[Tensor], cs: Tensor, hs: Tensor, ns: Optional[Tensor],
         ln_in: Optional[Tensor], ln_stats: Optional[Tensor], gate: str, coupled: bool,
@@ -307,9 +311,11 @@ def modlstm_sequence_backward(
         else:
             grad_state = backward_steps(grad_y, *factors, dP, dP_raw, keep3, WT, dh, dc, dn, ln_w, ln_in, ln_stats)
     dPf = dP_raw.view(T * B, G * H)
-    xt = x.transpose(0, 1).reshape(T * B, D)
-    grad_x = matmul(dPf, w_x.t()).view(T, B, D).transpose(0, 1)
-    grad_wx = dPf.T @ xt
+    if w_x is None:  # x was the input projection
+        grad_x, grad_wx = dP_raw.view(T, B, D).transpose(0, 1), x.new_empty(0)
+    else:
+        grad_x = matmul(dPf, w_x.t()).view(T, B, D).transpose(0, 1)
+        grad_wx = dPf.T @ x.transpose(0, 1).reshape(T * B, D)
     grad_wh = dPf.T @ h_prev.reshape(T * B, H)
     grad_bias = dPf.sum(0) if has_bias else x.new_empty(0)
     grad_ln_w, grad_ln_b, grad_peep = x.new_empty(0), x.new_empty(0), x.new_empty(0)
@@ -336,9 +342,9 @@ def modlstm_sequence_backward(
 def _(grad_y, dh, dc, dn, x, w_x, w_h, ln_w, peep, h0, c0, n0, keep, acts, pre, cs, hs, ns, ln_in, ln_stats, gate,
       coupled, has_bias):
     like = lambda t: torch.empty_like(t) if t is not None else x.new_empty(0)  # noqa: E731
-    G4 = w_x.shape[0]
+    G4 = w_h.shape[0]
     T, B = acts.shape[:2]  # grad_x: a [B, T, D] view of a time-major tensor, as the kernel's
-    return (x.new_empty(T, B, x.shape[2]).transpose(0, 1), torch.empty_like(w_x), torch.empty_like(w_h),
+    return (x.new_empty(T, B, x.shape[2]).transpose(0, 1), like(w_x), torch.empty_like(w_h),
             x.new_empty(G4 if has_bias else 0), like(ln_w), like(ln_w), like(peep), torch.empty_like(h0),
             torch.empty_like(c0), like(n0))
 
