@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--cells", default="modlstm,lstm,gru,mingru,minlstm")
     args = ap.parse_args()
     device = torch.device("cpu" if args.quick else "cuda")
+    torch.set_float32_matmul_precision("high")  # as rpt train sets it under bf16 (rpt.train.trainer)
     shapes = [(32, 2, 3, 4), (80, 1, 3, 4)] if args.quick else [
         (hidden, heads, B, T) for hidden, head_counts in ((768, (1, 8, 16, 48)), (1024, (1, 8, 16, 64)))
         for heads in head_counts for B, T in ((16, 1024), (64, 256))]

@@ -86,6 +86,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t, self.sync.owned)  # None where a rank owns nothing
         self.sync.bind(self.optimizer)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+        if self.amp_dtype is not None and self.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # what stays float32 (the recurrences) takes TF32 products
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
         make_loader = self.data.stream if cfg.data.mix else partial(TokenStream, self.data.tokens("train"))
         self.loader = make_loader(t.batch_size, t.seq_len, rank=self.dp_rank, world_size=self.dp_size, seed=t.seed,
