@@ -197,8 +197,7 @@ def _forward_loop(flags, inputs, outputs) -> list[Tensor]:
     some = lambda t: t if t is not None else hs  # noqa: E731  (a pointer the kernel does not read)
     fn = GATE_FORMS.get(gate, (_tanh, _tanh))[0]  # a registered gate's Triton form (built-ins call none)
     consts = dict(BLOCK=block, G=G, GATE=GATES.get(gate, REGISTERED), COUPLED=coupled, PEEPHOLES=peep is not None,
-                  NORM=ln_w is not None, HAS_PRE=pre is not None, HAS_KEEP=keep is not None,
-                  HAS_KEEP_NEXT=keep is not None, FN=fn)
+                  NORM=ln_w is not None, HAS_PRE=pre is not None, HAS_KEEP=keep is not None, FN=fn)
     w_t = w_h.t()
     P = XP.new_empty(B, G * H)
     h_next = torch.empty_like(h0)
@@ -213,7 +212,7 @@ def _forward_loop(flags, inputs, outputs) -> list[Tensor]:
             some(keep[t + 1] if later else None), some(ln_w), some(ln_b), some(peep), acts[t],
             some(pre[t] if pre is not None else None), cs[t], hs[t], some(ns[t] if exp else None),
             some(ln_in[t] if ln_in is not None else None), some(ln_stats[t] if ln_stats is not None else None),
-            h_next, B, H, **{**consts, "HAS_KEEP_NEXT": later})
+            h_next, B, H, HAS_KEEP_NEXT=later, **consts)
         h_in = h_next
     return [hs[-1], cs[-1], ns[-1], m] if exp else [hs[-1], cs[-1]]
 
