@@ -3,6 +3,8 @@ of a streaming multiprocessor (registers, stack where registers spill, shared me
 
     python benchmarks/triton_compile.py            # every variant; the autotuned loops at 2, 4 and 8 warps
     python benchmarks/triton_compile.py --quick    # one or two variants of each kernel at 4 warps (a test runs it)
+    pip install --no-deps --target /tmp/t36 triton==3.6.0 && PYTHONPATH=/tmp/t36 python benchmarks/triton_compile.py
+                                                   # with the GPU machine's triton
 
 Triton's interpreter, which the tests run the kernels through, accepts programs the compiler refuses (types that
 differ between branches, shapes a layout cannot hold) and says nothing of registers; this compiles them as a GPU
