@@ -95,10 +95,9 @@ def test_wide_modlstm_cells_take_the_step_kernels_on_a_gpu():
 class ReplayedGraph:
     """What a CUDA graph does, on the CPU: replay reruns the captured loop on the same static tensors and leaves
     its results in the memory the capture returned (a real graph's kernels write the same addresses again)."""
-    captured: list = []
 
-    def __init__(self):
-        self.loop = None
+    def __init__(self, loop, flags, static_in, static_out, results):
+        self.loop = (loop, flags, static_in, static_out, results)
 
     def replay(self):
         loop, flags, static_in, static_out, results = self.loop
@@ -111,22 +110,16 @@ def test_graph_replays_copy_inputs_in_and_outputs_out(monkeypatch):
     """rpt.kernels.triton.graphs.replay's protocol around a graph (static inputs copied in, outputs and results
     copied out, nothing aliased to the graph's tensors), through the modlstm's loops: two calls with different
     inputs through one captured graph each give what the uncaptured loops give."""
-    from contextlib import contextmanager
-
     from rpt.kernels.triton import graphs
 
-    @contextmanager
-    def stream(_):
-        yield
+    captures = []
 
     def capture(loop, flags, inputs, outputs):  # graphs._capture with the capture itself replaced by a record
         static_in = [t.clone() if t is not None else None for t in inputs]
         static_out = [torch.empty_like(t) if t is not None else None for t in outputs]
-        graph = ReplayedGraph()
         results = loop(flags, static_in, static_out)
-        graph.loop = (loop, flags, static_in, static_out, results)
-        ReplayedGraph.captured.append(loop.__name__)
-        return graph, static_in, static_out, results
+        captures.append(loop.__name__)
+        return ReplayedGraph(loop, flags, static_in, static_out, results), static_in, static_out, results
 
     monkeypatch.setattr(modlstm_module, "fused_steps", lambda x, v: True)
     cell = build_cell(ModelConfig(cell="modlstm", d_model=16, d_hidden=20, gate="exp", gate_norm=True))
@@ -144,7 +137,7 @@ def test_graph_replays_copy_inputs_in_and_outputs_out(monkeypatch):
             y, state = cell(x, None, reset)
             grads = torch.autograd.grad((y * torch.randn_like(y)).sum() + state[1].sum(), [x, *cell.parameters()])
             runs[captured, seed] = [y, *state, *grads]
-    assert sorted(ReplayedGraph.captured) == ["_backward_loop", "_forward_loop"]  # one capture each, two replays
+    assert sorted(captures) == ["_backward_loop", "_forward_loop"]  # one capture each, two replays
     for seed in (0, 1):
         for a, b in zip(runs[True, seed], runs[False, seed]):
             torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -286,12 +286,13 @@ def modlstm_sequence_backward(
     state = (h0, c0, n0) if v.exp else (h0, c0)
     h_prev = previous(hs, h0, keep3)
     backend = kernels.current()
-    WT = PackedLinear(w_h.T.contiguous(), B, backend)  # dh_prev = dP_raw @ W_h
+    on_gpu = fused_steps(x, v)
+    WT = None if on_gpu else PackedLinear(w_h.T.contiguous(), B, backend)  # dh_prev = dP_raw @ W_h
     dP = torch.empty_like(acts)  # gradient at the gate inputs (after layer norm)
     dP_raw = torch.empty_like(acts) if v.gate_norm else dP
     native = backend.loops() if v.native_gate is not None else None
     summed = None  # the gradients of ln_w, ln_b and peep, where the loop sums them
-    if fused_steps(x, v):
+    if on_gpu:
         from rpt.kernels.triton import modlstm_steps
 
         factors = backward_factors(v, acts, pre, cs, ns, keep3, state, peep)
