@@ -18,7 +18,7 @@ import time
 import torch
 
 from rpt.config import ModelConfig
-from rpt.models.block import build_cell
+from rpt.models.lm import build_cell
 
 VARIANTS = {"modlstm": dict(cell="modlstm"), "modlstm-exp": dict(cell="modlstm", gate="exp"), "gru": dict(cell="gru")}
 

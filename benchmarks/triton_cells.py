@@ -23,7 +23,7 @@ import torch
 
 from rpt.config import ModelConfig
 from rpt.kernels.triton import on_chip
-from rpt.models.block import build_cell
+from rpt.models.lm import build_cell
 
 
 def timed(fn, device, repeats: int) -> float:

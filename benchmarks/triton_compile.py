@@ -37,7 +37,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from rpt import kernels  # noqa: E402
 from rpt.config import ModelConfig  # noqa: E402
 from rpt.kernels.triton import gru, lstm, min_scan, modlstm, modlstm_steps  # noqa: E402
-from rpt.models.block import build_cell  # noqa: E402
+from rpt.models.lm import build_cell  # noqa: E402
 from rpt.models.cells import modlstm as modlstm_cell  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200

@@ -73,8 +73,8 @@ class ModelConfig:
     weight_drop: float = 0.0  # DropConnect on the recurrent matrix (lstm): one mask per sequence, AWD-LSTM's
     tie_embeddings: bool = True
     # 0: a softmax over the whole vocabulary. S: a two-level softmax, the S most frequent training tokens and one
-    # entry for the rest in the first, the rest in the second (rpt/models/head.py): exact, and about a third of
-    # the cost where the S cover most of the text
+    # entry for the rest in the first, the rest in the second (`ClusteredHead`, rpt/models/lm.py): exact, and
+    # about a third of the cost where the S cover most of the text
     head_shortlist: int = 0
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     mlp_ratio: float = 0.0  # gated MLP sub-layer of this width ratio in every block; 0: none

@@ -1,4 +1,5 @@
-"""`RecurrentLM`: embedding -> blocks -> norm -> head, carrying a recurrent state between calls.
+"""The language model, top to bottom: `RecurrentLM` (embedding -> blocks -> norm -> head), its `Block`, its
+heads and the operations on its recurrent state.
 
     nats, state = model(tokens, state, reset_mask, targets)  # training, evaluation: each target's loss
     logits, state = model(tokens, state, reset_mask)    # the whole chunk's logits (a pipeline stage's loss)
@@ -9,22 +10,27 @@ one). Training carries it from batch to batch, detached (truncated BPTT).
 
 This is the only forward in rpt. A pipeline stage is this class built with the parts it owns (`parts`): blocks
 keep their global index as their name (`blocks.7`), and a missing embedding or head passes its input through.
+The cells are in rpt/models/cells, one file per recurrence.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Collection, Iterator
+import math
+from typing import Callable, Collection, Iterator
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rpt.config import ModelConfig
 from rpt.errors import RptError
-from rpt.models.block import Block, make_norm
-from rpt.models.head import ClusteredHead, Head
+from rpt.models.attention import SlidingWindowAttention
+from rpt.models.cells.base import Cell
+from rpt.models.registry import get_cell, import_user_modules
 from rpt.models.sampling import sample_next
-
+from rpt.models.shapes import on_meta
 
 def part_names(cfg: ModelConfig) -> list[str]:
     """Every part of the whole model, in the order their seeds are numbered."""
@@ -156,3 +162,265 @@ def _head(cfg: ModelConfig, tied: nn.Parameter | None) -> nn.Module:
     if cfg.head_shortlist:
         return ClusteredHead(cfg.d_model, cfg.vocab_size, cfg.head_shortlist, tied)
     return Head(cfg.d_model, cfg.vocab_size, tied)
+
+
+# ---------------------------------------------------------------------------------------------- the block
+# Gated pre-norm residual sub-layers around a recurrent cell:
+#
+#     x = x + gamma_cell * dropout(cell(norm(x)))                  always
+#     x = x + gamma_attn * attention(norm(x))                      every `attention_every`-th block
+#     x = x + gamma_mlp  * dropout(mlp(norm(x)))                   when mlp_ratio > 0 (gated SiLU MLP)
+#
+# The residual gates gamma are learned per channel and start at 1/sqrt(n_layers), so a deep stack starts close
+# to the identity and every block's contribution grows as it learns: a 48-block stack trains from the first step
+# (a test holds it to that).
+
+def build_cell(cfg: ModelConfig) -> Cell:
+    import_user_modules(cfg.imports)
+    cls = get_cell(cfg.cell)
+    options = {name: getattr(cfg, name) for name in cls.options}  # what the cell declares it takes
+    if options.get("forget_bias") == "auto":
+        options["forget_bias"] = None  # the cell's (its gate's) own
+    cell = cls(cfg.d_model, cfg.d_hidden, **options)
+    if cfg.weight_norm:
+        apply_weight_norm(cell)
+    return cell
+
+
+def apply_weight_norm(cell: nn.Module) -> None:
+    """Weight normalisation (Salimans & Kingma 2016) on every matrix of the cell, kept as a parametrization."""
+    for module in list(cell.modules()):
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.dim() == 2:
+                torch.nn.utils.parametrizations.weight_norm(module, name, dim=0)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    return nn.RMSNorm(cfg.d_model) if cfg.norm == "rmsnorm" else nn.LayerNorm(cfg.d_model)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, d_model: int, ratio: float):
+        super().__init__()
+        hidden = max(8, int(round(d_model * ratio / 8)) * 8)
+        self.up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x):
+        a, b = self.up(x).chunk(2, dim=-1)
+        return self.down(F.silu(a) * b)
+
+    def flops_per_token(self) -> int:
+        return 2 * 3 * self.up.in_features * self.down.in_features
+
+
+def has_attention(cfg: ModelConfig, index: int) -> bool:
+    """Whether block `index` holds the attention sub-layer: every `attention_every`-th block."""
+    return bool(cfg.attention_every) and (index + 1) % cfg.attention_every == 0
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        D, gain = cfg.d_model, 1 / math.sqrt(cfg.n_layers)
+        self.cell_norm, self.cell = make_norm(cfg), build_cell(cfg)
+        self.cell_gate = nn.Parameter(torch.full((D,), gain))
+        self.attn = None
+        if has_attention(cfg, index):
+            self.attn_norm = make_norm(cfg)
+            self.attn = SlidingWindowAttention(D, cfg.attention_heads, cfg.attention_window)
+            self.attn_gate = nn.Parameter(torch.full((D,), gain))
+        self.mlp = None
+        if cfg.mlp_ratio > 0:
+            self.mlp_norm, self.mlp = make_norm(cfg), GatedMLP(D, cfg.mlp_ratio)
+            self.mlp_gate = nn.Parameter(torch.full((D,), gain))
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def init_state(self, batch, device=None, dtype=None):
+        cell = self.cell.init_state(batch, device, dtype)
+        attn = self.attn.init_state(batch, device, dtype) if self.attn is not None else ()
+        return (cell, attn)
+
+    def forward(self, x, state, reset=None, step: bool = False):
+        cell_state, attn_state = state
+        if step:  # one token, x: [B, D]
+            y, cell_state = self.cell.step(self.cell_norm(x), cell_state)
+        else:
+            y, cell_state = self.cell(self.cell_norm(x), cell_state, reset)
+        x = x + self.cell_gate * self.dropout(y)
+        if self.attn is not None:
+            a_in = self.attn_norm(x)
+            y, attn_state = self.attn(a_in[:, None] if step else a_in, attn_state, None if step else reset)
+            x = x + self.attn_gate * (y[:, 0] if step else y)
+        if self.mlp is not None:
+            x = x + self.mlp_gate * self.dropout(self.mlp(self.mlp_norm(x)))
+        return x, (cell_state, attn_state)
+
+    def flops_per_token(self) -> int:
+        total = self.cell.flops_per_token()
+        total += self.attn.flops_per_token() if self.attn is not None else 0
+        total += self.mlp.flops_per_token() if self.mlp is not None else 0
+        return total
+
+
+# ---------------------------------------------------------------------------------------------- the heads
+# Final hidden states -> log-probabilities of the next token, in two forms side by side:
+#
+#     logits = head(h)             # [..., V]: generation and sampling (for ClusteredHead, log-probabilities)
+#     nats = head.nats(h, targets) # [...]: each target's negative log-probability, float32 (training, evaluation)
+#
+# `Head` is one linear map over the whole vocabulary (tied to the embedding by default).
+#
+# `ClusteredHead` (`model.head_shortlist = S`) is a two-level softmax: the S most frequent training tokens and one
+# entry for "a rarer token" share the first softmax, the rarer ones have their own, so that
+# log p(t) = log p_head(t) for a frequent token and log p_head(rest) + log p_tail(t) for a rare one: still an
+# exact distribution over the whole vocabulary. `nats` computes the tail only for the rows whose target is in it,
+# so on text whose S most frequent tokens cover 80-90% of it the head costs about a third of a full softmax. It is
+# the shortlist and tail of Grave et al.'s adaptive softmax with the tail kept at full width, so that both levels
+# read the (tied) embedding matrix; torch's AdaptiveLogSoftmaxWithLoss projects its tail clusters to narrower
+# widths and cannot share the embedding. Which tokens are frequent is a buffer (`order`), set from the training
+# tokens at a fresh start (`assign`) and saved in every checkpoint.
+
+class Head(nn.Linear):
+    """The full softmax: logits = h @ W^T over the whole vocabulary."""
+
+    def __init__(self, d_model: int, vocab_size: int, tied: nn.Parameter | None = None):
+        if tied is not None:  # the embedding's matrix: nothing to allocate
+            with on_meta():
+                super().__init__(d_model, vocab_size, bias=False)
+            self.weight = tied
+        else:
+            super().__init__(d_model, vocab_size, bias=False)
+            nn.init.normal_(self.weight, std=0.02)
+
+    def nats(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(self(h), targets, reduction="none")
+
+    def flops_per_token(self) -> int:
+        return 2 * self.in_features * self.out_features
+
+
+class ClusteredHead(nn.Module):
+    """The two-level softmax: `shortlist` frequent tokens and a "rarer token" entry, then the rarer tokens."""
+
+    def __init__(self, d_model: int, vocab_size: int, shortlist: int, tied: nn.Parameter | None = None):
+        super().__init__()
+        self.shortlist, self.vocab_size = shortlist, vocab_size
+        if tied is not None:
+            self.weight = tied
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
+            nn.init.normal_(self.weight, std=0.02)
+        self.rest = nn.Linear(d_model, 1)  # the logit of "a token outside the shortlist"
+        nn.init.zeros_(self.rest.weight)
+        nn.init.zeros_(self.rest.bias)
+        self.register_buffer("order", torch.arange(vocab_size))  # token ids, the most frequent first
+        self.tail_share = 1.0 - shortlist / vocab_size  # of training tokens outside the shortlist (for FLOPs)
+
+    @torch.no_grad()
+    def assign(self, counts: np.ndarray) -> None:
+        """Put the most frequent tokens of `counts` (occurrences per token id) in the shortlist; ties by id."""
+        order = np.argsort(-np.asarray(counts, dtype=np.int64), kind="stable")
+        self.order.copy_(torch.from_numpy(order))
+        self.tail_share = float(np.asarray(counts)[order[self.shortlist:]].sum() / max(1, np.sum(counts)))
+
+    def _rank(self) -> torch.Tensor:
+        """Each token id's place in `order`."""
+        rank = torch.empty_like(self.order)
+        rank[self.order] = torch.arange(len(self.order), device=self.order.device)
+        return rank
+
+    def _head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        short = self.weight.index_select(0, self.order[:self.shortlist])
+        return at_least_fp32(torch.cat([F.linear(h, short), self.rest(h)], dim=-1))
+
+    def _tail_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return at_least_fp32(F.linear(h, self.weight.index_select(0, self.order[self.shortlist:])))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities over the whole vocabulary, in token-id order."""
+        S = self.shortlist
+        head = self._head_logits(h).log_softmax(-1)
+        tail = self._tail_logits(h).log_softmax(-1) + head[..., S:]
+        return torch.cat([head[..., :S], tail], dim=-1).index_select(-1, self._rank())
+
+    def nats(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        S, shape = self.shortlist, targets.shape
+        h, rank = h.flatten(0, -2), self._rank()[targets.flatten()]
+        in_tail = rank >= S
+        nats = F.cross_entropy(self._head_logits(h), torch.where(in_tail, S, rank), reduction="none")
+        rows = in_tail.nonzero().squeeze(1)
+        if rows.numel():
+            tail = F.cross_entropy(self._tail_logits(h[rows]), rank[rows] - S, reduction="none")
+            nats = nats.index_add(0, rows, tail)
+        return nats.view(shape)
+
+    def flops_per_token(self) -> int:
+        d = self.weight.shape[1]
+        return int(2 * d * (self.shortlist + 1) + 2 * d * (self.vocab_size - self.shortlist) * self.tail_share)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of each position's next token from full logits, in float32 whatever the autocast dtype (with
+    reduction "none", in the targets' shape): the full head's nats and the pipeline's last stage."""
+    loss = F.cross_entropy(at_least_fp32(logits).flatten(0, -2), targets.flatten(), reduction=reduction)
+    return loss.view(targets.shape) if reduction == "none" else loss
+
+
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Softmax and loss in float32 whatever the autocast dtype (float64 stays float64)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def token_counts(tokens: np.ndarray, vocab_size: int, sample: int = 1 << 24, blocks: int = 256) -> np.ndarray:
+    """Occurrences of each token id in `tokens`, or in `sample` of them read as `blocks` evenly spaced runs (a
+    memory-mapped corpus is read in a few long runs, not one token from each of millions of pages)."""
+    if len(tokens) > sample:
+        blocks = min(blocks, sample)
+        size = sample // blocks
+        starts = np.linspace(0, len(tokens) - size, blocks).astype(np.int64)
+        tokens = np.concatenate([tokens[s:s + size] for s in starts])
+    return np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)[:vocab_size]
+
+
+# ---------------------------------------------------------------------------------------------- the state
+# Operations on a model's recurrent state: nested lists and tuples of [B, ...] tensors.
+
+def map_state(fn: Callable[[torch.Tensor], torch.Tensor], state):
+    if isinstance(state, torch.Tensor):
+        return fn(state)
+    if isinstance(state, (list, tuple)):
+        return type(state)(map_state(fn, s) for s in state)
+    return state
+
+
+def detach_state(state):
+    """Cut the graph between training steps (truncated BPTT)."""
+    return map_state(torch.Tensor.detach, state)
+
+
+def rows(state, index):
+    """The state of some batch rows (a slice or index tensor)."""
+    return map_state(lambda t: t[index], state)
+
+
+def cat_rows(states: list):
+    """Inverse of taking consecutive row slices: join per-slice states along the batch."""
+    first = states[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(states, dim=0)
+    if isinstance(first, (list, tuple)):
+        return type(first)(cat_rows([s[i] for s in states]) for i in range(len(first)))
+    return first
+
+
+def all_finite(state) -> bool:
+    ok = True
+
+    def check(t):
+        nonlocal ok
+        ok = ok and bool(torch.isfinite(t).all())
+        return t
+
+    map_state(check, state)
+    return ok

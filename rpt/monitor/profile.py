@@ -1,5 +1,5 @@
-"""`rpt train --profile START:END`: torch.profiler traces of those steps on every rank, and each rank's
-timeline summarised into compute, communication, their overlap, and idle time.
+"""`rpt train --profile START:END`: each rank's torch.profiler trace of those steps (taken by
+rpt/train/profiling.py) summarised into compute, communication, their overlap, and idle time.
 
 The traces land in RUN_DIR/traces/rankR.json (Chrome trace format: open in Perfetto or chrome://tracing).
 The summary is computed here from the trace events rather than with HTA (Holistic Trace Analysis),
@@ -15,11 +15,7 @@ which reads GPU kernel timelines only: a CPU job, and gloo's collectives, would 
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
-
-import torch
 
 COMM = re.compile(r"gloo|nccl|c10d|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|broadcast|"
                   r"alltoall|barrier|\bsend\b|\brecv\b|isend|irecv|batch_isend_irecv", re.IGNORECASE)
@@ -33,52 +29,6 @@ def parse_range(spec: str) -> tuple[int, int] | None:
         return None
     first, _, last = spec.partition(":")
     return int(first), int(last or first)
-
-
-class StepProfiler:
-    """Starts torch.profiler before step START and stops it after step END (1-based, inclusive)."""
-
-    def __init__(self, spec: str, run_dir: Path, rank: int, device: torch.device):
-        self.range = parse_range(spec)
-        self.path = Path(run_dir) / "traces" / f"rank{rank}.json"
-        self.device = device
-        self.prof = None
-        self.step_span = None
-        self.summary: dict | None = None
-
-    def before_step(self, step: int) -> None:
-        """`step`: the number of the step about to run."""
-        if self.range is None:
-            return
-        if self.prof is None and step == self.range[0]:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities)
-            self.prof.__enter__()
-        if self.prof is not None:
-            self.step_span = torch.profiler.record_function(f"{STEP}{step}")
-            self.step_span.__enter__()
-
-    def after_step(self, step: int) -> None:
-        if self.prof is None:
-            return
-        self.step_span.__exit__(None, None, None)
-        self.step_span = None
-        if step >= self.range[1]:
-            self.finish()
-
-    def finish(self) -> None:
-        if self.prof is None:
-            return
-        if self.step_span is not None:
-            self.step_span.__exit__(None, None, None)
-            self.step_span = None
-        self.prof.__exit__(None, None, None)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.prof.export_chrome_trace(str(self.path))
-        self.prof = None
-        self.summary = summarize(json.loads(self.path.read_text()))
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rpt.comm.sync import LocalSync, build_sync
 from rpt.models import RecurrentLM
-from rpt.models.block import Block
+from rpt.models.lm import Block
 from rpt.parallel import fsdp, pipeline
 from rpt.parallel.mesh import Mesh
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from rpt.comm.accounting import fsdp_wire_bytes
 from rpt.comm.sync import LocalSync, clip_global_norm
-from rpt.models.block import Block
+from rpt.models.lm import Block
 
 
 def shard(root: nn.Module, model, mesh, precision: str, device: torch.device) -> None:

@@ -34,8 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rpt.comm.sync import clip_global_norm
 from rpt.errors import RptError
-from rpt.models.head import next_token_loss
-from rpt.models.state import cat_rows, detach_state, rows
+from rpt.models.lm import cat_rows, detach_state, next_token_loss, rows
 from rpt.parallel.fsdp import LocalGrad, gathered, local
 from rpt.parallel.mesh import Mesh
 from rpt.parallel.plan import Plan
@@ -238,7 +237,7 @@ def measure_costs(cfg, device: torch.device, repeats: int = 3):
     over the ranks, so every rank cuts the same stages. Counted FLOPs miss what dominates small models on a CPU
     (elementwise gate work, the softmax of the loss): balanced by FLOPs, a 2-stage 4-block LSTM ran its last
     stage 25% longer."""
-    from rpt.models.block import Block, has_attention, make_norm
+    from rpt.models.lm import Block, has_attention, make_norm
     from rpt.parallel.plan import Costs
 
     m = cfg.model

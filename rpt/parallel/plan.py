@@ -134,7 +134,7 @@ def _meta_model(cfg: Config):
 
 def activation_bytes_per_token(cfg: Config, block_index: int) -> float:
     """Bytes autograd saves for backward per token in one block (fp32), measured on narrow copies."""
-    from rpt.models.block import Block
+    from rpt.models.lm import Block
 
     m, heads = cfg.model, max(1, cfg.model.attention_heads)
     T = cfg.train.seq_len

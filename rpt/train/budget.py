@@ -9,9 +9,10 @@ with every checkpoint, so a later resume of the extended run continues it exactl
 
 from __future__ import annotations
 
+import math
+
 from rpt.config import TrainConfig
 from rpt.errors import RptError
-from rpt.train.optim import decay, lr_at
 
 KEYS = ("max_steps", "max_tokens", "max_time")
 
@@ -93,3 +94,26 @@ class Budget:
                 f"continues from {saved['lr']:.2e} down to {floor:.2e} over the rest ({self.cfg.schedule})")
         return (f"extending the run from {old} to {self.describe().removeprefix('budget: ')}: the learning rate "
                 f"{rule}; it never jumps back up")
+
+
+def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
+    """Linear warm-up over warmup_steps, then cosine or linear decay to min_lr_ratio * lr.
+
+    `progress` in [0, 1] is how much of the run's budget is spent: the largest of
+    steps / max_steps, tokens / max_tokens and seconds / max_time among the budgets set, so the
+    decay ends with the run whichever budget ends it.
+    """
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * decay(progress, cfg.schedule)
+
+
+def decay(progress: float, schedule: str) -> float:
+    """The schedule's shape: 1 at the start of the decay, 0 at its end (constant: always 1)."""
+    progress = min(1.0, max(0.0, progress))
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":
+        return 1 - progress
+    return 0.5 * (1 + math.cos(math.pi * progress))

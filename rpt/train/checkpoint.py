@@ -23,7 +23,6 @@ import time
 import warnings
 from concurrent.futures import Future
 from contextlib import contextmanager
-from pathlib import Path
 
 import fsspec
 import torch

@@ -16,13 +16,13 @@ from tqdm import tqdm
 
 from rpt.errors import RptError
 from rpt.train.checkpoint import Checkpointer
-from rpt.train.faults import StepHooks
+from rpt.train.hooks import StepHooks
 
 log = logging.getLogger("rpt.train")
 
 
 class Checkpointing:
-    def __init__(self, cfg, default_root: str, rank: int, world_size: int, is_main: bool, hooks: StepHooks,
+    def __init__(self, cfg, default_root: str, rank: int, world_size: int, is_main: bool, hooks: list[StepHooks],
                  layout: dict | None = None):
         self.cfg, self.is_main, self.hooks = cfg, is_main, hooks
         self.checkpointer = Checkpointer(cfg.path or default_root, rank, world_size, cfg.keep_last, cfg.keep_best,
@@ -32,12 +32,17 @@ class Checkpointing:
     def should_save(self, step: int) -> bool:
         return bool(self.cfg.interval) and step % self.cfg.interval == 0
 
+    def _written(self, step: int) -> None:
+        for hook in self.hooks:
+            hook.checkpoint_written(step)
+
     def save(self, step: int, model, optimizer, parts: dict, val: tuple[float, int] | None) -> None:
         """A checkpoint of `step`, ranked by `val` (loss, validation tokens) when it has one."""
         extras = {name: part.state_dict() for name, part in parts.items()}
         path = self.checkpointer.save(step, model, optimizer, extras, val=val,
-                                      before_commit=lambda: self.hooks.checkpoint_written(step))
-        self.hooks.checkpoint_complete(step, None if self.cfg.async_save else path)
+                                      before_commit=lambda: self._written(step))
+        for hook in self.hooks:
+            hook.checkpoint_complete(step, None if self.cfg.async_save else path)
         self.last_saved_step = step
 
     def finish(self, step: int, model, optimizer, parts: dict, val: tuple[float, int]) -> None:

@@ -76,6 +76,7 @@ class Evaluation:
         self.best: dict | None = None  # the best periodic evaluation, with its step and the budget spent then
         self.best_weights: dict | None = None  # this rank's weights at `best`, while this process holds them
         self.seconds = 0.0  # spent in periodic evaluations
+        self.stale: str | None = None  # why the run stops early (train.early_stop), decided at each validation
 
     def should_evaluate(self, step: int) -> bool:
         return bool(self.cfg.eval_interval) and step % self.cfg.eval_interval == 0
@@ -98,8 +99,9 @@ class Evaluation:
         if self.best is None or self.last["loss"] < self.best["loss"]:
             self.best = dict(self.last)
             self.best_weights = weights_of() if self.cfg.select_best else None
+        self.stale = self._staleness()
 
-    def stale(self) -> str | None:
+    def _staleness(self) -> str | None:
         """Why the run stops early, or None: the periodic validations over the last `early_stop` of the budget
         (the last one that share after the best) found nothing better than the best."""
         if not self.cfg.early_stop or self.best is None:
@@ -119,3 +121,4 @@ class Evaluation:
     def load_state_dict(self, state: dict) -> None:
         self.last = state["last"]
         self.best, self.seconds = state.get("best"), state.get("seconds", 0.0)  # older checkpoints: none yet
+        self.stale = self._staleness()

@@ -1,5 +1,5 @@
-"""Fault injection for tests: make a chosen rank fail at a chosen step, as real faults do. The faults are hooks
-(`StepHooks`) the trainer calls at fixed points; RPT_FAULT installs them, a test may install its own.
+"""Fault injection for tests: make a chosen rank fail at a chosen step, as real faults do. The faults are step
+hooks (rpt/train/hooks.py) that RPT_FAULT installs; a test may install its own.
 
     RPT_FAULT="kill@5"            rank 0 kills itself (SIGKILL) when step 5 begins
     RPT_FAULT="kill@5:rank=1"     rank 1 does
@@ -11,7 +11,7 @@
     RPT_FAULT="stall@4:rank=1:seconds=120"      rank 1 hangs for 120 s in the forward of step 4
 
 A worker that the elastic launcher restarted (TORCHELASTIC_RESTART_COUNT > 0) does not kill
-itself again, so a restarted run can finish. Unset, the hooks are empty methods.
+itself again, so a restarted run can finish. Unset, nothing is installed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from rpt.train.hooks import StepHooks
 
 
 @dataclass(frozen=True)
@@ -47,23 +49,6 @@ def from_env() -> Fault | None:
     opts = dict(o.split("=", 1) for o in options)
     rank = int(opts["rank"]) if "rank" in opts else (0 if kind in ("kill", "killsave", "corrupt") else None)
     return Fault(kind, int(first), int(last or first), rank, float(opts.get("seconds", 0.0)))
-
-
-class StepHooks:
-    """Where a test or RPT_FAULT may act inside the loop; the trainer calls each at its point, no-ops here."""
-
-    def step_begins(self, step: int) -> None:
-        """Before the batch of step `step + 1` is read (`step` steps are done)."""
-
-    def in_forward(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        """Inside the forward of step `step + 1`, with its loss; returns the loss the step goes on with."""
-        return loss
-
-    def checkpoint_written(self, step: int) -> None:
-        """Every shard of the checkpoint of `step` written, the manifest not yet."""
-
-    def checkpoint_complete(self, step: int, path: str | None) -> None:
-        """The checkpoint of `step` complete (path None while an asynchronous save is still writing)."""
 
 
 class FaultHooks(StepHooks):
@@ -94,9 +79,10 @@ class FaultHooks(StepHooks):
             corrupt(path, self.rank)
 
 
-def hooks_from_env(rank: int) -> StepHooks:
+def hooks_from_env(rank: int) -> list[StepHooks]:
+    """The hooks RPT_FAULT asks of this rank: none when it is unset."""
     fault = from_env()
-    return FaultHooks(fault, rank) if fault else StepHooks()
+    return [FaultHooks(fault, rank)] if fault else []
 
 
 def corrupt(checkpoint: str, rank: int) -> None:

@@ -1,4 +1,4 @@
-"""The optimiser (AdamW with parameter groups, or SGD with momentum) and the learning-rate schedule.
+"""The optimiser: AdamW with parameter groups, or SGD with momentum (its learning rate: rpt/train/budget.py).
 
 Weight decay applies to the matrices of the cells, attention, MLP and head; not to norms,
 biases, residual gates, peepholes or the embedding (decaying a tied embedding decays the
@@ -8,7 +8,6 @@ pipeline stage's copy of a tied embedding (named head.weight there) is the embed
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -50,40 +49,3 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, only=None) -> torc
         for p in (p for g in groups for p in g["params"]):
             optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return optimizer
-
-
-def step_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
-    """The optimiser's step, skipped on the device where `nonfinite` (a 0-d bool tensor) is set.
-
-    Fused AdamW and SGD read a `found_inf` tensor (GradScaler hands fp16 steps the same way) and then leave
-    parameters, moments and step counts untouched, so the host never waits for the gradient norm:
-    on a GPU the next step's kernels queue behind this one instead of after a synchronisation.
-    """
-    optimizer.found_inf = nonfinite.float()
-    try:
-        optimizer.step()
-    finally:
-        del optimizer.found_inf
-
-
-def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
-    """Linear warm-up over warmup_steps, then cosine or linear decay to min_lr_ratio * lr.
-
-    `progress` in [0, 1] is how much of the run's budget is spent: the largest of
-    steps / max_steps, tokens / max_tokens and seconds / max_time among the budgets set, so the
-    decay ends with the run whichever budget ends it.
-    """
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * decay(progress, cfg.schedule)
-
-
-def decay(progress: float, schedule: str) -> float:
-    """The schedule's shape: 1 at the start of the decay, 0 at its end (constant: always 1)."""
-    progress = min(1.0, max(0.0, progress))
-    if schedule == "constant":
-        return 1.0
-    if schedule == "linear":
-        return 1 - progress
-    return 0.5 * (1 + math.cos(math.pi * progress))

@@ -107,7 +107,7 @@ def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, token
 
 
 def shortlist_for(counts: np.ndarray) -> Choice:
-    """The two-level softmax's shortlist (rpt/models/head.py) of the least expected cost: a power of two S from
+    """The two-level softmax's shortlist (`ClusteredHead`) of the least expected cost: a power of two S from
     256 to a quarter of the vocabulary, costing S + 1 logits a token plus the vocabulary beyond S for the share
     of tokens outside it; none (0) unless that saves HEAD_SAVING x of the full softmax."""
     V = len(counts)

@@ -75,7 +75,7 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, pr
 def apply_recipe(cfg: Config, d) -> None:
     """The default recipe, from the prepared data's token counts (rpt/train/recipe.py)."""
     from rpt.data.mixture import open_dataset
-    from rpt.models.head import token_counts
+    from rpt.models.lm import token_counts
     from rpt.train.recipe import resolve
 
     data = open_dataset(cfg.data)

@@ -23,7 +23,7 @@ from rpt.monitor import sinks
 from rpt.monitor.metrics import (InputProbe, gate_saturation, gather_rows, memory_bytes, pack, state_rms, stragglers,
                                  unpack)
 from rpt.monitor.store import MetricsWriter
-from rpt.models.state import rows
+from rpt.models.lm import rows
 
 log = logging.getLogger("rpt.train")
 
@@ -88,7 +88,7 @@ class Telemetry:
     # ------------------------------------------------------------------ log intervals
     def log_interval(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         tr = self.tr
-        tr.watchdog.mark(tr.step, "log")
+        tr.mark_phase("log")
         first, began, window_tokens = self.window
         steps, wall = max(1, tr.step - first), time.perf_counter() - began
         self.window = (tr.step, time.perf_counter(), 0)
@@ -189,7 +189,7 @@ class Telemetry:
     def profile(self) -> list[dict] | None:
         """The profiled steps' timeline summary of every rank (all ranks take part when a range was asked for)."""
         profiler = self.tr.profiler
-        if profiler.range is None:
+        if profiler is None:
             return None
         profiler.finish()  # a run that ended inside the range
         keys = ("steps", "wall_s", "compute_s", "comm_s", "overlap_s", "idle_s")

@@ -11,8 +11,10 @@
         log / evaluate / checkpoint / check the budgets
 
 The step and the loop are here; what happens around them are components that own their config section and
-their timing: Telemetry (monitor), Evaluation (train.eval_*), Checkpointing (checkpoint), the Watchdog, the
-fault hooks. How the model runs on the ranks (pipeline, DDP, comm modes) is applied in rpt.parallel.apply.
+their timing: Telemetry (monitor), Evaluation (train.eval_*), Checkpointing (checkpoint), Budget (train.max_*
+and the learning rate), and the step hooks a run installs (rpt/train/hooks.py: the stall watchdog, the
+profiler, fault injection). How the model runs on the ranks (pipeline, DDP, comm modes) is applied in
+rpt.parallel.apply.
 Everything a run writes goes into its run directory: config.toml, meta.json of the data, logs/rank*.log,
 metrics.jsonl, checkpoints/, summary.json.
 """
@@ -40,12 +42,10 @@ from rpt.data.stream import TokenStream
 from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
-from rpt.models.head import token_counts
+from rpt.models.lm import all_finite, cat_rows, detach_state, map_state, rows, token_counts
 from rpt.models.shapes import on_meta
-from rpt.models.state import all_finite, cat_rows, detach_state, map_state, rows
 from rpt.monitor import sinks
 from rpt.monitor.metrics import PhaseClock
-from rpt.monitor.profile import StepProfiler
 from rpt.parallel.apply import parallelize
 from rpt.parallel.interrupt import StopRequest
 from rpt.parallel.launch import Dist, restart_count
@@ -54,12 +54,15 @@ from rpt.train import faults
 from rpt.train.budget import Budget
 from rpt.train.checkpointing import Checkpointing, RandomState
 from rpt.train.evaluate import Evaluation
+from rpt.train.hooks import StepHooks
 from rpt.train.init_from import load_weights, read_weights
-from rpt.train.optim import build_optimizer, step_unless
+from rpt.train.optim import build_optimizer
+from rpt.train.profiling import Profiling
 from rpt.train.telemetry import Telemetry
 from rpt.train.watchdog import Watchdog
 
 log = logging.getLogger("rpt.train")
+IN_STEP = ("data", "forward", "backward", "optimizer")  # the phases of a step
 
 
 class Trainer:
@@ -98,11 +101,9 @@ class Trainer:
         self.stopped: float | None = None  # when this run's training time ended (before the final evaluations)
         self.budget, self.ended_by, self.progress = Budget(t), None, 0.0
         self.pending_skip = None  # on a GPU: the last step's non-finite flag, not read yet
-        self.hooks = faults.hooks_from_env(dist_info.rank)
-        self.watchdog = Watchdog(dist_info.rank, dist_info.world_size, t.stall_timeout if dist_info.enabled else 0)
-        in_step = ("data", "forward", "backward", "optimizer")  # phases of the step being run: step + 1
-        self.clock = PhaseClock(self.device, lambda phase: self.watchdog.mark(self.step + (phase in in_step), phase))
-        self.profiler = StepProfiler(cfg.monitor.profile, self.run_dir, dist_info.rank, self.device)
+        self.hooks = step_hooks(cfg, dist_info, self.run_dir)
+        self.profiler = next((h for h in self.hooks if isinstance(h, Profiling)), None)
+        self.clock = PhaseClock(self.device, self.mark_phase)
         self.evaluation = Evaluation(t, self.data, token_byte_lengths(self.data.tokenizer), self.device,
                                      self.dp_rank, self.dp_size, cfg.data.reset_at_documents, self._autocast)
         self.layout = par.layout
@@ -141,7 +142,9 @@ class Trainer:
                     with self._autocast(), self.clock("forward"):
                         nats, state = self.sync.module(x[part], rows(self.state, part),
                                                        None if reset is None else reset[part], y[part])
-                        loss = self.hooks.in_forward(self.step, nats.mean())
+                        loss = nats.mean()
+                        for hook in self.hooks:
+                            loss = hook.in_forward(self.step, loss)
                     with self.clock("backward"):
                         self.scaler.scale(loss / t.grad_accum).backward()
                 losses.append(loss.detach())
@@ -213,24 +216,25 @@ class Trainer:
         tel.open()
         with StopRequest(in_worker="TORCHELASTIC_RUN_ID" in os.environ) as stop, closing(tel.bar):
             while True:
-                self.watchdog.mark(self.step + 1, "data")
+                self.mark_phase("data")
                 elapsed, stopping = self._agreed(stop)
                 if stopping:
                     return self._stop_interrupted(stop)
                 self.progress = self.budget.progress(self.step, self.tokens, elapsed)
-                self.ended_by = self.budget.ended_by(self.step, self.tokens, elapsed) or self.evaluation.stale()
+                self.ended_by = self.budget.ended_by(self.step, self.tokens, elapsed) or self.evaluation.stale
                 if self.ended_by:
                     break
-                self.hooks.step_begins(self.step)
                 lr = self.budget.lr(self.step, self.progress)
                 for group in self.optimizer.param_groups if self.optimizer is not None else ():
                     group["lr"] = lr
                 with self.clock("data"):
                     batch = self._next_batch()
-                self.profiler.before_step(self.step + 1)
+                for hook in self.hooks:
+                    hook.step_begins(self.step)
                 loss, grad_norm = self.train_step(batch)
                 self.step += 1
-                self.profiler.after_step(self.step)
+                for hook in self.hooks:
+                    hook.step_ends(self.step)
                 self.tokens += t.batch_size * t.seq_len * self.dp_size
                 tel.step_done(t.batch_size * t.seq_len * self.dp_size)
                 self._check_bad_streak()
@@ -270,7 +274,8 @@ class Trainer:
             selected = self._select_best()
             final = self._evaluate(final=True)
         summary = tel.summary(wall, final, profile, selected)
-        self.watchdog.stop()
+        for hook in self.hooks:
+            hook.run_ends()
         tel.close()
         return summary
 
@@ -299,7 +304,8 @@ class Trainer:
         if self.checkpoints.last_saved_step != self.step and self.step > 0:
             self._save()
         self.checkpointer.finish_pending()
-        self.watchdog.stop()
+        for hook in self.hooks:
+            hook.run_ends()
         tel.close()
         saved = self.checkpointer.latest()
         tel.say(f"interrupted at step {self.step:,}; " + (f"the checkpoint {saved} holds it. " if saved else "")
@@ -309,6 +315,12 @@ class Trainer:
         return {"interrupted": True, "steps": self.step, "signal": stop.requested}
 
     # ------------------------------------------------------------------ pieces
+    def mark_phase(self, phase: str) -> None:
+        """Tell the step hooks (the stall watchdog) which phase this rank enters; a phase of the step being run
+        counts as step + 1."""
+        for hook in self.hooks:
+            hook.phase(self.step + (phase in IN_STEP), phase)
+
     def _autocast(self):
         if self.amp_dtype is None:
             return nullcontext()
@@ -418,6 +430,17 @@ class Trainer:
             shutil.copyfile(self.data.path / name, self.run_dir / name)
 
 
+def step_hooks(cfg: Config, d: Dist, run_dir: Path) -> list[StepHooks]:
+    """The step hooks (rpt/train/hooks.py) this run installs: RPT_FAULT's, the stall watchdog on several
+    processes, the profiler when steps are to be traced."""
+    hooks = faults.hooks_from_env(d.rank)
+    if d.world_size > 1 and cfg.train.stall_timeout:
+        hooks.append(Watchdog(d.rank, d.world_size, cfg.train.stall_timeout))
+    if cfg.monitor.profile:
+        hooks.append(Profiling(cfg.monitor.profile, run_dir, d.rank, d.device))
+    return hooks
+
+
 def open_data(cfg: Config) -> PreparedData | MixedData:
     """The prepared data of data.path (or the mixture of data.mix), its vocabulary given to the model
     (model.vocab_size = 0) or checked against it, and every token id of both splits checked to fit."""
@@ -430,6 +453,20 @@ def open_data(cfg: Config) -> PreparedData | MixedData:
     for split in ("train", "val"):
         data.check_ids(split, cfg.model.vocab_size)
     return data
+
+
+def step_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
+    """The optimiser's step, skipped on the device where `nonfinite` (a 0-d bool tensor) is set.
+
+    Fused AdamW and SGD read a `found_inf` tensor (GradScaler hands fp16 steps the same way) and then leave
+    parameters, moments and step counts untouched, so the host never waits for the gradient norm:
+    on a GPU the next step's kernels queue behind this one instead of after a synchronisation.
+    """
+    optimizer.found_inf = nonfinite.float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def param_digest(model: torch.nn.Module) -> str:

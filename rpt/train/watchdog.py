@@ -14,6 +14,9 @@ its thread still runs, reports the same diagnosis.
     rank 1 made no progress for 12.0 s: last at step 5 in forward (its own computation); rank 0 waits
     at step 5 in optimizer (gradient synchronisation, clip-norm all-reduce, AdamW)
 
+The watchdog is a step hook (rpt/train/hooks.py): the trainer tells it each phase change, and installs it only
+on runs of several processes with `train.stall_timeout` > 0.
+
 Why written here: torch's own watchdog (TORCH_NCCL_*) covers NCCL only and reports the collective's
 sequence number, not which rank is behind or where; gloo has none.
 """
@@ -30,6 +33,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from rpt.parallel.launch import STALL_EXIT
+from rpt.train.hooks import StepHooks
 
 log = logging.getLogger("rpt.watchdog")
 DESCRIBE = {
@@ -45,12 +49,12 @@ DESCRIBE = {
 ORDER = ["start", "data", "forward", "backward", "optimizer", "log", "eval", "checkpoint"]
 
 
-class Watchdog:
+class Watchdog(StepHooks):
     def __init__(self, rank: int, world_size: int, timeout: float):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.interval = max(1.0, world_size / 256)
         self.last_check = 0.0
-        self.step, self.phase, self.since = 0, "start", time.monotonic()
+        self.step, self.in_phase, self.since = 0, "start", time.monotonic()
         self.store = dist.distributed_c10d._get_default_store() if timeout and world_size > 1 else None
         self._stop = threading.Event()
         self._thread = None
@@ -58,12 +62,12 @@ class Watchdog:
             self._thread = threading.Thread(target=self._run, name="rpt-watchdog", daemon=True)
             self._thread.start()
 
-    def mark(self, step: int, phase: str) -> None:
-        """Called by the trainer at every phase change (two attribute writes: free)."""
-        if phase != self.phase or step != self.step:
-            self.step, self.phase, self.since = step, phase, time.monotonic()
+    def phase(self, step: int, name: str) -> None:
+        """At every phase change (a few attribute writes: free)."""
+        if name != self.in_phase or step != self.step:
+            self.step, self.in_phase, self.since = step, name, time.monotonic()
 
-    def stop(self) -> None:
+    def run_ends(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
@@ -73,7 +77,8 @@ class Watchdog:
         while not self._stop.wait(self.interval):
             try:
                 now = time.time()
-                self.store.set(f"rpt/heartbeat/{self.rank}", f"{self.step}:{self.phase}:{now - (time.monotonic() - self.since)}")
+                since = now - (time.monotonic() - self.since)
+                self.store.set(f"rpt/heartbeat/{self.rank}", f"{self.step}:{self.in_phase}:{since}")
                 stuck = time.monotonic() - self.since
                 if stuck > self.timeout and time.monotonic() - self.last_check > 5 * self.interval:
                     self.last_check = time.monotonic()

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rpt.config import ModelConfig
-from rpt.models.block import build_cell
+from rpt.models.lm import build_cell
 from rpt import kernels
 from rpt.kernels.cpu import build, products
 

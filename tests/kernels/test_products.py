@@ -73,7 +73,7 @@ def test_fused_cells_sequence_products_on_onednn_as_accurate_as_mkl(name, monkey
     if not products._packed_available():
         pytest.skip("torch has no oneDNN linear here")
     from rpt.config import ModelConfig
-    from rpt.models.block import build_cell
+    from rpt.models.lm import build_cell
 
     torch.manual_seed(0)
     cell = build_cell(ModelConfig(d_model=24, cell=name))

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from rpt.config import ModelConfig
-from rpt.models.block import build_cell
+from rpt.models.lm import build_cell
 
 
 def reference_and_kernel(cell_name: str, heads: int, B: int, T: int, resets: bool, width: int = 16):

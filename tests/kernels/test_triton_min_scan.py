@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from rpt.config import ModelConfig  # noqa: E402
-from rpt.models.block import build_cell  # noqa: E402
+from rpt.models.lm import build_cell  # noqa: E402
 from rpt.models.cells import minrnn  # noqa: E402
 
 

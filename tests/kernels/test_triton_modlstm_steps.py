@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 
 from rpt.config import ModelConfig  # noqa: E402
 from rpt.models import register_gate  # noqa: E402
-from rpt.models.block import build_cell  # noqa: E402
+from rpt.models.lm import build_cell  # noqa: E402
 from rpt.models.cells import modlstm as modlstm_module  # noqa: E402
 from triton_cases import SOFTSIGN, float64_case  # noqa: E402  (SOFTSIGN: a registered gate with its Triton form)
 

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from rpt.config import ModelConfig
 from rpt.models import register_gate
-from rpt.models.block import build_cell
+from rpt.models.lm import build_cell
 
 SOFTSIGN = "softsign-triton-test"
 

@@ -9,7 +9,7 @@ import torch
 from rpt.config import ModelConfig
 from rpt.errors import RptError
 from rpt.models import register_cell, register_gate
-from rpt.models.block import build_cell
+from rpt.models.lm import build_cell
 from rpt.models.cells.base import Cell
 from rpt import kernels
 

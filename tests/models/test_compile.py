@@ -16,7 +16,7 @@ import torch
 
 from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
-from rpt.models.block import build_cell
+from rpt.models.lm import build_cell
 from rpt import kernels
 
 

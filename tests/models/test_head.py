@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
-from rpt.models.head import ClusteredHead, Head, token_counts
+from rpt.models.lm import ClusteredHead, Head, token_counts
 
 V, D, S = 40, 8, 6
 

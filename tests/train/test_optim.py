@@ -9,7 +9,8 @@ import torch
 from rpt.config import Config
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
-from rpt.train.optim import build_optimizer, step_unless
+from rpt.train.optim import build_optimizer
+from rpt.train.trainer import step_unless
 
 
 def model_and_grads(cfg: Config, seed: int = 0):

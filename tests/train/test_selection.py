@@ -81,10 +81,10 @@ def test_early_stop_waits_for_a_validation_that_share_of_the_budget_after_the_be
     for step, (loss, progress) in enumerate([(3.0, 0.1), (2.0, 0.2), (2.5, 0.3), (2.4, 0.44)]):
         ev.last = {"loss": loss, "tokens": 1, "step": step}
         ev.keep_if_best(lambda: None, progress)
-        assert ev.stale() is None, step  # the best (step 1) is less than 0.25 of the budget behind
+        assert ev.stale is None, step  # the best (step 1) is less than 0.25 of the budget behind
     ev.last = {"loss": 2.1, "tokens": 1, "step": 4}
     ev.keep_if_best(lambda: None, 0.45)
-    assert "the best at step 1" in ev.stale()
+    assert "the best at step 1" in ev.stale
     ev.last = {"loss": 1.9, "tokens": 1, "step": 5}  # a better one later: no stop
     ev.keep_if_best(lambda: None, 0.5)
-    assert ev.stale() is None and ev.best["step"] == 5
+    assert ev.stale is None and ev.best["step"] == 5
