@@ -2,7 +2,8 @@
 rpt files and distinct lines executed, so docstrings, comments and untaken branches are not counted:
 
     chain   the rpt frames on the stack when the step runs: the calls a reader follows from `rpt train`
-    step    one steady-state step (the second): from the top of the loop to its `optimizer.step()`
+    step    one steady-state step (the second): from the top of the loop to its `optimizer.step()`; then the
+            files of the step and the chain together
     whole   everything from `rpt train` to the first `optimizer.step()`, set-up included
 
     .venv/bin/python benchmarks/step_reading.py --data DATA_DIR
@@ -95,6 +96,8 @@ def main() -> None:
     for call in reversed(chain):
         print(f"  {call}")
     report("one steady-state step, from the top of the loop to optimizer.step()", step)
+    reached = {c.split(":")[0] for c in chain} | set(step.lines)
+    print(f"the step with the chain of calls that reaches it from `rpt train`: {len(reached)} files")
     report("from `rpt train` to the first optimizer.step(), set-up included", whole)
 
 
