@@ -218,7 +218,8 @@ def format_prepare_report(meta: dict, out: Path) -> str:
 
 
 def _cmd_train(args) -> None:
-    from rpt.train.run import default_run_dir, train
+    from rpt.train.run import default_run_dir
+    from rpt.train.trainer import train
 
     if args.resume and args.run_dir is None:
         raise RptError("--resume needs the run to continue", "name it with --run-dir RUN_DIR")

@@ -1,8 +1,7 @@
 """What every rank measures per step, and the one small collective that brings it to rank 0.
 
-Each rank times its phases (data wait, forward, backward, optimiser, checkpoint, evaluation; on
-CUDA with event pairs resolved once per log line, so the time is the device's and the step never
-waits for the device because of the measurement), takes the exposed
+Each rank times its phases (data wait, forward, backward, optimiser, checkpoint, evaluation: the trainer's
+PhaseClock), takes the exposed
 communication from the comm meter, its memory (CUDA peak, or the process's resident set), and the
 RMS of the recurrent state it carries per layer. Every log interval the ranks all-gather one
 fixed-size float64 vector each (`pack`), and rank 0 writes the rows to the store.
@@ -16,8 +15,6 @@ from __future__ import annotations
 
 import math
 import resource
-import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -25,45 +22,6 @@ import torch.distributed as dist
 PHASES = ("data", "forward", "backward", "optimizer", "checkpoint", "eval")
 FIELDS = ("step", "time", "loss", "tokens_per_s", "step_s", *(f"{p}_s" for p in PHASES), "exposed_comm_s",
           "comm_s", "comm_bytes", "compute_s", "memory_bytes", "stage", "bubble")
-
-
-class PhaseClock:
-    def __init__(self, device: torch.device, on_phase=None):
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.sums = dict.fromkeys(PHASES, 0.0)
-        self.events: list[tuple[str, object, object]] = []  # CUDA: (phase, start, end), resolved in take()
-        self.on_phase = on_phase or (lambda phase: None)  # the stall watchdog follows the phases
-
-    @contextmanager
-    def __call__(self, phase: str):
-        self.on_phase(phase)
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            try:
-                yield
-            finally:
-                end.record()
-                self.events.append((phase, start, end))
-            return
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.sums[phase] += time.perf_counter() - began
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.sums[phase] += seconds
-
-    def take(self) -> dict[str, float]:
-        if self.events:
-            self.events[-1][2].synchronize()  # the last phase's end: every earlier event has happened too
-            for phase, start, end in self.events:
-                self.sums[phase] += start.elapsed_time(end) / 1000.0
-            self.events = []
-        sums, self.sums = self.sums, dict.fromkeys(PHASES, 0.0)
-        return sums
 
 
 def memory_bytes(device: torch.device) -> float:
@@ -160,21 +118,25 @@ class _GateRecorder(torch.overrides.TorchFunctionMode):
 
 
 class InputProbe:
-    """The first row's first tokens of each module's first input after `arm()` (a forward pre-hook): what the
-    gate-saturation probe re-runs, tokens or, on a later pipeline stage, the activations the stage received."""
+    """The first row's first tokens of each module's first input after `arm()`: what the gate-saturation probe
+    re-runs, tokens or, on a later pipeline stage, the activations the stage received. `arm()` puts a forward
+    pre-hook on each module that takes its input once and removes itself, so the steps that are not probed run
+    no hook."""
 
     def __init__(self, modules: list[torch.nn.Module], tokens: int = 8):
+        self.modules, self.tokens = modules, tokens
         self.inputs: list[torch.Tensor | None] = [None] * len(modules)
-        self.armed, self.tokens = [False] * len(modules), tokens
-        for i, module in enumerate(modules):
-            module.register_forward_pre_hook(lambda _m, args, i=i: self._take(i, args[0]))
+        self.hooks: list = [None] * len(modules)
 
     def arm(self) -> None:
-        self.armed = [True] * len(self.armed)
+        for i, module in enumerate(self.modules):
+            if self.hooks[i] is None:
+                self.hooks[i] = module.register_forward_pre_hook(lambda _m, args, i=i: self._take(i, args[0]))
 
     def _take(self, i: int, x: torch.Tensor) -> None:
-        if self.armed[i]:
-            self.inputs[i], self.armed[i] = x[:1, :self.tokens].detach().clone(), False
+        self.inputs[i] = x[:1, :self.tokens].detach().clone()
+        self.hooks[i].remove()
+        self.hooks[i] = None
 
 
 @torch.no_grad()

@@ -1,8 +1,5 @@
-"""Entry points behind `rpt train`, `rpt eval` and `rpt generate`.
-
-`train_worker` is what every rank runs, whether rpt runs alone, under torchrun, or as one of
-the workers that `--nproc` launches (it is a top-level function so that the launcher can start
-it in a fresh process). Each rank logs to RUN_DIR/logs/rank{R}.log; rank 0 also talks to the terminal.
+"""Run directories, each rank's log (RUN_DIR/logs/rank{R}.log; rank 0 also talks to the terminal), and the entry
+points behind `rpt eval` and `rpt generate`. `rpt train`'s is rpt.train.trainer.train.
 """
 
 from __future__ import annotations
@@ -42,57 +39,6 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     root = logging.getLogger("rpt")
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
-
-
-def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, progress: bool = True) -> dict:
-    from rpt.train.trainer import Trainer
-
-    if cfg.parallel.fsdp == 1:  # FSDP frees each unit's gathered parameters: they go back to the OS
-        keep_freed_memory()
-    run_dir = Path(run_dir)
-    d = launch.setup(device)
-    setup_logging(run_dir, d.rank)
-    try:
-        restarted = launch.restart_count() > 0
-        if cfg.train.recipe == "auto" and not resume:
-            if restarted and (run_dir / "config.toml").is_file():  # the choices this run made at its start
-                cfg = Config.load(run_dir / "config.toml")
-            else:
-                apply_recipe(cfg, d)
-        trainer = Trainer(cfg, run_dir, d, resume=resume or restarted, progress=progress)
-        return trainer.run()
-    except RptError as exc:
-        if (run_dir / "config.toml").exists():  # a run that exists keeps the record; a refused new one leaves nothing
-            logging.getLogger("rpt").error("%s", exc)
-        raise
-    except Exception:
-        logging.getLogger("rpt").exception("training failed")  # the traceback, in RUN_DIR/logs/rankR.log
-        raise
-    finally:
-        launch.teardown()
-
-
-def apply_recipe(cfg: Config, d) -> None:
-    """The default recipe, from the prepared data's token counts (rpt/train/recipe.py)."""
-    from rpt.data.mixture import open_dataset
-    from rpt.models.lm import token_counts
-    from rpt.train.recipe import resolve
-
-    data = open_dataset(cfg.data)
-    train, val = data.tokens("train"), data.tokens("val")
-    counts = token_counts(train, cfg.model.vocab_size or data.vocab_size)
-    resolve(cfg, d, len(train), len(val), counts)
-
-
-def train(cfg: Config, run_dir: Path, resume: bool, nproc: int, max_restarts: int, device: str | None) -> dict | None:
-    """Run training here (one process, or this rank under torchrun) or launch `nproc` local workers."""
-    if nproc > 1:
-        interrupted = launch.launch_local(nproc, max_restarts, train_worker, cfg, str(run_dir), resume, device)
-        if interrupted:
-            return {"interrupted": True, "signal": interrupted}
-        summary_path = run_dir / "summary.json"
-        return json.loads(summary_path.read_text()) if summary_path.exists() else None
-    return train_worker(cfg, str(run_dir), resume, device)
 
 
 def load_run(run_dir: str | Path, checkpoint: str = "best", device: str | None = None):

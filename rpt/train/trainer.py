@@ -1,4 +1,5 @@
-"""The training loop: one process or many, truncated BPTT, mixed precision, budgets, checkpoints.
+"""`rpt train`: what every rank runs (`train_worker`), and the Trainer's step and loop: one process or many,
+truncated BPTT, mixed precision, budgets, checkpoints.
 
     for each step:
         batch = next(loader)                                # [B, T] per rank, rows continue the last batch
@@ -21,12 +22,13 @@ metrics.jsonl, checkpoints/, summary.json.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
 import shutil
 import time
-from contextlib import closing, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -45,10 +47,12 @@ from rpt.models import RecurrentLM
 from rpt.models.lm import all_finite, cat_rows, detach_state, map_state, rows, token_counts
 from rpt.models.shapes import on_meta
 from rpt.monitor import sinks
-from rpt.monitor.metrics import PhaseClock
+from rpt.monitor.metrics import PHASES
 from rpt.parallel.apply import parallelize
 from rpt.parallel.interrupt import StopRequest
+from rpt.parallel import launch
 from rpt.parallel.launch import Dist, restart_count
+from rpt.runtime import keep_freed_memory
 from rpt.parallel.pipeline import PipelineEval, check_layout
 from rpt.train import faults
 from rpt.train.budget import Budget
@@ -58,11 +62,61 @@ from rpt.train.hooks import StepHooks
 from rpt.train.init_from import load_weights, read_weights
 from rpt.train.optim import build_optimizer
 from rpt.train.profiling import Profiling
+from rpt.train.run import setup_logging
 from rpt.train.telemetry import Telemetry
 from rpt.train.watchdog import Watchdog
 
 log = logging.getLogger("rpt.train")
 IN_STEP = ("data", "forward", "backward", "optimizer")  # the phases of a step
+
+
+def train(cfg: Config, run_dir: Path, resume: bool, nproc: int, max_restarts: int, device: str | None) -> dict | None:
+    """Run training here (one process, or this rank under torchrun) or launch `nproc` local workers."""
+    if nproc > 1:
+        interrupted = launch.launch_local(nproc, max_restarts, train_worker, cfg, str(run_dir), resume, device)
+        if interrupted:
+            return {"interrupted": True, "signal": interrupted}
+        summary_path = run_dir / "summary.json"
+        return json.loads(summary_path.read_text()) if summary_path.exists() else None
+    return train_worker(cfg, str(run_dir), resume, device)
+
+
+def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, progress: bool = True) -> dict:
+    """What every rank runs, alone, under torchrun or as one of the workers `--nproc` launches (a top-level
+    function, so that the launcher can start it in a fresh process). Each rank logs to RUN_DIR/logs/rankR.log."""
+    if cfg.parallel.fsdp == 1:  # FSDP frees each unit's gathered parameters: they go back to the OS
+        keep_freed_memory()
+    run_dir = Path(run_dir)
+    d = launch.setup(device)
+    setup_logging(run_dir, d.rank)
+    try:
+        restarted = launch.restart_count() > 0
+        if cfg.train.recipe == "auto" and not resume:
+            if restarted and (run_dir / "config.toml").is_file():  # the choices this run made at its start
+                cfg = Config.load(run_dir / "config.toml")
+            else:
+                apply_recipe(cfg, d)
+        trainer = Trainer(cfg, run_dir, d, resume=resume or restarted, progress=progress)
+        return trainer.run()
+    except RptError as exc:
+        if (run_dir / "config.toml").exists():  # a run that exists keeps the record; a refused new one leaves nothing
+            logging.getLogger("rpt").error("%s", exc)
+        raise
+    except Exception:
+        logging.getLogger("rpt").exception("training failed")  # the traceback, in RUN_DIR/logs/rankR.log
+        raise
+    finally:
+        launch.teardown()
+
+
+def apply_recipe(cfg: Config, d) -> None:
+    """The default recipe, from the prepared data's token counts (rpt/train/recipe.py)."""
+    from rpt.train.recipe import resolve
+
+    data = open_dataset(cfg.data)
+    train_tokens, val_tokens = data.tokens("train"), data.tokens("val")
+    counts = token_counts(train_tokens, cfg.model.vocab_size or data.vocab_size)
+    resolve(cfg, d, len(train_tokens), len(val_tokens), counts)
 
 
 class Trainer:
@@ -428,6 +482,49 @@ class Trainer:
         self.cfg.save(self.run_dir / "config.toml")
         for name in ("meta.json", "tokenizer.json"):  # the run directory stands on its own
             shutil.copyfile(self.data.path / name, self.run_dir / name)
+
+
+class PhaseClock:
+    """Each phase's seconds (rpt.monitor.metrics.PHASES), summed until `take()`: on the CPU by the clock, on a
+    GPU by event pairs resolved only at `take()` (once per log line), so the step never waits for the device
+    because of the measurement. `on_phase(name)` hears each phase begin (the step hooks)."""
+
+    def __init__(self, device: torch.device, on_phase=None):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.sums = dict.fromkeys(PHASES, 0.0)
+        self.events: list[tuple[str, object, object]] = []  # CUDA: (phase, start, end), resolved in take()
+        self.on_phase = on_phase or (lambda phase: None)  # the stall watchdog follows the phases
+
+    @contextmanager
+    def __call__(self, phase: str):
+        self.on_phase(phase)
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self.events.append((phase, start, end))
+            return
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sums[phase] += time.perf_counter() - began
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.sums[phase] += seconds
+
+    def take(self) -> dict[str, float]:
+        if self.events:
+            self.events[-1][2].synchronize()  # the last phase's end: every earlier event has happened too
+            for phase, start, end in self.events:
+                self.sums[phase] += start.elapsed_time(end) / 1000.0
+            self.events = []
+        sums, self.sums = self.sums, dict.fromkeys(PHASES, 0.0)
+        return sums
 
 
 def step_hooks(cfg: Config, d: Dist, run_dir: Path) -> list[StepHooks]:

@@ -7,7 +7,7 @@ import torch
 
 from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
-from rpt.monitor.metrics import gate_saturation
+from rpt.monitor.metrics import InputProbe, gate_saturation
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm"])
@@ -27,3 +27,15 @@ def test_a_forget_gate_pinned_open_shows_as_saturated_in_its_layer_only():
         cell.b_ih[H:2 * H] = 30.0  # sigmoid(f) = 1: one of the five gate outputs (i, f, o, tanh g, tanh c)
     first, second = gate_saturation(model, torch.randint(0, 50, (2, 8)), model.init_state(2), 2)
     assert first < 0.05 and second == pytest.approx(0.2, abs=0.02)
+
+
+def test_the_probe_takes_one_input_after_arming_and_leaves_no_hook():
+    model = RecurrentLM(ModelConfig(cell="lstm", n_layers=1, d_model=16, vocab_size=50))
+    probe = InputProbe([model], tokens=4)
+    first, second = torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))
+    model(first)
+    assert probe.inputs == [None] and not model._forward_pre_hooks  # not armed: nothing taken, no hook run
+    probe.arm()
+    model(first)
+    model(second)
+    assert torch.equal(probe.inputs[0], first[:1, :4]) and not model._forward_pre_hooks  # the armed step's only
