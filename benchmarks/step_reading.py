@@ -33,10 +33,13 @@ class Lines:
 
     def __init__(self, on: bool):
         self.lines, self.on = defaultdict(set), on
+        self.functions = defaultdict(set)  # (file, function) -> its executed lines
 
     def record(self, frame) -> None:
         if self.on:
-            self.lines[relative(frame.f_code.co_filename)].add(frame.f_lineno)
+            path = relative(frame.f_code.co_filename)
+            self.lines[path].add(frame.f_lineno)
+            self.functions[path, frame.f_code.co_name].add(frame.f_lineno)
 
 
 def report(name: str, lines: Lines) -> None:
@@ -96,8 +99,11 @@ def main() -> None:
     for call in reversed(chain):
         print(f"  {call}")
     report("one steady-state step, from the top of the loop to optimizer.step()", step)
-    reached = {c.split(":")[0] for c in chain} | set(step.lines)
-    print(f"the step with the chain of calls that reaches it from `rpt train`: {len(reached)} files")
+    calls = {(c.split(":")[0], c.split(" ")[1]) for c in chain}  # the chain's functions, set-up lines included
+    reached = {path for path, _ in calls} | set(step.lines)
+    lines = sum(len(v) for v in step.lines.values()) + sum(len(whole.functions[c]) for c in calls)
+    print(f"the step with the chain of calls that reaches it from `rpt train`: {len(reached)} files, "
+          f"{lines} executed lines")
     report("from `rpt train` to the first optimizer.step(), set-up included", whole)
 
 
