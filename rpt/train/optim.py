@@ -8,7 +8,6 @@ pipeline stage's copy of a tied embedding (named head.weight there) is the embed
 
 from __future__ import annotations
 
-
 import torch
 
 from rpt.config import TrainConfig

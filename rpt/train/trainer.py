@@ -489,12 +489,11 @@ class PhaseClock:
     GPU by event pairs resolved only at `take()` (once per log line), so the step never waits for the device
     because of the measurement. `on_phase(name)` hears each phase begin (the step hooks)."""
 
-    def __init__(self, device: torch.device, on_phase=None):
+    def __init__(self, device: torch.device, on_phase):
         self.cuda = device.type == "cuda"
-        self.device = device
         self.sums = dict.fromkeys(PHASES, 0.0)
         self.events: list[tuple[str, object, object]] = []  # CUDA: (phase, start, end), resolved in take()
-        self.on_phase = on_phase or (lambda phase: None)  # the stall watchdog follows the phases
+        self.on_phase = on_phase
 
     @contextmanager
     def __call__(self, phase: str):

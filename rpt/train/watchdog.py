@@ -55,12 +55,10 @@ class Watchdog(StepHooks):
         self.interval = max(1.0, world_size / 256)
         self.last_check = 0.0
         self.step, self.in_phase, self.since = 0, "start", time.monotonic()
-        self.store = dist.distributed_c10d._get_default_store() if timeout and world_size > 1 else None
+        self.store = dist.distributed_c10d._get_default_store()  # installed on runs of several processes only
         self._stop = threading.Event()
-        self._thread = None
-        if self.store is not None:
-            self._thread = threading.Thread(target=self._run, name="rpt-watchdog", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._run, name="rpt-watchdog", daemon=True)
+        self._thread.start()
 
     def phase(self, step: int, name: str) -> None:
         """At every phase change (a few attribute writes: free)."""
@@ -69,8 +67,7 @@ class Watchdog(StepHooks):
 
     def run_ends(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
+        self._thread.join(5)
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
