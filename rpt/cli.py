@@ -121,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--prompt", default="")
     p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: the most likely token each time")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=0.95, help="... that hold this share of the probability (1: all)")
     p.add_argument("--seed", type=int)
     p.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -229,6 +229,10 @@ def _cmd_train(args) -> None:
         raise RptError(f"--resume: {args.run_dir} holds no run (no config.toml there)",
                        _runs_nearby(args.run_dir) + "; without --resume, a new run starts in that folder")
     config_path = args.config
+    if args.resume and any(o.split("=", 1)[0].strip() == "train.init_from" for o in args.overrides):
+        raise RptError("--set train.init_from with --resume: a resumed run continues from its own checkpoint",
+                       "drop --set train.init_from to resume; to start from other weights, start a new run "
+                       "(another --run-dir) with it")
     if args.resume and config_path is None:
         config_path = str(args.run_dir / "config.toml")
     overrides = args.overrides + ([f"monitor.profile={args.profile}"] if args.profile else [])
@@ -237,6 +241,10 @@ def _cmd_train(args) -> None:
     cfg = load_config(config_path, overrides)
     run_dir = args.run_dir or default_run_dir(args.config)
     _check_writable(run_dir)
+    if args.max_restarts and not (cfg.checkpoint.interval or cfg.checkpoint.interval_minutes):
+        print(f"warning: --max-restarts {args.max_restarts} with no periodic checkpoint (checkpoint.interval and "
+              "interval_minutes are 0): a restarted run starts again from step 0; set checkpoint.interval_minutes "
+              "(e.g. 15) or checkpoint.interval", file=sys.stderr)
     if args.nproc > 1:
         from rpt.parallel.pipeline import check_layout
 
@@ -362,7 +370,23 @@ def _cmd_monitor(args) -> None:
 
 
 def _cmd_config(args) -> None:
-    print(load_config(args.config, args.overrides).to_toml(), end="")
+    cfg = load_config(args.config, args.overrides if args.config else ["train.recipe=auto", *args.overrides])
+    for note in cfg.notes:  # what loading changed or warns of, as `rpt train` says it at start
+        print(f"# {note}", file=sys.stderr)
+    if args.config is not None:
+        print(cfg.to_toml(), end="")
+        return
+    from rpt.train.recipe import CHOOSES
+
+    open_keys = sorted(CHOOSES - cfg.given)
+    print("# No --config: `rpt train` runs the default recipe, which chooses at start, from the data and the budget,\n"
+          "# the values marked below (--set any of them to choose it yourself); the others hold as shown.")
+    section = ""
+    for line in cfg.to_toml().splitlines():
+        if line.startswith("["):
+            section = line.strip("[]")
+        key = f"{section}.{line.split('=', 1)[0].strip()}" if "=" in line else ""
+        print(line + ("  # the default recipe chooses" if key in open_keys else ""))
 
 
 def main(argv: list[str] | None = None) -> None:

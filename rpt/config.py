@@ -284,17 +284,22 @@ class CommConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Sharded checkpoints. `interval = 0` saves only at the end of the run."""
+    """Sharded checkpoints: every `interval` steps and every `interval_minutes` of training (0 turns either
+    off), and always at the end of the run."""
 
     interval: int = 0
+    interval_minutes: float = 15.0
     keep_last: int = 2
     keep_best: int = 1
     async_save: bool = False
     path: str = ""  # empty: RUN_DIR/checkpoints; may be a shared path or an fsspec URL
 
     def check(self) -> None:
-        for name in ("interval", "keep_last", "keep_best"):
+        for name in ("interval", "interval_minutes", "keep_last", "keep_best"):
             _non_negative(f"checkpoint.{name}", getattr(self, name))
+        if self.keep_last == 0 and self.keep_best == 0:
+            raise RptError("checkpoint.keep_last = 0 and checkpoint.keep_best = 0 would delete every checkpoint, "
+                           "the final one too", "keep at least the last one: checkpoint.keep_last = 1")
 
 
 @dataclass
@@ -346,9 +351,10 @@ class Config:
             key, value = parse_override(item)
             cfg.set(key, value, origin="--set")
             given.append(key)
-        cfg.notes = cfg._replace_budgets(given)
+        cfg.notes = cfg._replace_budgets(given) + cfg._path_or_mix(in_file, given)
         cfg.given = frozenset(in_file + given)
         cfg.validate()
+        cfg.notes += cfg._past_the_budget()
         return cfg
 
     def _replace_budgets(self, given: list[str]) -> list[str]:
@@ -364,6 +370,28 @@ class Config:
                              "replaces the others (give both with --set to keep both)")
                 self.set(key, 0, origin="budgets")
         return notes
+
+    def _past_the_budget(self) -> list[str]:
+        """Warnings for what a step budget leaves unreached: the warm-up's end, a profiled range."""
+        t, steps, said = self.train, self.train.max_steps, []
+        if steps and t.warmup_steps > steps:
+            said.append(f"warning: train.warmup_steps = {t.warmup_steps} is beyond train.max_steps = {steps}: the "
+                        f"learning rate never reaches train.lr = {t.lr:g} (lower warmup_steps, e.g. to {steps // 10})")
+        if steps and self.monitor.profile and int(self.monitor.profile.partition(":")[0]) > steps:
+            said.append(f"warning: no step of the profiled range {self.monitor.profile} comes within train.max_steps = "
+                        f"{steps}: nothing will be traced (choose steps up to {steps})")
+        return said
+
+    def _path_or_mix(self, in_file: list[str], given: list[str]) -> list[str]:
+        """A mixture reads its own folders, never data.path: both given is refused (one would be ignored), and a
+        preset's data.path that a mixture given with --set replaces is said."""
+        if not self.data.mix or "data.path" not in in_file + given:
+            return []
+        if "data.path" in given or "data.mix" in in_file:
+            raise RptError(f"data.path = {self.data.path} and data.mix are both given: a mixture reads the folders "
+                           "it names, not data.path", "give one of them: drop data.path (or --set 'data.mix={}' to "
+                           "train on data.path alone)")
+        return [f"data.mix replaces the preset's data.path = {self.data.path} (a mixture reads its own folders)"]
 
     def update(self, tree: dict, origin: str) -> None:
         for section_name, section_values in tree.items():
@@ -389,7 +417,10 @@ class Config:
 
     # ----------------------------------------------------------------- output
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        tree = dataclasses.asdict(self)
+        if self.data.mix:  # a mixture's folders are the data: a path beside them would read as given
+            del tree["data"]["path"]
+        return tree
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())

@@ -30,7 +30,6 @@ The trainer drives every mode through the same five calls, in this order each st
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 
@@ -92,26 +91,21 @@ class AllReduceSync(LocalSync):
 
     PowerSGD, top-k and the adaptive schedule keep per-rank state from step to step; a checkpoint saves it and
     a resume restores it. The codecs' state is indexed by DDP bucket (torch's PowerSGD hook does so itself),
-    and DDP cuts its buckets anew after the first step of every process, so a resumed run's first step would
-    meet that state in another layout (and lose exactness from there). With those codecs
-    DDP keeps its first layout for good: `find_unused_parameters=True` is the switch that stops the rebuild
-    (at the cost of one walk of the autograd graph per step, and a warning from torch's C++ that the flag
-    found nothing unused, printed once per rank). The adaptive schedule keys its state by parameter and needs
-    no such thing."""
+    and DDP cuts its buckets anew, by the order gradients became ready, after the first backward of every
+    process, so a resumed run's first step would meet that state in another layout (and lose exactness from
+    there). With those codecs each DDP therefore runs one backward of a one-token input before its codec is
+    registered (`settle_buckets`): every process, new or resumed, then trains in the re-cut layout from its
+    first step. The adaptive schedule keys its state by parameter and needs no such thing."""
 
     def __init__(self, model: torch.nn.Module, cfg: CommConfig, world_size: int, *, powersgd_start: int, seed: int,
-                 group=None, parts: list[torch.nn.Module] | None = None):
+                 group=None, parts: list[torch.nn.Module] | None = None, example=None):
+        """`example(module)`: an input of `module` for `settle_buckets` (default: one token, or one token's
+        activations for a pipeline stage without the embedding)."""
         super().__init__(model)
-        keep_layout = not cfg.adaptive and cfg.compression in ("powersgd", "topk")
-        if keep_layout:  # torch's C++ warning about the flag (once per rank, not catchable in Python) is explained
-            why = (f"rpt: comm.compression={cfg.compression} keeps DDP's first bucket layout "
-                   "(find_unused_parameters=True) so that a resume is exact; torch's warning about that flag is "
-                   "expected")
-            log.info(why)
-            if dist.get_rank() == 0:
-                print(why, file=sys.stderr, flush=True)
-        wrapped = [DDP(m, bucket_cap_mb=cfg.bucket_mb, process_group=group, find_unused_parameters=keep_layout)
-                   for m in (parts or [model])]
+        wrapped = [DDP(m, bucket_cap_mb=cfg.bucket_mb, process_group=group) for m in (parts or [model])]
+        if not cfg.adaptive and cfg.compression in ("powersgd", "topk"):
+            for ddp in wrapped:
+                settle_buckets(ddp, (example or one_token)(ddp.module))
         self.module = wrapped if parts else wrapped[0]
         self.schedule = AdaptiveSchedule(model, cfg, self.meter, world_size, group) if cfg.adaptive else None
         self.hooks: list[compress.HookState] = []
@@ -318,6 +312,33 @@ def _assign_owners(groups: list[list[torch.nn.Parameter]], world_size: int, shar
         owners[i] = owner
         load[owner] += sum(p.numel() for p in groups[i])
     return [_Bucket(i, g, owners[i]) for i, g in enumerate(groups)]
+
+
+def settle_buckets(ddp: DDP, x) -> None:
+    """Let DDP cut its buckets for good now: one forward and backward of the input `x`, whose gradients DDP
+    averages across the ranks and this then drops. DDP re-cuts its buckets by the order in which that backward
+    made them ready, at the next forward, and never again; the random generators are left as they were."""
+    module = ddp.module
+    device = next(module.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        sum(t.float().sum() for t in _tensors(ddp(x))).backward()  # every output: the state's too
+    for p in module.parameters():
+        p.grad = None
+
+
+def one_token(module: torch.nn.Module) -> torch.Tensor:
+    """A one-token input of a RecurrentLM: a token id, or its activations where the embedding is elsewhere."""
+    device = next(module.parameters()).device
+    if module.embed is not None:
+        return torch.zeros(1, 1, dtype=torch.long, device=device)
+    return torch.zeros(1, 1, module.cfg.d_model, device=device)
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The tensors of an output (nested lists and tuples: logits and the recurrent state), in order."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for s in out for t in _tensors(s)] if isinstance(out, (list, tuple)) else []
 
 
 def build_sync(model: torch.nn.Module, cfg: CommConfig, *, rank: int, world_size: int, distributed: bool,

@@ -1,8 +1,9 @@
 """Measured links between ranks, and the alpha-beta cost of each gradient-synchronisation mode.
 
 `measure()` times one link at a time with point-to-point messages (everyone else waits at a
-barrier): latency alpha is half the median round trip of a 4-byte message, bandwidth is the
-best of a few `message_mb` sends, each acknowledged (B = bytes / (time - round trip)). The
+barrier): latency alpha is half the median round trip of a 4-byte message, bandwidth is from the
+median of a few `message_mb` sends, each acknowledged (B = bytes / (time - round trip), or bytes / time
+where the send does not clearly outlast the round trip: never an impossible figure from a noisy difference). The
 table is summed across ranks, so every rank holds the same figures and `choose()` gives every
 rank the same answer (a disagreement would hang the first collective).
 
@@ -76,7 +77,15 @@ def pairs_to_measure(world_size: int) -> list[tuple[int, int]]:
     return sorted(ring | {(0, r) for r in range(1, world_size)})
 
 
-def measure(message_mb: float = 4.0, repeats: int = 3, pings: int = 10) -> Topology:
+def bandwidth_of(nbytes: int, sends: list[float], rtt: float) -> float:
+    """Bytes per second of a link from acknowledged sends of `nbytes` (seconds each) and its round trip: the
+    median send less the round trip, where the send clearly outlasts it; else (a message too small for the
+    link, or noise) the median send whole, a lower bound, never a division by a noisy difference."""
+    send = statistics.median(sends)
+    return nbytes / (send - rtt if send > 2 * rtt else send)
+
+
+def measure(message_mb: float = 4.0, repeats: int = 5, pings: int = 10) -> Topology:
     rank, p = dist.get_rank(), dist.get_world_size()
     names = [None] * p
     dist.all_gather_object(names, node_name())
@@ -93,13 +102,13 @@ def measure(message_mb: float = 4.0, repeats: int = 3, pings: int = 10) -> Topol
                 dist.recv(one, j)
                 trips.append(time.perf_counter() - t)
             rtt = statistics.median(trips)
-            best = float("inf")
+            sends = []
             for _ in range(repeats):
                 t = time.perf_counter()
                 dist.send(payload, j)
                 dist.recv(one, j)
-                best = min(best, time.perf_counter() - t)
-            table[k] = torch.tensor([rtt / 2, payload.nbytes / max(best - rtt, 1e-9)])
+                sends.append(time.perf_counter() - t)
+            table[k] = torch.tensor([rtt / 2, bandwidth_of(payload.nbytes, sends, rtt)])
         elif rank == j:
             for _ in range(pings):
                 dist.recv(one, i)
@@ -109,7 +118,7 @@ def measure(message_mb: float = 4.0, repeats: int = 3, pings: int = 10) -> Topol
                 dist.send(one, i)
         dist.barrier()
     incast = torch.zeros(1, dtype=torch.float64)  # every worker sends to rank 0 at once: the server's own link
-    best = float("inf")
+    receives = []
     for _ in range(repeats):
         dist.barrier()
         t = time.perf_counter()
@@ -117,11 +126,11 @@ def measure(message_mb: float = 4.0, repeats: int = 3, pings: int = 10) -> Topol
             parts = [torch.empty_like(payload) for _ in range(p - 1)]
             for w in [dist.irecv(buf, src) for buf, src in zip(parts, range(1, p))]:
                 w.wait()
-            best = min(best, time.perf_counter() - t)
+            receives.append(time.perf_counter() - t)
         else:
             dist.send(payload, 0)
     if rank == 0:
-        incast[0] = (p - 1) * payload.nbytes / best
+        incast[0] = (p - 1) * payload.nbytes / statistics.median(receives)
     dist.all_reduce(table)  # each pair was filled by its first rank only
     dist.all_reduce(incast)
     return Topology(p, names, {pq: float(table[k, 0]) for k, pq in enumerate(pairs)},

@@ -64,7 +64,8 @@ class PreparedData:
         last `sample` / 2 tokens (the training loop checks every batch it reads as well)."""
         tokens = self.tokens(split)
         half = sample // 2
-        parts = [(0, tokens)] if len(tokens) <= sample else [(0, tokens[:half]), (len(tokens) - half, tokens[-half:])]
+        # slices: arrays, whether the split is one file or shards
+        parts = [(0, tokens[:])] if len(tokens) <= sample else [(0, tokens[:half]), (len(tokens) - half, tokens[-half:])]
         for offset, part in parts:
             if len(part) and int(part.max()) >= vocab_size:
                 position = offset + int(np.argmax(part >= vocab_size))

@@ -113,7 +113,7 @@ A recurrent language model trained with rpt: {config.n_layers} x {config.d_model
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
-tok = AutoTokenizer.from_pretrained(DIR)
+tok = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)
 model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 ids = tok("def main(", return_tensors="pt").input_ids        # a fresh row starts as a document
 print(tok.decode(model.generate(ids, max_new_tokens=50, do_sample=False)[0]))

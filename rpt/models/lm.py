@@ -104,7 +104,7 @@ class RecurrentLM(nn.Module):
         if self.head is None:
             return x, new_state
         x = self.embed_dropout(x)
-        return (self.head(x) if targets is None else self.head.nats(x, targets)), new_state
+        return owned(self.head(x) if targets is None else self.head.nats(x, targets)), new_state
 
     def step(self, token: torch.Tensor, state: list | None = None):
         """token: [B] int64. The single-step forms of every cell: what generation runs."""
@@ -254,7 +254,7 @@ class Block(nn.Module):
             x = x + self.attn_gate * (y[:, 0] if step else y)
         if self.mlp is not None:
             x = x + self.mlp_gate * self.dropout(self.mlp(self.mlp_norm(x)))
-        return x, (cell_state, attn_state)
+        return x, (cell_state, attn_state) if step else map_state(owned, (cell_state, attn_state))
 
     def flops_per_token(self) -> int:
         total = self.cell.flops_per_token()
@@ -392,6 +392,19 @@ def map_state(fn: Callable[[torch.Tensor], torch.Tensor], state):
     if isinstance(state, (list, tuple)):
         return type(state)(map_state(fn, s) for s in state)
     return state
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a tensor of its own, copied only where it is a view of another (a cell's last step, a reshaped
+    loss): FSDP hooks a module's outputs for backward, and an in-place op on a view would lose that hook."""
+    return t.clone() if not torch.compiler.is_compiling() and t._is_view() else t  # (a check dynamo cannot trace)
+
+
+def shapes(state) -> list[tuple[int, ...]]:
+    """The shapes of a state's tensors, in order: two states fit each other when these are equal."""
+    found = []
+    map_state(lambda t: found.append(tuple(t.shape)) or t, state)
+    return found
 
 
 def detach_state(state):

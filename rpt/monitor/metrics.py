@@ -145,19 +145,20 @@ def gate_saturation(owner, inputs: torch.Tensor, state, n_layers: int, first_lay
     forms run over `inputs` ([B, T]: a few rows of the last batch's tokens; on a later pipeline stage, of the
     activations it received) from `state`. `owner` is the model or a pipeline stage's view of it. The fast
     training paths (cuDNN/oneDNN LSTM, fused scans) do not expose their gates: this probe re-runs a few tokens through the readable step forms."""
-    blocks = owner.blocks.values()
+    blocks, state = list(owner.blocks.values()), list(state)
     recorder = _GateRecorder(n_layers)
-    hooks = [block.register_forward_pre_hook(lambda _m, _a, i=i: setattr(recorder, "layer", first_layer + i))
-             for i, block in enumerate(blocks)]
     inputs = inputs.float() if inputs.is_floating_point() else inputs  # activations arrive in the autocast dtype
     was_training = owner.training
     owner.eval()
     try:
         with recorder:
             for t in range(inputs.shape[1]):
-                _, state = owner.step(inputs[:, t], state)
+                x = owner.embed(inputs[:, t]) if owner.embed is not None else inputs[:, t]
+                for i, block in enumerate(blocks):
+                    recorder.layer = first_layer + i
+                    # the block's own forward, called past the module: eager where train.compile compiled the
+                    # block (the recorder's counting would break its graph), and without hooks
+                    x, state[i] = type(block).forward(block, x, state[i], step=True)
     finally:
-        for h in hooks:
-            h.remove()
         owner.train(was_training)
     return [s / t if t else math.nan for s, t in zip(recorder.saturated, recorder.total)]

@@ -6,8 +6,9 @@ summary.json. Runs are addressed by their index on the command line, never by a 
 files served are the dashboard's own (rpt/monitor/static) and plotly.min.js from the installed
 plotly package: no path from a request reaches the file system, and nothing comes from a CDN.
 The page polls /api every two seconds for rows after the last step it has, so a live run's new
-steps appear without a reload. Loopback by default; `--token T` requires ?token=T (or a bearer
-header) on every request.
+steps appear without a reload. Loopback by default; `--token T` requires the token on every request: the
+address printed carries it as ?token=T, and the page it opens keeps it in an HttpOnly cookie for its own
+stylesheet, scripts and API calls (a bearer header works too).
 """
 
 from __future__ import annotations
@@ -98,17 +99,32 @@ def create_app(run_dirs: list[Path], token: str | None = None) -> Starlette:
     ])
 
     async def guarded(scope, receive, send):
-        """The token check around every HTTP request."""
+        """The token check around every HTTP request: ?token=, a bearer header, or the cookie that a page opened
+        with ?token= sets, so that the page's own stylesheet, scripts and API calls carry it."""
         if scope["type"] == "http" and token is not None:
             request = Request(scope, receive)
-            given = request.query_params.get("token") or request.headers.get("authorization", "").removeprefix("Bearer ")
+            cookie = f"rpt_monitor_{(scope.get('server') or ('', 0))[1]}"  # one per port: monitors side by side
+            in_query = request.query_params.get("token")
+            given = in_query or request.headers.get("authorization", "").removeprefix("Bearer ") or \
+                request.cookies.get(cookie, "")
             if not hmac.compare_digest(given.encode(), token.encode()):
                 await PlainTextResponse("a token is required: open the address rpt monitor printed", 401)(
                     scope, receive, send)
                 return
+            if in_query:
+                send = _setting_cookie(send, f"{cookie}={token}; Path=/; HttpOnly; SameSite=Strict")
         await app(scope, receive, send)
 
     return guarded
+
+
+def _setting_cookie(send, value: str):
+    """`send` with a Set-Cookie header added to the response's start."""
+    async def with_cookie(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", value.encode())]}
+        await send(message)
+    return with_cookie
 
 
 def _meta(run: Path) -> dict:

@@ -1,8 +1,9 @@
 """Ctrl-C and SIGTERM (which SLURM sends before a time limit): the first asks the run to stop after the
 step in flight, every rank at the same step, with a checkpoint; a second stops at once.
 
-A worker of `--nproc` also takes SIGUSR1 as the first request: the launcher forwards a SIGINT or SIGTERM
-it receives as SIGUSR1, so that a worker which got the same Ctrl-C from the terminal does not count it twice.
+A worker of `--nproc` also takes SIGUSR1 and SIGUSR2 as the first request: the launcher forwards a SIGINT it
+receives as SIGUSR1 and a SIGTERM as SIGUSR2 (`FORWARDED`), so that a worker which got the same Ctrl-C from the
+terminal does not count it twice, and still names the signal the user sent.
 The launcher keeps torch's elastic agent off these signals (LaunchConfig.signals_to_handle = AGENT_SIGNALS),
 which would otherwise kill the workers at once with a traceback of its own.
 """
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+FORWARDED = {signal.SIGINT: signal.SIGUSR1, signal.SIGTERM: signal.SIGUSR2}  # how the launcher passes each on
 AGENT_SIGNALS = "SIGHUP,SIGQUIT"  # what torch's elastic agent still handles under `--nproc`
 
 
@@ -29,7 +31,7 @@ class StopRequest:
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
-            for sig in (*STOP_SIGNALS, signal.SIGUSR1):
+            for sig in (*STOP_SIGNALS, *FORWARDED.values()):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -39,10 +41,11 @@ class StopRequest:
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
+        forwarded = {copy: sent for sent, copy in FORWARDED.items()}
         if self.requested is None:
-            self.requested = signal.Signals(signum).name
+            self.requested = signal.Signals(forwarded.get(signum, signum)).name  # the signal the user sent
             return
-        if signum == signal.SIGUSR1:  # the launcher's copy of a request already taken
+        if signum in forwarded:  # the launcher's copy of a request already taken
             return
         if self.in_worker:
             signal.signal(signum, signal.SIG_DFL)
@@ -52,8 +55,8 @@ class StopRequest:
 
 @contextmanager
 def forward_to_workers():
-    """In the `--nproc` launcher: a first SIGINT/SIGTERM goes to the workers as SIGUSR1 (each then stops
-    after its step with a checkpoint); a second raises KeyboardInterrupt here, and the agent stops them."""
+    """In the `--nproc` launcher: a first SIGINT/SIGTERM goes to the workers as SIGUSR1/SIGUSR2 (each then
+    stops after its step with a checkpoint); a second raises KeyboardInterrupt here, and the agent stops them."""
     state = {"requested": None}
 
     def handle(signum, frame):
@@ -62,7 +65,7 @@ def forward_to_workers():
         state["requested"] = signal.Signals(signum).name
         for pid in _children():
             try:
-                os.kill(pid, signal.SIGUSR1)
+                os.kill(pid, FORWARDED[signal.Signals(signum)])
             except ProcessLookupError:
                 pass
 
@@ -77,7 +80,7 @@ def forward_to_workers():
 def _children() -> list[int]:
     """The workers: this process's child processes (Linux /proc), or the children of the fork server that
     launch.py starts them from (they share its command line); multiprocessing's resource tracker and the fork
-    server left out (SIGUSR1 would end them)."""
+    server left out (SIGUSR1 and SIGUSR2 would end them)."""
     workers = []
     for child in _child_pids(os.getpid()):
         try:

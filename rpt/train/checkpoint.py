@@ -8,7 +8,7 @@
 A checkpoint is complete only when its manifest exists and every file matches its size and
 checksum, so a crash in the middle of a save leaves the previous checkpoint the newest usable
 one, and a damaged newest checkpoint is skipped with a warning naming it. Retention keeps the
-last `keep_last` and the best `keep_best`: the lowest validation loss among those measured on the
+last `keep_last` (the newest always, whatever keep_last says) and the best `keep_best`: the lowest validation loss among those measured on the
 same validation tokens (`val_tokens` in the manifest), since losses over different token spans do not
 compare. The folder may be a local or shared path, or an fsspec URL (`file://`, `s3://` with s3fs installed, ...).
 """
@@ -150,7 +150,7 @@ class Checkpointer:
 
     def _retain(self) -> None:
         complete = self.complete()
-        keep = {p for p, _ in complete[-self.keep_last:]} if self.keep_last else set()
+        keep = {p for p, _ in complete[-max(1, self.keep_last):]}  # the newest always: what a resume continues
         keep |= {p for _, p in sorted(comparable(complete))[: self.keep_best]}
         newest = complete[-1][0] if complete else None
         for path in self._step_dirs():

@@ -28,9 +28,28 @@ class Checkpointing:
         self.checkpointer = Checkpointer(cfg.path or default_root, rank, world_size, cfg.keep_last, cfg.keep_best,
                                          cfg.async_save, layout)
         self.last_saved_step = -1
+        self.saved_at: float | None = None  # the agreed training clock at the last timed checkpoint (or the start)
 
-    def should_save(self, step: int) -> bool:
-        return bool(self.cfg.interval) and step % self.cfg.interval == 0
+    def describe(self) -> str:
+        """How often this run checkpoints, as its start states it."""
+        every = [f"{self.cfg.interval:,} steps (checkpoint.interval)"] if self.cfg.interval else []
+        every += [f"{self.cfg.interval_minutes:g} min of training (checkpoint.interval_minutes)"] \
+            if self.cfg.interval_minutes else []
+        return "checkpoints: " + (f"every {' and every '.join(every)}, and at the end" if every else
+                                  "at the end only (checkpoint.interval and interval_minutes are 0)")
+
+    def should_save(self, step: int, clock: float | None) -> bool:
+        """Whether to checkpoint after `step`. `clock`: the training seconds every rank agreed on at this step,
+        None where they did not agree one (the timed decision waits for an agreed clock, so that the ranks
+        decide alike)."""
+        due = bool(self.cfg.interval) and step % self.cfg.interval == 0
+        if self.cfg.interval_minutes and clock is not None:
+            if self.saved_at is None:
+                self.saved_at = clock
+            due = due or clock - self.saved_at >= 60 * self.cfg.interval_minutes
+        if due and clock is not None:
+            self.saved_at = clock
+        return due
 
     def _written(self, step: int) -> None:
         for hook in self.hooks:

@@ -25,12 +25,10 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
     was_training = model.training
     model.eval()
     n, T = len(tokens), seq_len
+    check_fits(n, world_size, T)
     B = max(1, min(batch_size, (n - 1) // (world_size * T)))
     stream_len = (n - 1) // (world_size * B)
     windows = stream_len // T
-    if windows == 0:
-        raise RptError(f"the validation split ({n} tokens) is shorter than {world_size} x seq_len {T}",
-                       "prepare with a larger --val-fraction, or lower train.seq_len")
     if max_tokens:
         windows = max(1, min(windows, max_tokens // (world_size * B * T)))
     starts = (np.arange(rank * B, rank * B + B, dtype=np.int64) * stream_len)[:, None] + np.arange(T + 1)
@@ -60,6 +58,14 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
             "tokens": int(total_tokens), "bytes": int(total_bytes)}
 
 
+def check_fits(n: int, world_size: int, seq_len: int) -> None:
+    """Refuse a validation split of `n` tokens too short for one window per rank (world_size x seq_len + 1)."""
+    if n < world_size * seq_len + 1:
+        raise RptError(f"the validation split ({n:,} tokens) is shorter than evaluation needs: {world_size} "
+                       f"rank(s) x train.seq_len {seq_len} + 1 = {world_size * seq_len + 1:,} tokens",
+                       "prepare with a larger --val-fraction, or lower train.seq_len")
+
+
 class Evaluation:
     """The train section's evaluations: periodic ones every `eval_interval` steps over the first `eval_tokens`
     of the split (what checkpoints are ranked by), and the final one over the whole split. Holds the last
@@ -77,6 +83,7 @@ class Evaluation:
         self.best_weights: dict | None = None  # this rank's weights at `best`, while this process holds them
         self.seconds = 0.0  # spent in periodic evaluations
         self.stale: str | None = None  # why the run stops early (train.early_stop), decided at each validation
+        check_fits(len(data.tokens("val")), world_size, cfg.seq_len)  # before step 1, not after the budget
 
     def should_evaluate(self, step: int) -> bool:
         return bool(self.cfg.eval_interval) and step % self.cfg.eval_interval == 0

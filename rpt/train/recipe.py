@@ -18,8 +18,10 @@ The rules and the runs that set them: benchmarks/RESULTS.md, "Quality per second
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,9 +40,16 @@ REGULARISERS = {"model.dropout": 1.0, "model.embed_dropout": 1.5, "model.weight_
 MANY_PASSES_OPTIMIZER = {"train.optimizer": "sgd", "train.lr": 1.0, "train.grad_clip": 0.25}
 HEAD_SAVING = 2.0  # a two-level softmax only where its expected cost is at most 1 / this of the full one
 EVAL_SHARE = 0.025  # of the budget, for the recipe's own timing and the periodic validations together
+RECIPE_SHARE = 0.05  # of a time budget: the most the recipe's measuring may take (then sizes go by FLOPs)
+PROBE_LEN = 8  # tokens a row of the first, short measuring steps (a whole window's step may not fit the share)
 MIN_EVAL_SHARE = 0.01  # what the validations keep however long the timing took
 EVAL_TOKENS = 4096  # of a periodic validation (the whole split when that is smaller)
 FORWARD_SHARE = 0.4  # a validation token's cost against a training token's (forward only, no optimiser)
+
+
+# every key the recipe may choose (a key a file or --set gives is left alone); a time budget it shortens by its own time
+CHOOSES = frozenset({"model.n_layers", "model.d_model", "model.head_shortlist", *REGULARISERS, *MANY_PASSES_OPTIMIZER,
+                     "train.early_stop", "train.eval_tokens", "train.eval_interval"})
 
 
 @dataclass(frozen=True)
@@ -131,13 +140,16 @@ def head_choice(cfg, counts: np.ndarray) -> list[Choice]:
     return [shortlist_for(counts)]
 
 
-def measure_speed(cfg, size, device: torch.device, counts: np.ndarray, steps: int = 1) -> float:
-    """Training tokens per second of one size: one warm-up step, then `steps` timed ones (forward, backward,
-    AdamW) on random tokens of the run's batch shape, drawn as often as `counts` (per token id) has them (a
-    two-level head's cost depends on how often the targets fall outside its shortlist)."""
+def measure_speed(cfg, size, device: torch.device, counts: np.ndarray, limit: float) -> tuple[float, bool]:
+    """(training tokens per second of one size, whether measured on whole windows). Optimiser steps (forward,
+    backward, AdamW) on random tokens of the run's batch shape, drawn as often as `counts` (per token id) has them
+    (a two-level head's cost depends on how often the targets fall outside its shortlist): two on the first
+    PROBE_LEN tokens of each row (the first pays one-time costs; the second gives a speed), then up to two on
+    whole windows (the last one's speed counts), each only where that speed says it ends within `limit` s."""
     from rpt.models import RecurrentLM
 
     B, T = cfg.train.batch_size, cfg.train.seq_len
+    began = time.perf_counter()
     model = RecurrentLM(sized(cfg.model, size)).to(device)
     if cfg.model.head_shortlist:
         model.head.assign(counts)
@@ -145,18 +157,62 @@ def measure_speed(cfg, size, device: torch.device, counts: np.ndarray, steps: in
     frequency = torch.from_numpy(np.asarray(counts, dtype=np.float64) + 1e-9)
     x = torch.multinomial(frequency, B * (T + 1), replacement=True,
                           generator=torch.Generator().manual_seed(0)).view(B, T + 1).to(device)
-    for k in range(steps + 1):
-        if k == 1:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            began = time.perf_counter()
-        nats, _ = model(x[:, :-1], targets=x[:, 1:])
+
+    def step(t: int) -> float:
+        """One optimiser step over the first t tokens of every row; its tokens per second."""
+        step_began = time.perf_counter()
+        nats, _ = model(x[:, :t], targets=x[:, 1:t + 1])
         nats.mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return steps * B * T / (time.perf_counter() - began)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return B * t / (time.perf_counter() - step_began)
+
+    short = min(T, PROBE_LEN)
+    speed = [step(short) for _ in range(2)][-1]
+    whole = False
+    for _ in range(2):
+        if B * T / speed > limit - (time.perf_counter() - began):
+            break
+        speed, whole = step(T), True
+    return speed, whole
+
+
+def contention(cores_busy_elsewhere: float, threads: int, cores: int) -> str | None:
+    """A remark when the measured speed looks like an oversubscribed machine: torch's threads and what other
+    processes kept busy during the measurement together want more cores than there are."""
+    if cores_busy_elsewhere < 0.5 or cores_busy_elsewhere + threads <= cores + 0.25:
+        return None
+    return (f"the machine looks oversubscribed: other processes kept {cores_busy_elsewhere:.1f} of its {cores} "
+            f"cores busy while torch ran {threads} threads here, so the speed measured (and the size chosen for "
+            "it) is below what a quiet machine gives; fewer threads (OMP_NUM_THREADS) or a quieter machine train "
+            "faster")
+
+
+class CoreUse:
+    """Cores kept busy by other processes over an interval: the machine's busy time (/proc/stat) less this
+    process's own CPU time, per second of wall time. Linux only (elsewhere: unknown, None)."""
+
+    def __init__(self):
+        self.start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float] | None:
+        try:
+            fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle and iowait
+        return (sum(fields) - idle) / tick, time.process_time(), time.perf_counter()
+
+    def elsewhere(self) -> float | None:
+        end = self._read()
+        if self.start is None or end is None or end[2] - self.start[2] < 0.05:
+            return None
+        busy, mine, wall = (b - a for a, b in zip(self.start, end))
+        return max(0.0, (busy - mine) / wall)
 
 
 def sized(model_cfg, size):
@@ -185,66 +241,105 @@ def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, counts: np.ndarr
     choices. `counts`: occurrences of each token id in (a sample of) the training split, its length the
     vocabulary. The lines that say what was chosen and why join cfg.notes; the time it took comes off a time
     budget."""
+    import torch._dynamo  # noqa: F401 (fused AdamW imports it, ~1 s: a cost of the run's start, not the recipe's)
     import torch.distributed as dist
 
     began = time.perf_counter()
-    choices = None
+    choices = remarks = None
     if dist_info.rank == 0:
-        choices = _choose_here(cfg, dist_info.device, train_tokens, val_tokens, counts)
+        choices, remarks = _choose_here(cfg, dist_info.device, train_tokens, val_tokens, counts)
         takes = get_cell(cfg.model.cell).options  # the cell options this cell does not take are left out
         choices = [c for c in choices if c.key.removeprefix("model.") not in CELL_OPTIONS or
                    c.key.removeprefix("model.") in takes]
     if dist_info.world_size > 1:
-        box = [choices]
+        box = [(choices, remarks)]
         dist.broadcast_object_list(box, src=0)
-        choices = box[0]
+        choices, remarks = box[0]
     for c in choices:
         cfg.set(c.key, c.value, origin="the default recipe")
     seconds = time.perf_counter() - began
     cfg.recipe_seconds = seconds
     notes = [f"the default recipe ({seconds:.1f} s; --set any of these to choose it yourself):"]
-    notes += [f"  {c.key} = {c.value}: {c.why}" for c in choices]
+    notes += [f"  {c.key} = {c.value}: {c.why}" for c in choices] + [f"  note: {r}" for r in remarks]
     if cfg.train.max_time:
-        cfg.train.max_time = max(1.0, cfg.train.max_time - seconds)
-        notes.append(f"  train.max_time = {cfg.train.max_time:.1f}: the budget less the recipe's own time")
+        cfg.train.max_time = round(max(1.0, cfg.train.max_time - seconds), 1)
+        notes.append(f"  train.max_time = {cfg.train.max_time:g}: the budget less the recipe's own time")
     cfg.notes = [*cfg.notes, *notes]
     cfg.validate()
 
 
-def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.ndarray) -> list[Choice]:
-    """Speeds by FLOPs from one measured size (the run's own, or 2 x 256), the chosen size measured too."""
+def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.ndarray) -> tuple[list[Choice], list]:
+    """Speeds by FLOPs from one measured size (the run's own, or 2 x 256), the chosen size measured too, within
+    the recipe's share of a time budget; and remarks on the measuring, where it was cut short or contended."""
     began = time.perf_counter()
     measure = type(cfg)()  # the run's settings with the data's vocabulary, for timing
     head = head_choice(cfg, counts)
     measure.model = type(cfg.model)(**{**vars(cfg.model), "vocab_size": len(counts),
                                        **{"head_shortlist": c.value for c in head}})
     measure.train = cfg.train
-    choices = head + _sized(cfg, measure, device, train_tokens, val_tokens, counts, began)
+    timing = Timing(cfg.train, measure, device, counts, began)
+    choices = head + _sized(cfg, timing, train_tokens, val_tokens)
     if cfg.comm.mode == "diloco":  # the replicas agree only at outer steps, where validations must fall
         every = cfg.comm.diloco_steps
         choices = [Choice(c.key, math.ceil(c.value / every) * every,
                           f"{c.why}; a multiple of comm.diloco_steps = {every}")
                    if c.key == "train.eval_interval" else c for c in choices]
-    return choices
+    return choices, timing.remarks()
 
 
-def _sized(cfg, measure, device, train_tokens: int, val_tokens: int, counts: np.ndarray, began: float) -> list:
+class Timing:
+    """The recipe's measurements of sizes on this machine, all within RECIPE_SHARE of a time budget: a size is
+    measured only while the measurement is expected to fit in what is left of it, and stopped where it does not."""
+
+    def __init__(self, train, measure, device, counts: np.ndarray, began: float):
+        self.measure, self.device, self.counts, self.began = measure, torch.device(device), counts, began
+        self.allowance = RECIPE_SHARE * train.max_time if train.max_time else math.inf
+        self.per_step = train.batch_size * train.seq_len
+        self.cut: list[str] = []  # the sizes whose measurement was cut short
+        self.cores = CoreUse()
+
+    def left(self) -> float:
+        return self.allowance - (time.perf_counter() - self.began)
+
+    def speed(self, size, estimate: float | None = None) -> float | None:
+        """Tokens per second of `size` measured here; `estimate` (by FLOPs) is kept, and None returned, where a
+        warm-up and a timed step at that speed would not fit in what is left."""
+        if estimate is not None and 2 * self.per_step / estimate > self.left():
+            self.cut.append(f"{size[0]} x {size[1]} (not measured: its FLOPs' estimate kept)")
+            return None
+        speed, whole = measure_speed(self.measure, size, self.device, self.counts, self.left())
+        if not whole:
+            self.cut.append(f"{size[0]} x {size[1]} (from steps of {PROBE_LEN} tokens a row: {speed:,.0f} tokens/s)")
+        return speed
+
+    def remarks(self) -> list[str]:
+        said = []
+        if self.cut:
+            said.append(f"measuring stopped at the recipe's share of the budget ({RECIPE_SHARE:.0%}, "
+                        f"{self.allowance:.1f} s): {'; '.join(self.cut)}")
+        if self.device.type == "cpu" and (elsewhere := self.cores.elsewhere()) is not None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            said += [r for r in [contention(elsewhere, torch.get_num_threads(), cores)] if r]
+        return said
+
+
+def _sized(cfg, timing: Timing, train_tokens: int, val_tokens: int) -> list:
     budget = budget_of(cfg.train)
-    per_step = cfg.train.batch_size * cfg.train.seq_len
+    per_step, began = timing.per_step, timing.began
     own = (cfg.model.n_layers, cfg.model.d_model)
     if "model.d_model" in cfg.given or "model.n_layers" in cfg.given:
-        speeds = {own: measure_speed(measure, own, device, counts) if "seconds" in budget else 1.0}
+        speeds = {own: timing.speed(own) if "seconds" in budget else 1.0}
         return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent_since(began, budget))
     if "seconds" not in budget:
         return choose(train_tokens, val_tokens, budget, dict.fromkeys(LADDER, 1.0), per_step, cfg.given)
     reference = (2, 256)
-    speed = measure_speed(measure, reference, device, counts)
-    flops = {size: flops_of(measure.model, size, counts) for size in LADDER}
+    speed = timing.speed(reference)
+    flops = {size: flops_of(timing.measure.model, size, timing.counts) for size in LADDER}
     speeds = {size: speed * flops[reference] / flops[size] for size in LADDER}
     picked = max([s for s in LADDER if fits(s, budget, speeds[s], per_step)] or [LADDER[0]],
                  key=lambda s: recurrent_params(*s))
-    if picked != reference:  # measure it: FLOPs leave out what does not scale with them
-        speeds[picked] = measure_speed(measure, picked, device, counts)
+    if picked != reference and (measured := timing.speed(picked, speeds[picked])) is not None:
+        speeds[picked] = measured  # measured: FLOPs leave out what does not scale with them
         if not fits(picked, budget, speeds[picked], per_step):  # slower than its FLOPs said: a size smaller
             speeds = {s: v for s, v in speeds.items() if recurrent_params(*s) < recurrent_params(*picked)} or {
                 picked: speeds[picked]}

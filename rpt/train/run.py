@@ -86,6 +86,7 @@ def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str |
 def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                   seed: int | None, checkpoint: str, device: str | None, out=sys.stdout) -> str:
     """Stream the prompt, then the generated text as it is sampled, to `out`; returns the generated text."""
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
     from rpt.data.tokenizer import eot_id, token_bytes
     from rpt import kernels
     from rpt.kernels.cpu.products import generating
@@ -113,3 +114,17 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
     tail = decoder.decode(b"", final=True)
     out.write(tail + "\n")
     return "".join(pieces) + tail
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    """Refuse sampling settings that mean nothing, before the model is loaded."""
+    if max_new_tokens < 0:
+        raise RptError(f"--max-new-tokens {max_new_tokens} is negative", "e.g. --max-new-tokens 200")
+    if not temperature >= 0:
+        raise RptError(f"--temperature {temperature} is negative", "use 0 for the most likely token each time, "
+                       "or a positive value such as 0.8 (higher: more varied text)")
+    if top_k < 0:
+        raise RptError(f"--top-k {top_k} is negative", "use 0 for no limit, or e.g. 50")
+    if not 0 < top_p <= 1:
+        raise RptError(f"--top-p {top_p} is outside (0, 1]", "it is a share of the probability mass: use e.g. 0.95, "
+                       "or 1 for no limit")

@@ -65,8 +65,17 @@ class Telemetry:
         self.window = (tr.step, time.perf_counter(), 0)  # first step, start time, tokens of this log interval
         start = f"training {tr.params:,} parameters on {tr.device}, world size {self.d.world_size}"
         log.info(start)
-        self.say(start, *tr.cfg.notes, tr.budget.describe())
+        self.say(start, *tr.cfg.notes, *self._chosen_comm(), tr.budget.describe(), tr.checkpoints.describe())
         self.arm_probe()
+
+    def _chosen_comm(self) -> list[str]:
+        """What comm.mode = "auto" chose, and the timings it chose by."""
+        chosen = self.tr.sync.predictions
+        if not chosen:
+            return []
+        timed = ", ".join(f"{mode} {seconds * 1000:.1f} ms" for mode, seconds in chosen["timed"].items())
+        return [f"comm.mode = auto chose {self.tr.sync.mode} with compression {chosen['compression']} (each mode's "
+                f"traffic timed on this job's links, per step: {timed}; rpt topology shows the links)"]
 
     def say(self, *lines: str) -> None:
         """Lines for the terminal (rank 0), above the bar."""
@@ -174,15 +183,19 @@ class Telemetry:
         return saturated
 
     # ------------------------------------------------------------------ evaluations, profile, summary
-    def evaluation(self, step: int, result: dict, final: bool) -> None:
-        record = {"kind": "eval", "step": step, "final": final, **result, "time": time.time()}
+    def evaluation(self, step: int, result: dict, final: bool, weights_step: int | None = None) -> None:
+        """A validation at `step`, of the weights of `weights_step` (the selected ones, in a final evaluation)."""
+        weights_step = step if weights_step is None else weights_step
+        record = {"kind": "eval", "step": step, "final": final, **result, "weights_step": weights_step,
+                  "time": time.time()}
         log.info(json.dumps(record))
         if self.store:
             self.store.write_eval(record)
         for sink in self.sinks:
             sink.scalars(sinks.eval_scalars(record), step)
         self.say(f"step {step}: val loss {result['loss']:.4f}, ppl {result['ppl']:.2f}, bpb {result['bpb']:.4f}"
-                 + (" (final, whole split)" if final else ""))
+                 + (" (final, whole split" + (f", the weights of step {weights_step}" if weights_step != step else "")
+                    + ")" if final else ""))
         if self.d.is_main:
             self._append_jsonl(record)
 

@@ -44,7 +44,7 @@ from rpt.data.stream import TokenStream
 from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
-from rpt.models.lm import all_finite, cat_rows, detach_state, map_state, rows, token_counts
+from rpt.models.lm import all_finite, cat_rows, detach_state, map_state, rows, shapes, token_counts
 from rpt.models.shapes import on_meta
 from rpt.monitor import sinks
 from rpt.monitor.metrics import PHASES
@@ -59,7 +59,7 @@ from rpt.train.budget import Budget
 from rpt.train.checkpointing import Checkpointing, RandomState
 from rpt.train.evaluate import Evaluation
 from rpt.train.hooks import StepHooks
-from rpt.train.init_from import load_weights, read_weights
+from rpt.train.init_from import load_weights, read_weights, run_tokenizer_sha256
 from rpt.train.optim import build_optimizer
 from rpt.train.profiling import Profiling
 from rpt.train.run import setup_logging
@@ -127,7 +127,7 @@ class Trainer:
         sinks.require(cfg.monitor)  # on every rank, so that all of them stop, not rank 0 alone
         check_layout(cfg, dist_info.world_size)
         check_mixed_devices(cfg, dist_info)
-        self.data = open_data(cfg)
+        self.data = open_data(cfg, self.run_dir if resume else None)
         with on_meta():  # shapes only: what the run counts
             shape = RecurrentLM(cfg.model)
         par = parallelize(cfg, dist_info.rank, dist_info.world_size, self.device, dist_info.enabled)
@@ -153,6 +153,7 @@ class Trainer:
         self.step = self.tokens = self.skipped_steps = self.bad_streak = 0
         self.elapsed_before, self.started = 0.0, time.perf_counter()  # training seconds of earlier runs; this one's
         self.stopped: float | None = None  # when this run's training time ended (before the final evaluations)
+        self.agreed_clock: float | None = None  # elapsed() as every rank agreed it this step, where they did
         self.budget, self.ended_by, self.progress = Budget(t), None, 0.0
         self.pending_skip = None  # on a GPU: the last step's non-finite flag, not read yet
         self.hooks = step_hooks(cfg, dist_info, self.run_dir)
@@ -173,11 +174,14 @@ class Trainer:
         torch.manual_seed(t.seed + 1000 * dist_info.rank)  # dropout differs per rank
         random.seed(t.seed + dist_info.rank)
         np.random.seed(t.seed + dist_info.rank)
+        # The run directory is written only once everything is built: a new run refused at start (a layout that
+        # cannot work) leaves nothing; a resume, only once its first step has run, so that settings which fail
+        # there (or a checkpoint of another shape) leave the run's config.toml as it was, resumable as before.
+        self.recorded = False
         if resume:
             self._resume()
-        # Only now, with everything built and any checkpoint loaded, does the run directory get written: a run
-        # refused at start (a layout that cannot work, a checkpoint of another shape) leaves it as it was.
-        self._write_run_files()
+        else:
+            self._write_run_files()
 
     # ------------------------------------------------------------------ the step
     def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,6 +291,8 @@ class Trainer:
                     hook.step_begins(self.step)
                 loss, grad_norm = self.train_step(batch)
                 self.step += 1
+                if not self.recorded:
+                    self._write_run_files()
                 for hook in self.hooks:
                     hook.step_ends(self.step)
                 self.tokens += t.batch_size * t.seq_len * self.dp_size
@@ -297,7 +303,7 @@ class Trainer:
                     tel.log_interval(loss, grad_norm, lr)
                 if self.evaluation.should_evaluate(self.step):
                     self._evaluate(final=False)
-                if self.checkpoints.should_save(self.step):
+                if self.checkpoints.should_save(self.step, self.agreed_clock):
                     self._settle_pending_skip()
                     if self.bad_streak == 0:  # keep good ones good
                         self._save()
@@ -307,6 +313,8 @@ class Trainer:
         """After the last step: the evaluations, the last checkpoint (ranked by the periodic measure), the summary."""
         tel = self.telemetry
         tel.say(f"ended by {self.ended_by} at step {self.step:,} ({self.tokens:,} tokens)")
+        if not self.recorded:
+            self._write_run_files()
         self._settle_pending_skip()
         self.stopped = time.perf_counter()
         wall = self.stopped - self.started
@@ -326,7 +334,7 @@ class Trainer:
             self.checkpoints.finish(self.step, self.model, self.optimizer, self.stateful, val)
         if ev.last is not None:
             selected = self._select_best()
-            final = self._evaluate(final=True)
+            final = self._evaluate(final=True, weights_step=selected["selected_step"])
         summary = tel.summary(wall, final, profile, selected)
         for hook in self.hooks:
             hook.run_ends()
@@ -394,21 +402,24 @@ class Trainer:
         learning rate (which follows the spent fraction of the budget) stays identical across replicas; and
         a stop asked of any rank stops them all after the same step. Without a time budget the ranks agree
         at each log interval only (whose loss is all-reduced anyway), so a stop waits for that step."""
-        elapsed = self.elapsed()
+        elapsed, self.agreed_clock = self.elapsed(), None
         if self.d.world_size == 1:
+            self.agreed_clock = elapsed
             return elapsed, stop.requested is not None
         if not self.cfg.train.max_time and self.step % self.cfg.monitor.log_interval:
             return elapsed, False
         agreed = torch.tensor([elapsed, float(stop.requested is not None)], dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        return agreed[0].item(), bool(agreed[1].item())
+        self.agreed_clock = agreed[0].item()  # what timed checkpoints go by: the same on every rank
+        return self.agreed_clock, bool(agreed[1].item())
 
-    def _evaluate(self, final: bool) -> dict:
+    def _evaluate(self, final: bool, weights_step: int | None = None) -> dict:
+        """A validation of the model's weights (those of `weights_step` where they were loaded back)."""
         with self.clock("eval"):
             result = self.evaluation.run(PipelineEval(self.pipe) if self.pipe else self.model, self.step, final)
         if not final:
             self.evaluation.keep_if_best(self._weights, self.progress)
-        self.telemetry.evaluation(self.step, result, final)
+        self.telemetry.evaluation(self.step, result, final, weights_step)
         return result
 
     def _weights(self) -> dict:
@@ -452,8 +463,14 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens, self.skipped_steps = state["step"], state["tokens"], state["skipped_steps"]
         self.elapsed_before = state["elapsed"]
-        if state.get("layout", {**self.layout, "rank": self.d.rank}) == {**self.layout, "rank": self.d.rank}:
-            self.state = map_state(lambda t: t.to(self.device), state["state"])  # else another rank's rows: afresh
+        if state.get("layout", {**self.layout, "rank": self.d.rank}) != {**self.layout, "rank": self.d.rank}:
+            return  # another rank's rows: the recurrent state starts afresh (Checkpointing.resume says so)
+        saved, fresh = shapes(state["state"]), shapes(self.state)
+        if saved != fresh:  # another batch size (or state width): each row starts afresh, as the loader's rows do
+            self.telemetry.say(f"the recurrent state starts afresh: it was saved for {saved[0][0] if saved else 0} "
+                               f"rows, this run has {fresh[0][0] if fresh else 0} (train.batch_size)")
+            return
+        self.state = map_state(lambda t: t.to(self.device), state["state"])
 
     def _init_from(self, t) -> str:
         weights = read_weights(t.init_from)
@@ -476,6 +493,7 @@ class Trainer:
         self.telemetry.say(f"resumed from {path} at step {self.step}", *([extending] if extending else []))
 
     def _write_run_files(self) -> None:
+        self.recorded = True
         if not self.d.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -537,10 +555,18 @@ def step_hooks(cfg: Config, d: Dist, run_dir: Path) -> list[StepHooks]:
     return hooks
 
 
-def open_data(cfg: Config) -> PreparedData | MixedData:
+def open_data(cfg: Config, resumed: Path | None = None) -> PreparedData | MixedData:
     """The prepared data of data.path (or the mixture of data.mix), its vocabulary given to the model
-    (model.vocab_size = 0) or checked against it, and every token id of both splits checked to fit."""
+    (model.vocab_size = 0) or checked against it, and every token id of both splits checked to fit; for a
+    `resumed` run, its tokenizer checked to be the one the run trained with."""
     data = open_dataset(cfg.data)
+    theirs, ours = (run_tokenizer_sha256(resumed) if resumed else ""), data.meta.get("tokenizer_sha256", "")
+    if theirs and ours and theirs != ours:
+        raise RptError(f"{cfg.data.path if not cfg.data.mix else 'data.mix'} was prepared with another tokenizer "
+                       f"than the one the run {resumed} trained with: its token ids mean other text",
+                       f"resume on data prepared with the run's tokenizer (rpt prepare --input ... --out DIR "
+                       f"--tokenizer {resumed}/tokenizer.json), or start a new run from its weights with "
+                       f"train.init_from = {resumed}")
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = data.vocab_size
     elif cfg.model.vocab_size < data.vocab_size:

@@ -15,7 +15,7 @@ def trained_sync(bucket_mb: float) -> AllReduceSync:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     sync = AllReduceSync(model, CommConfig(compression="topk", topk_fraction=0.1, bucket_mb=bucket_mb), 1,
-                         powersgd_start=2, seed=0)
+                         powersgd_start=2, seed=0, example=lambda m: torch.randn(1, 8))
     for _ in range(2):
         sync.module(torch.randn(5, 8)).pow(2).sum().backward()
         sync.wait_gradients()

@@ -90,7 +90,7 @@ def powersgd_overlap(blocking: bool, steps: int) -> dict:
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
         sync = AllReduceSync(model, CommConfig(compression="powersgd", powersgd_rank=2, bucket_mb=0.3),
-                             dist.get_world_size(), powersgd_start=2, seed=0)
+                             dist.get_world_size(), powersgd_start=2, seed=0, example=lambda m: torch.zeros(1, 256))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         ready = []  # when each weight's gradient was computed
         for layer in model:

@@ -16,7 +16,7 @@ def test_powersgd_rounds_overlap_backward_and_change_nothing_learned(tmp_path):
         for a, b in zip(threaded[rank]["params"], blocking[rank]["params"]):
             assert torch.equal(a, b)
         steps = threaded[rank]["overlapped"]
-        assert all(s["buckets"] >= 4 for s in steps)
+        assert all(s["buckets"] >= 3 for s in steps), steps  # DDP's re-cut layout: 1 MiB first (torch's), then 0.3 MB
         # backward computed earlier layers while later layers' rounds were on the wire; blocking rounds stall it
         # (in every step but at most one: under a loaded machine's scheduling one step has met none)
         assert sum(s["computed_during_a_round"] >= 1 for s in steps) >= len(steps) - 1, steps

@@ -137,8 +137,8 @@ def test_a_killed_worker_restarts_the_group_which_resumes_and_ends_as_the_uninte
 
 
 @pytest.mark.parametrize("comm", [
-    ("comm.compression=powersgd", "comm.powersgd_rank=1"),
-    ("comm.compression=topk", "comm.topk_fraction=0.05"),
+    ("comm.compression=powersgd", "comm.powersgd_rank=1", "comm.bucket_mb=0.02"),  # buckets of a few tensors each
+    ("comm.compression=topk", "comm.topk_fraction=0.05", "comm.bucket_mb=0.02"),
     ("comm.adaptive=true", "comm.adaptive_interval=2", "comm.adaptive_period=3", "comm.adaptive_pin=[]"),
     ("comm.mode=diloco", "comm.diloco_steps=4", "comm.compression=int8"),  # the checkpoint of step 6: mid-phase
 ], ids=["powersgd", "topk", "adaptive", "diloco"])
@@ -239,3 +239,11 @@ def test_persistent_non_finite_gradients_stop_every_rank_and_keep_the_last_good_
     kept = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
     assert kept[-1] == "step_00000004"  # steps 5, 6 and 7 were skipped; the last good checkpoint is step 4's
     assert (tmp_path / "r" / "checkpoints" / kept[-1] / "manifest.json").exists()
+
+
+def test_what_auto_chose_is_said_on_the_terminal(tmp_path, tiny_data):
+    proc = rpt_train(tmp_path / "r", tiny_data, "--nproc", "2", "--set", "comm.mode=auto", "--set", "train.max_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    said = re.search(r"comm.mode = auto chose (\S+) with compression (\S+) \(each mode's traffic timed", proc.stdout)
+    assert said and said.groups() == (summary["comm_mode"], summary["compression"]), proc.stdout[-2000:]

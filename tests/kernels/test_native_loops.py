@@ -327,3 +327,53 @@ def test_a_build_says_so_and_every_checkout_builds_the_same_paths(tmp_path, monk
     assert all(Path(s).parent == out / "src" for s in seen["sources"])
     assert [Path(s).name for s in seen["sources"]] == [s.name for s in build.SOURCES]
     assert all((out / "src" / h.name).read_bytes() == h.read_bytes() for h in build.HEADERS)
+
+
+def _python(code: str, native_dir: Path, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RPT_NATIVE_DIR": str(native_dir),
+                                 "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **env})
+
+
+def test_a_finished_build_loads_without_asking_ninja_again(tmp_path):
+    """A build folder that holds a finished build is loaded as it is: handed to ninja with another checkout's
+    command line (its own include paths), the same loops were built again, three times within an hour."""
+    if kernels.current().loops() is None:
+        pytest.skip("the native loops are not built here")
+    built = build.build_directory()
+    assert (built / build.STAMP).is_file()
+    shutil.copytree(built, tmp_path / built.name, ignore=shutil.ignore_patterns("*.flock"))
+    (tmp_path / built.name / "build.ninja").write_text("# another checkout's command line\n")
+    proc = _python("from torch.utils import cpp_extension\n"
+                   "def refuse(*a, **k): raise SystemExit('ninja was asked to build')\n"
+                   "cpp_extension.load = refuse\n"
+                   "from rpt.kernels.cpu.build import built_loops\n"
+                   "assert built_loops() is not None\n", tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "compiling" not in err, err[-2000:]
+
+
+def test_processes_that_start_together_build_once_and_the_others_wait(tmp_path):
+    """Two processes meet an empty build folder: one builds (here a stand-in for ninja that takes 4 s and puts
+    the real library in place), the other says it waits, then loads that build; nothing is built twice."""
+    if kernels.current().loops() is None:
+        pytest.skip("the native loops are not built here")
+    fake_build = ("import os, shutil, time\n"
+                  "import torch\n"
+                  "from torch.utils import cpp_extension\n"
+                  "def stand_in(name, sources, build_directory, **kwargs):\n"
+                  "    time.sleep(4)\n"
+                  "    with open(os.environ['BUILDS'], 'a') as f: f.write('built\\n')\n"
+                  "    library = os.path.join(build_directory, name + '.so')\n"
+                  "    shutil.copyfile(os.environ['REAL_LIBRARY'], library)\n"
+                  "    torch.ops.load_library(library)\n"
+                  "cpp_extension.load = stand_in\n"
+                  "from rpt.kernels.cpu.build import built_loops\n"
+                  "assert built_loops() is not None\n")
+    env = {"BUILDS": str(tmp_path / "builds.txt"),
+           "REAL_LIBRARY": str(build.build_directory() / f"{build.NAME}.so")}
+    procs = [_python(fake_build, tmp_path / "cache", **env) for _ in range(2)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
+    assert (tmp_path / "builds.txt").read_text() == "built\n"
+    assert sum("waiting for another process that builds" in err for _, err in results) == 1

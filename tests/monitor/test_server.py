@@ -106,11 +106,54 @@ def _write_step(writer: MetricsWriter, step: int) -> None:
                           {0: 0.01, 1: 0.03})
 
 
-@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="Debian's chromium and chromium-driver are not "
-                    "installed (.ci/run installs them)")
-def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_path):
+def _chromium(tmp_path: Path):
+    """Debian's headless Chromium driven through its ChromeDriver, with a profile of its own."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1300,2200", f"--user-data-dir={tmp_path / 'chrome'}"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+NEEDS_CHROMIUM = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="Debian's chromium and chromium-driver "
+                                    "are not installed (.ci/run installs them)")
+
+
+@NEEDS_CHROMIUM
+def test_with_a_token_the_page_opened_from_the_printed_address_draws_its_charts(recorded, tmp_path):
+    """`rpt monitor --token T` prints http://HOST:PORT/?token=T: the page's stylesheet, plotly and app.js come
+    with it (they were fetched without the token, and refused), and nothing is served without it."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    app = create_app([recorded], token="s3cret")
+    server, thread, port = _serve_in_thread(app)
+    driver = _chromium(tmp_path)
+    try:
+        driver.get(f"http://127.0.0.1:{port}/?token=s3cret")
+        wait = WebDriverWait(driver, 30, poll_frequency=0.2)
+        wait.until(lambda d: d.execute_script("return (document.getElementById('loss').data || []).length") == 1)
+        assert driver.execute_script("return typeof Plotly") == "object"
+        assert driver.execute_script("return document.styleSheets[0].cssRules.length") > 0  # the stylesheet came
+        assert driver.execute_script("return document.querySelectorAll('svg.main-svg').length") >= 6  # drawn
+    finally:
+        driver.quit()
+        server.should_exit = True
+        thread.join(timeout=10)
+    client = TestClient(app)  # no cookie, no token: every path is refused, the page's own files too
+    for path in ("/", "/static/app.js", "/static/style.css", "/static/plotly.min.js", "/api/runs",
+                 "/api/runs/0/train"):
+        assert client.get(path).status_code == 401, path
+    client.cookies.set(f"rpt_monitor_{client.base_url.port or 80}", "wrong")
+    assert client.get("/static/app.js").status_code == 401
+
+
+@NEEDS_CHROMIUM
+def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_path):
     from selenium.webdriver.support.ui import WebDriverWait
 
     live = tmp_path / "live"
@@ -124,13 +167,7 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
     writer.write_profile(3, [{"steps": 2, "wall_s": 0.2, "compute_s": 0.12, "comm_s": 0.06, "overlap_s": 0.02,
                               "idle_s": 0.04}] * 2)
     server, thread, port = _serve_in_thread(create_app([recorded, live]))
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1300,2200", f"--user-data-dir={tmp_path / 'chrome'}"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver = _chromium(tmp_path)
     try:
         driver.get(f"http://127.0.0.1:{port}/")
         wait = WebDriverWait(driver, 30, poll_frequency=0.2)

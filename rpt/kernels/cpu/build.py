@@ -9,7 +9,8 @@ rows the whole loop in one parallel region: `threaded_loops.h`); `small_batch_pr
 for few rows; `min_scan.cpp` minGRU's and minLSTM's linear recurrence in one pass each way.
 
 It is built with torch's JIT extension builder (g++ and ninja) into ~/.cache/rpt/native/ (RPT_NATIVE_DIR
-overrides), one folder per torch version, source and compile flags, and loaded from there afterwards. Every
+overrides), one folder per torch version, source and compile flags, by one process at a time (the others wait
+for it), and loaded from there afterwards without asking ninja again (`built.json` marks a finished build). Every
 process runs the checks registered with `on_load` once before any cell relies on the loops; where they cannot be
 built (no compiler) or fail a check, the Python loops run, after one warning.
 """
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -31,6 +34,7 @@ SOURCES = [Path(__file__).with_name(name)
            for name in ("recurrent_loops.cpp", "small_batch_product.cpp", "min_scan.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("step_passes.h", "threaded_loops.h")]  # in the build's key
 NAME = "rpt_recurrent_loops"
+STAMP = "built.json"  # written once the loops of a build folder have been built and loaded: then they only load
 CHECKS: list = []  # run once on the loaded loops before any cell uses them (on_load)
 
 
@@ -74,31 +78,33 @@ def built_loops():
 
 
 def _compile_and_load():
-    from torch.utils import cpp_extension
-
     out = build_directory()
     try:
         out.mkdir(parents=True, exist_ok=True)
         if shutil.which("ninja") is None:  # the ninja wheel's binary: beside the interpreter, or in the package
             os.environ["PATH"] = os.pathsep.join([_ninja_bin_dir(), os.environ.get("PATH", "")])
-        # One process builds at a time (the ranks of a job start together). The kernel drops this lock when its
-        # holder dies; torch's own lock file would then stay behind and make every later build wait forever,
-        # so whoever holds this lock clears it.
+        # One process builds at a time (the ranks of a job start together); the others wait for its build and
+        # load it. The kernel drops this lock when its holder dies; torch's own lock file would then stay behind
+        # and make every later build wait forever, so whoever holds this lock clears it.
         with open(out / "build.flock", "w") as held:
-            fcntl.flock(held, fcntl.LOCK_EX)
-            (out / "lock").unlink(missing_ok=True)
-            sources = _copy_sources(out / "src")
-            say = lambda: print(f"rpt: compiling the native recurrent loops into {out} (once, ~25 s)",  # noqa: E731
-                                file=sys.stderr, flush=True)
-            # ninja decides whether anything is rebuilt: say so at once for a new folder, and after a moment
-            # otherwise (loading a finished build takes well under a second)
-            notice = threading.Timer(0.0 if not (out / f"{NAME}.so").exists() else 1.5, say)
-            notice.start()
+            waiting = threading.Timer(1.0, lambda: print(f"rpt: waiting for another process that builds the "
+                                                         f"native recurrent loops into {out}", file=sys.stderr,
+                                                         flush=True))
+            waiting.start()  # said only where the wait is a build's, not another process loading the loops
             try:
-                cpp_extension.load(NAME, sources, extra_cflags=compile_flags(), build_directory=str(out),
-                                   is_python_module=False, verbose=False)
+                fcntl.flock(held, fcntl.LOCK_EX)
             finally:
-                notice.cancel()
+                waiting.cancel()
+            (out / "lock").unlink(missing_ok=True)
+            library = out / f"{NAME}.so"
+            if (out / STAMP).is_file() and library.is_file():
+                # built and loaded before, by this checkout or another: ninja is not asked, since another
+                # checkout's command line (its own include paths) would make it build the same loops again
+                torch.ops.load_library(str(library))
+            else:
+                _build(out)
+                (out / STAMP).write_text(json.dumps({"torch": torch.__version__, "flags": compile_flags(),
+                                                     "built_by": sys.executable, "time": time.time()}))
         _register_shapes()
         _self_test(torch.ops.rpt_loops)
         return torch.ops.rpt_loops
@@ -107,6 +113,24 @@ def _compile_and_load():
                       "modlstm, gru, mingru and minlstm run their Python loops (slower). Install g++ and ninja to "
                       "build them.", stacklevel=3)
         return None
+
+
+def _build(out: Path) -> None:
+    """Compile and load the loops with torch's extension builder, saying so (it takes ~25 s once)."""
+    from torch.utils import cpp_extension
+
+    sources = _copy_sources(out / "src")
+    say = lambda: print(f"rpt: compiling the native recurrent loops into {out} (once, ~25 s)",  # noqa: E731
+                        file=sys.stderr, flush=True)
+    # ninja decides whether anything is rebuilt: say so at once for a new folder, and after a moment otherwise
+    # (a finished build of an earlier rpt, without the stamp, loads in well under a second)
+    notice = threading.Timer(0.0 if not (out / f"{NAME}.so").exists() else 1.5, say)
+    notice.start()
+    try:
+        cpp_extension.load(NAME, sources, extra_cflags=compile_flags(), build_directory=str(out),
+                           is_python_module=False, verbose=False)
+    finally:
+        notice.cancel()
 
 
 def _copy_sources(folder: Path) -> list[str]:

@@ -1,0 +1,61 @@
+"""Benchmark: `train.compile` against eager through `rpt train` itself, and what compiling prints.
+
+Each round trains the same preset twice, eagerly and with each block compiled (the two alternate, these machines
+are noisy), and reads the steady speed from metrics.jsonl: the median tokens/s of the log lines after `--skip`
+steps (compiling happens in the first steps). It also counts the lines torch._dynamo printed (graph breaks,
+recompiles): issue 43 found about 35, from the gate probe's counting inside the compiled blocks.
+
+    .venv/bin/python benchmarks/compile_train.py --data data/shakespeare-512 [--steps 400] [--rounds 2]
+        [--set model.d_model=64 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train(data: str, steps: int, backend: str, extra: list[str], run_dir: Path) -> tuple[list[float], int]:
+    args = [sys.executable, "-m", "rpt", "train", "--config", str(REPO / "configs" / "shakespeare-bench.toml"),
+            "--run-dir", str(run_dir), "--set", f"data.path={data}", "--set", f"train.max_steps={steps}",
+            "--set", "train.max_time=0", "--set", "train.early_stop=0", "--set", "monitor.log_interval=25",
+            "--set", f"train.compile={backend}", *[a for kv in extra for a in ("--set", kv)]]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=3600)
+    if done.returncode:
+        raise SystemExit(done.stderr[-3000:])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    speeds = [r["tokens_per_s"] for r in records if r["kind"] == "train"]
+    dynamo = sum("torch/_dynamo" in line for line in done.stderr.splitlines())
+    return speeds, dynamo
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", required=True)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--skip", type=int, default=100, help="log lines of the first this many steps are left out")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--set", dest="extra", action="append", default=[])
+    args = p.parse_args()
+    results = {"": [], "inductor": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for backend in results:
+                speeds, dynamo = train(args.data, args.steps, backend, args.extra, Path(tmp) / f"{r}-{backend or 'eager'}")
+                steady = statistics.median(speeds[args.skip // 25:])
+                results[backend].append(steady)
+                print(f"round {r + 1} {backend or 'eager':8s} {steady:9,.0f} tokens/s (steady, after step {args.skip}); "
+                      f"torch._dynamo printed {dynamo} lines", flush=True)
+    eager, compiled = max(results[""]), max(results["inductor"])
+    print(f"best rounds: eager {eager:,.0f}, inductor {compiled:,.0f} tokens/s: compiled / eager = {compiled / eager:.2f}")
+
+
+if __name__ == "__main__":
+    main()
