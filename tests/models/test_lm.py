@@ -190,3 +190,18 @@ def test_a_stage_without_embedding_or_head_passes_activations_through():
     torch.testing.assert_close(step_logits, logits[:, 0], rtol=1e-5, atol=1e-5)
 
 
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_blocks_and_the_model_return_no_views(cell):
+    """FSDP hooks every output of a block (and of the model) for backward, and warns at each view it is handed
+    (an in-place op on one would lose the hook): the state and the losses are tensors of their own."""
+    model = RecurrentLM(ModelConfig(cell=cell, vocab_size=V, d_model=16, n_layers=2, attention_every=2,
+                                    attention_window=4))
+    outputs = []
+    for block in model.blocks.values():
+        block.register_forward_hook(lambda _m, _args, out: outputs.append(out))
+    x = torch.randint(0, V, (2, 6))
+    outputs += [model(x, targets=x), model(x)]
+    views = [t for t in torch.utils._pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t._is_view()]
+    assert not views
