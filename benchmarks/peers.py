@@ -1,14 +1,24 @@
 """rpt against two published peers (../shared/peers: nanoGPT, pytorch/examples' word_language_model), trained for
 the same wall time on the same training text and scored in bits per UTF-8 byte on the same held-out text (issue 22).
 
-    .venv/bin/python benchmarks/peers.py [--cases shakespeare-130,shakespeare-600,stdlib-300] [--peers nanogpt,wlm,rpt]
-                                         [--work DIR]
+    .venv/bin/python benchmarks/peers.py [--cases shakespeare-130,shakespeare-600,stdlib-300,stdlib-600,prose-600]
+                                         [--peers nanogpt,gpt,wlm,rpt] [--work DIR]
 
 Cases: tiny-shakespeare with its last 10% of characters held out (as nanoGPT's prepare.py does; the file is ASCII,
 so characters are bytes), for 130 s and 600 s; the embedded default corpus (the Python standard library, split by
-rpt's document hash) for 300 s, without word_language_model (a whitespace vocabulary does not fit source code).
+rpt's document hash) for 300 s and 600 s, without word_language_model (a whitespace vocabulary does not fit source
+code); English prose, the prose of Python's documentation (`prose_text`: the tutorial, HOWTOs, FAQ and language
+reference of Debian's python3.11-doc, their reStructuredText sources with code, directives and markup removed:
+about 0.93 MB, 150K words), its last 10% held out, for 600 s. Issue 44 is judged by shakespeare-600 and the stdlib.
 
 How each is run, never changing its code (each in a copy, since both write beside their code):
+  gpt                    nanoGPT as a transformer of the same budget on rpt's own token files (BPE 8192: the same
+                         tokens, which are nanoGPT's format, flat uint16): config/train_shakespeare_char.py (AdamW
+                         1e-3 decaying to 1e-4 over the run, beta2 0.99, no gradient accumulation) with 50 warm-up
+                         iterations, no dropout, batch 12, at each of GPT_SIZES (layers x width / block), its
+                         iterations fitted to the budget from a timing run as below; the best of the three counts.
+                         Its score: the checkpoint it kept (the best of its own validations) over the whole held-out
+                         split, sliding windows of its block at a stride of half a block, each token scored once.
   nanoGPT                its README's CPU recipe (config/train_shakespeare_char.py + the README's flags), on a
                          character vocabulary of the case's text; `max_iters` = `lr_decay_iters` set from a 30-step
                          timing so that the run fills the budget (a multiple of its eval_interval, so the last step
@@ -51,6 +61,8 @@ SHAKESPEARE = SHARED / "data" / "tinyshakespeare" / "input.txt"
 NANOGPT_FLAGS = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
                  "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0"]
 NANOGPT_EVAL_INTERVAL = 250  # config/train_shakespeare_char.py's
+GPT_SIZES = ((4, 128, 64), (4, 192, 128), (6, 256, 128))  # layers, width, block: the issue's three
+DOCS = Path("/usr/share/doc/python3.11/html/_sources")  # Debian's python3.11-doc
 
 
 # ------------------------------------------------------------------ conversions (tested in tests/test_peers.py)
@@ -96,7 +108,51 @@ class Case:
 
 
 CASES = {c.name: c for c in (Case("shakespeare-130", "shakespeare", 130), Case("shakespeare-600", "shakespeare", 600),
-                             Case("stdlib-300", "stdlib", 300))}
+                             Case("stdlib-300", "stdlib", 300), Case("stdlib-600", "stdlib", 600),
+                             Case("prose-600", "prose", 600))}
+ENGLISH = ("shakespeare", "prose")  # the corpora word_language_model's whitespace vocabulary fits
+
+
+# ------------------------------------------------------------------ the prose corpus
+ROLE = re.compile(r":[\w:+-]+:`(~?)([^`<]*?)(?:\s*<[^>]*>)?`")
+
+
+def rst_prose(text: str) -> str:
+    """The prose of a reStructuredText file: directives, comments, literal blocks, interactive examples, tables and
+    heading underlines left out; roles, literals and links reduced to their text."""
+    out, skip = [], None  # skip: the indent of a block being left out
+    for line in text.splitlines():
+        stripped, indent = line.strip(), len(line) - len(line.lstrip())
+        if skip is not None:
+            if not stripped or indent > skip:
+                continue
+            skip = None
+            if out and out[-1]:
+                out.append("")  # the blank line that ended the block left out
+        if stripped == ".." or stripped.startswith(".. "):
+            skip = indent
+            continue
+        if re.fullmatch(r"([=\-~^*#+`'\"])\1{2,}", stripped) or stripped.startswith(("+--", "+==", "|", ">>>", "...")):
+            continue
+        if stripped.endswith("::"):  # a literal block follows
+            skip = indent
+            stripped = stripped[:-2].rstrip()
+            if not stripped:
+                continue
+            stripped += ":"
+        stripped = ROLE.sub(lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2), stripped)
+        stripped = re.sub(r"``([^`]*)``", r"\1", stripped)
+        out.append(re.sub(r"`([^`<]*?)(?:\s*<[^>]*>)?`_{1,2}", r"\1", stripped))
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip() + "\n"
+
+
+def prose_text() -> str:
+    """English prose: Python's documentation (tutorial, HOWTOs, FAQ, language reference), as prose."""
+    if not DOCS.is_dir():
+        raise SystemExit(f"{DOCS} is missing: the prose case reads Debian's python3.11-doc "
+                         "(apt-get install python3.11-doc)")
+    files = [f for part in ("tutorial", "howto", "faq", "reference") for f in sorted((DOCS / part).glob("*.rst.txt"))]
+    return "\n".join(rst_prose(f.read_text(encoding="utf8")) for f in files)
 
 
 def run(cmd: list[str], cwd: Path, log: Path) -> tuple[str, float]:
@@ -113,9 +169,13 @@ def run(cmd: list[str], cwd: Path, log: Path) -> tuple[str, float]:
 def prepare_rpt(case: Case, work: Path) -> tuple[Path, str, str, int]:
     """rpt's prepared folder and the (train, held-out) texts the peers get, with the held-out bytes."""
     data = work / f"rpt-{case.corpus}"
-    if case.corpus == "shakespeare":
-        cmd = [sys.executable, "-m", "rpt", "prepare", "--input", str(SHAKESPEARE), "--out", str(data)]
-        text = SHAKESPEARE.read_text(encoding="utf8")
+    if case.corpus in ENGLISH:
+        source = SHAKESPEARE
+        if case.corpus == "prose":
+            source = work / "prose.txt"
+            source.write_text(prose_text(), encoding="utf8")
+        cmd = [sys.executable, "-m", "rpt", "prepare", "--input", str(source), "--out", str(data)]
+        text = source.read_text(encoding="utf8")
         cut = int(len(text) * 0.9)
         train, held_out = text[:cut], text[cut:]
     else:
@@ -161,10 +221,83 @@ def run_nanogpt(case: Case, train: str, held_out: str, held_bytes: int, work: Pa
     with open(folder / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": stoi}, f)
 
+    log, wall, iters = fit_nanogpt(case, home, work, f"nanogpt-{case.name}", [*NANOGPT_FLAGS, "--dataset=rpt_case"])
+    loss = nanogpt_best_val(log)
+    return {"peer": "nanoGPT (char, CPU recipe)", "wall_s": wall, "loss": loss, "detail": f"{iters} iterations",
+            "bpb": bits_per_byte(loss, char_tokens(held_out), held_bytes)}
+
+
+SCORE_GPT = """
+import sys, numpy as np, torch
+from model import GPT, GPTConfig
+ckpt = torch.load(sys.argv[1], map_location="cpu", weights_only=False)
+model = GPT(GPTConfig(**ckpt["model_args"]))
+model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
+model.eval()
+val = torch.from_numpy(np.fromfile(sys.argv[2], dtype=np.uint16).astype(np.int64))
+N, B = len(val), model.config.block_size
+starts = list(range(0, N - B, B // 2))
+if starts[-1] + B < N - 1:
+    starts.append(N - 1 - B)
+done, nats, scored, batch = 0, 0.0, 0, []  # done: targets 1..done are scored
+def flush():
+    global nats, scored, batch
+    x, y = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
+    with torch.no_grad():
+        _, loss = model(x, y)
+    n = int((y >= 0).sum())
+    nats, scored, batch = nats + float(loss) * n, scored + n, []
+for s in starts:  # each window predicts targets s+1 .. s+B; the ones an earlier window scored are left out
+    y = val[s + 1:s + B + 1].clone()
+    y[:max(0, done - s)] = -1
+    done = s + B
+    batch.append((val[s:s + B], y))
+    if len(batch) == 16:
+        flush()
+if batch:
+    flush()
+print(f"scored {scored} tokens, nats {nats!r}")
+"""
+
+
+def run_gpt(case: Case, data: Path, work: Path) -> dict:
+    """nanoGPT on rpt's token files at each of GPT_SIZES for the whole budget; the best size's result."""
+    meta = json.loads((data / "meta.json").read_text())
+    if meta["dtype"] != "uint16" or any("shards" in meta["splits"][s] for s in ("train", "val")):
+        raise SystemExit("the gpt peer reads one uint16 token file per split (rpt prepare's default)")
+    results = []
+    for layers, width, block in GPT_SIZES:
+        tag = f"{layers}x{width}-b{block}"
+        home = work / f"gpt-{case.name}-{tag}"
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.copytree(PEERS / "nanoGPT", home)
+        folder = home / "data" / "rpt_tokens"
+        folder.mkdir(parents=True)
+        for split in ("train", "val"):
+            shutil.copyfile(data / meta["splits"][split]["file"], folder / f"{split}.bin")
+        with open(folder / "meta.pkl", "wb") as f:
+            pickle.dump({"vocab_size": meta["vocab_size"]}, f)
+        flags = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", f"--block_size={block}",
+                 "--batch_size=12", f"--n_layer={layers}", "--n_head=4", f"--n_embd={width}", "--dropout=0.0",
+                 "--warmup_iters=50", "--dataset=rpt_tokens"]
+        log, wall, iters = fit_nanogpt(case, home, work, f"gpt-{case.name}-{tag}", flags)
+        kept = next(p for p in (home / "out-rerun" / "ckpt.pt", home / "out-run" / "ckpt.pt") if p.exists())
+        scored = run([sys.executable, "-c", SCORE_GPT, str(kept), str(folder / "val.bin")], home,
+                     work / f"gpt-{case.name}-{tag}-score.log")[0]
+        tokens, nats = re.findall(r"scored (\d+) tokens, nats ([\d.e+-]+)", scored)[-1]
+        results.append({"peer": f"nanoGPT {tag} (rpt's BPE tokens)", "wall_s": wall, "loss": float(nats) / int(tokens),
+                        "detail": f"{iters} iterations", "bpb": float(nats) / meta["splits"]["val"]["bytes"] / math.log(2)})
+        print(f"  gpt {tag}: {results[-1]['bpb']:.3f} bpb, {iters} iterations, {wall:.0f} s", flush=True)
+    return min(results, key=lambda r: r["bpb"])
+
+
+def fit_nanogpt(case: Case, home: Path, work: Path, name: str, flags: list[str]) -> tuple[str, float, int]:
+    """nanoGPT's train.py with `flags`, its iterations fitted to the case's budget from a 30-step timing (a multiple
+    of its eval_interval, so the last step is evaluated); run once more, refitted, when the wall missed the budget
+    by over 15%. Returns (log, wall, iterations)."""
     def train_for(iters: int, tag: str) -> tuple[str, float]:
-        return run([sys.executable, "train.py", "config/train_shakespeare_char.py", *NANOGPT_FLAGS,
-                    f"--max_iters={iters}", f"--lr_decay_iters={iters}", "--dataset=rpt_case", f"--out_dir=out-{tag}"],
-                   home, work / f"nanogpt-{case.name}-{tag}.log")
+        return run([sys.executable, "train.py", "config/train_shakespeare_char.py", *flags, f"--max_iters={iters}",
+                    f"--lr_decay_iters={iters}", f"--out_dir=out-{tag}"], home, work / f"{name}-{tag}.log")
 
     log, wall = train_for(30, "timing")
     per_iter = float(np.median([float(t) for t in re.findall(r"iter \d+: loss [\d.]+, time ([\d.]+)ms", log)][3:])) / 1e3
@@ -176,10 +309,9 @@ def run_nanogpt(case: Case, train: str, held_out: str, held_bytes: int, work: Pa
     if abs(wall - case.seconds) > 0.15 * case.seconds:  # the timing run misjudged it (a noisy machine): once more
         refit = int(round(iters * (case.seconds - start_up) / max(wall - start_up, 1.0) / NANOGPT_EVAL_INTERVAL))
         iters = max(NANOGPT_EVAL_INTERVAL, refit * NANOGPT_EVAL_INTERVAL)
+        shutil.rmtree(home / "out-run", ignore_errors=True)
         log, wall = train_for(iters, "rerun")
-    loss = nanogpt_best_val(log)
-    return {"peer": "nanoGPT (char, CPU recipe)", "wall_s": wall, "loss": loss, "detail": f"{iters} iterations",
-            "bpb": bits_per_byte(loss, char_tokens(held_out), held_bytes)}
+    return log, wall, iters
 
 
 def run_wlm(case: Case, train: str, held_out: str, held_bytes: int, work: Path) -> dict:
@@ -208,7 +340,7 @@ def run_wlm(case: Case, train: str, held_out: str, held_bytes: int, work: Path) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"a subset of {', '.join(CASES)}")
-    parser.add_argument("--peers", default="nanogpt,wlm,rpt", help="a subset of nanogpt, wlm, rpt")
+    parser.add_argument("--peers", default="nanogpt,gpt,wlm,rpt", help="a subset of nanogpt, gpt, wlm, rpt")
     parser.add_argument("--work", default="runs/peers", help="where the copies, data and logs go")
     args = parser.parse_args()
     work = Path(args.work).resolve()
@@ -220,7 +352,9 @@ def main() -> None:
         chosen, results = args.peers.split(","), []
         if "nanogpt" in chosen:
             results.append(run_nanogpt(case, train, held_out, held_bytes, work))
-        if "wlm" in chosen and case.corpus == "shakespeare":
+        if "gpt" in chosen:
+            results.append(run_gpt(case, data, work))
+        if "wlm" in chosen and case.corpus in ENGLISH:
             results.append(run_wlm(case, train, held_out, held_bytes, work))
         if "rpt" in chosen:
             results.append(run_rpt(case, data, work))

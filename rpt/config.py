@@ -145,6 +145,9 @@ class TrainConfig:
     # best periodic validation; and the run ends early once none improved on the best for this share of its budget.
     select_best: bool = True
     early_stop: float = 0.25  # 0: never
+    # Polyak averaging: the run's weights become the mean of the weights after every step of the last this share of
+    # the budget (validated, selected and checkpointed as the model; rpt/train/averaging.py); 0: none
+    average: float = 0.0
     # "auto": the default recipe (rpt/train/recipe.py) chooses the settings no file or --set gave; `rpt train`
     # without --config runs it
     recipe: Literal["fixed", "auto"] = "fixed"
@@ -170,6 +173,9 @@ class TrainConfig:
         if not 0.0 <= self.early_stop <= 1.0:
             raise RptError(f"train.early_stop = {self.early_stop} is outside [0, 1]",
                            "it is a share of the budget, e.g. 0.25; 0 never stops early")
+        if not 0.0 <= self.average < 1.0:
+            raise RptError(f"train.average = {self.average} is outside [0, 1)",
+                           "it is the share of the budget, at its end, over which the weights are averaged: e.g. 0.3")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise RptError(f"train.min_lr_ratio = {self.min_lr_ratio} is outside [0, 1]", "use e.g. 0.1")
         if not 0.0 <= self.momentum < 1.0:
@@ -471,6 +477,9 @@ class Config:
         if t.batch_size % p.microbatches:
             raise RptError(f"train.batch_size = {t.batch_size} is not divisible by parallel.microbatches = "
                            f"{p.microbatches}", "choose a micro-batch count that divides the batch size")
+        if c.mode == "diloco" and t.average:
+            raise RptError("train.average with comm.mode = 'diloco': DiLoCo's replicas differ between outer steps, "
+                           "so their averages would too", "set train.average = 0 with diloco")
         if c.mode == "diloco" and t.eval_interval % c.diloco_steps:
             raise RptError(f"train.eval_interval = {t.eval_interval} with comm.mode = 'diloco' and comm.diloco_steps = "
                            f"{c.diloco_steps}: the replicas agree only at outer steps, where validation must fall",

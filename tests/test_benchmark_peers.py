@@ -41,3 +41,37 @@ def test_the_peers_printed_losses_are_read_back():
     assert peers.wlm_test_loss(wlm) == pytest.approx(math.log(200.34))
     with pytest.raises(RuntimeError, match="no test loss"):
         peers.wlm_test_loss("| end of epoch   1 | time: 3.00s |")
+
+
+def test_the_gpt_peers_sliding_windows_score_every_held_out_token_once(tmp_path):
+    """SCORE_GPT runs in nanoGPT's folder against its model.py: here a stand-in whose loss is the targets' own
+    mean value (ignoring -1), so the sum it reports is the sum of every scored target, each once."""
+    import subprocess
+
+    import numpy as np
+
+    (tmp_path / "model.py").write_text(
+        "import torch\n"
+        "from dataclasses import dataclass\n"
+        "@dataclass\n"
+        "class GPTConfig:\n    block_size: int = 8\n"
+        "class GPT(torch.nn.Module):\n"
+        "    def __init__(self, config):\n        super().__init__(); self.config = config\n"
+        "    def forward(self, x, y):\n"
+        "        kept = y[y >= 0].double()\n        return None, kept.mean()\n")
+    import torch
+    torch.save({"model_args": {"block_size": 8}, "model": {}}, tmp_path / "ckpt.pt")
+    for n in (50, 57, 9):  # windows at a stride of 4 that end exactly, overhang, or one window alone
+        val = np.arange(n, dtype=np.uint16)
+        val.tofile(tmp_path / "val.bin")
+        done = subprocess.run([sys.executable, "-c", peers.SCORE_GPT, "ckpt.pt", "val.bin"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        tokens, total = done.stdout.split("scored ")[1].split(" tokens, nats ")
+        assert int(tokens) == n - 1 and float(total) == pytest.approx(sum(range(1, n)))
+
+
+def test_the_prose_corpus_keeps_the_prose_of_restructured_text():
+    rst = (".. _label:\n\n*****\nTitle\n*****\n\nUse :func:`len` or :meth:`~dict.get` and ``x + 1``, see `the docs "
+           "<https://x>`_. For example::\n\n   >>> len([])\n   0\n\n.. note::\n\n   Indented note.\n\nAfter.\n")
+    assert peers.rst_prose(rst) == "Title\n\nUse len or get and x + 1, see the docs. For example:\n\nAfter.\n"

@@ -65,7 +65,8 @@ class Telemetry:
         self.window = (tr.step, time.perf_counter(), 0)  # first step, start time, tokens of this log interval
         start = f"training {tr.params:,} parameters on {tr.device}, world size {self.d.world_size}"
         log.info(start)
-        self.say(start, *tr.cfg.notes, *self._chosen_comm(), tr.budget.describe(), tr.checkpoints.describe())
+        self.say(start, *tr.cfg.notes, *self._chosen_comm(), tr.budget.describe(), tr.checkpoints.describe(),
+                 *[line for line in [tr.averaging.describe()] if line])
         self.arm_probe()
 
     def _chosen_comm(self) -> list[str]:

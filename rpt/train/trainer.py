@@ -55,6 +55,7 @@ from rpt.parallel.launch import Dist, restart_count
 from rpt.runtime import keep_freed_memory
 from rpt.parallel.pipeline import PipelineEval, check_layout
 from rpt.train import faults
+from rpt.train.averaging import WeightAverage
 from rpt.train.budget import Budget
 from rpt.train.checkpointing import Checkpointing, RandomState
 from rpt.train.evaluate import Evaluation
@@ -159,6 +160,7 @@ class Trainer:
         self.hooks = step_hooks(cfg, dist_info, self.run_dir)
         self.profiler = next((h for h in self.hooks if isinstance(h, Profiling)), None)
         self.clock = PhaseClock(self.device, self.mark_phase)
+        self.averaging = WeightAverage(t.average, list(self.model.parameters()))
         self.evaluation = Evaluation(t, self.data, token_byte_lengths(self.data.tokenizer), self.device,
                                      self.dp_rank, self.dp_size, cfg.data.reset_at_documents, self._autocast)
         self.layout = par.layout
@@ -170,7 +172,8 @@ class Trainer:
             self.telemetry.say(self.initialised_from)
         # what a checkpoint holds beside the model and the optimiser: save and resume walk this one registry
         self.stateful = {"trainer": self, "loader": self.loader, "scaler": self.scaler, "sync": self.sync,
-                         "budget": self.budget, "evaluation": self.evaluation, "rng": RandomState(self.device)}
+                         "budget": self.budget, "evaluation": self.evaluation, "averaging": self.averaging,
+                         "rng": RandomState(self.device)}
         torch.manual_seed(t.seed + 1000 * dist_info.rank)  # dropout differs per rank
         random.seed(t.seed + dist_info.rank)
         np.random.seed(t.seed + dist_info.rank)
@@ -290,6 +293,7 @@ class Trainer:
                 for hook in self.hooks:
                     hook.step_begins(self.step)
                 loss, grad_norm = self.train_step(batch)
+                self.averaging.step(self.progress)
                 self.step += 1
                 if not self.recorded:
                     self._write_run_files()
@@ -320,6 +324,7 @@ class Trainer:
         wall = self.stopped - self.started
         profile = tel.profile()
         self.sync.finish()
+        self.averaging.put_in()  # the run ends with the average (its iterate kept for a resume)
         log.info("parameter digest %s", param_digest(self.model))  # ranks compare equal under data parallel
         ev = self.evaluation
         if ev.last is not None and ev.ranking(self.step) is None:
@@ -415,10 +420,10 @@ class Trainer:
 
     def _evaluate(self, final: bool, weights_step: int | None = None) -> dict:
         """A validation of the model's weights (those of `weights_step` where they were loaded back)."""
-        with self.clock("eval"):
+        with self.clock("eval"), self.averaging.in_model():  # averaging: the average is what is validated
             result = self.evaluation.run(PipelineEval(self.pipe) if self.pipe else self.model, self.step, final)
-        if not final:
-            self.evaluation.keep_if_best(self._weights, self.progress)
+            if not final:
+                self.evaluation.keep_if_best(self._weights, self.progress)
         self.telemetry.evaluation(self.step, result, final, weights_step)
         return result
 
@@ -451,7 +456,7 @@ class Trainer:
 
     def _save(self, val: tuple[float, int] | None = None) -> None:
         """A checkpoint of this step, ranked by its periodic evaluation when it has one."""
-        with self.clock("checkpoint"):
+        with self.clock("checkpoint"), self.averaging.in_model():  # a checkpoint's model is what the run stands at
             self.checkpoints.save(self.step, self.model, self.optimizer, self.stateful,
                                   val or self.evaluation.ranking(self.step))
 
@@ -482,7 +487,7 @@ class Trainer:
 
     def _resume(self) -> None:
         path = self.checkpoints.resume(self.model, self.optimizer, self.stateful, partial=self.pipe is not None,
-                                       per_rank=("rng", "sync"))
+                                       per_rank=("rng", "sync", "averaging"))
         if path is None:  # nothing saved yet: a restarted new run starts as it did
             if self.cfg.train.init_from:
                 self.telemetry.say(self._init_from(self.cfg.train))
