@@ -3,6 +3,7 @@ the same wall time on the same training text and scored in bits per UTF-8 byte o
 
     .venv/bin/python benchmarks/peers.py [--cases shakespeare-130,shakespeare-600,stdlib-300,stdlib-600,prose-600]
                                          [--peers nanogpt,gpt,wlm,rpt] [--work DIR]
+                                         [--vocab-size N] [--rpt-set KEY=VALUE ...]   (ablations)
 
 Cases: tiny-shakespeare with its last 10% of characters held out (as nanoGPT's prepare.py does; the file is ASCII,
 so characters are bytes), for 130 s and 600 s; the embedded default corpus (the Python standard library, split by
@@ -12,8 +13,8 @@ reference of Debian's python3.11-doc, their reStructuredText sources with code, 
 about 0.93 MB, 150K words), its last 10% held out, for 600 s. Issue 44 is judged by shakespeare-600 and the stdlib.
 
 How each is run, never changing its code (each in a copy, since both write beside their code):
-  gpt                    nanoGPT as a transformer of the same budget on rpt's own token files (BPE 8192: the same
-                         tokens, which are nanoGPT's format, flat uint16): config/train_shakespeare_char.py (AdamW
+  gpt                    nanoGPT as a transformer of the same budget on rpt's own token files (rpt prepare's
+                         byte-level BPE: the same tokens, which are nanoGPT's format, flat uint16): config/train_shakespeare_char.py (AdamW
                          1e-3 decaying to 1e-4 over the run, beta2 0.99, no gradient accumulation) with 50 warm-up
                          iterations, no dropout, batch 12, at each of GPT_SIZES (layers x width / block), its
                          iterations fitted to the budget from a timing run as below; the best of the three counts.
@@ -166,20 +167,22 @@ def run(cmd: list[str], cwd: Path, log: Path) -> tuple[str, float]:
     return done.stdout, wall
 
 
-def prepare_rpt(case: Case, work: Path) -> tuple[Path, str, str, int]:
-    """rpt's prepared folder and the (train, held-out) texts the peers get, with the held-out bytes."""
-    data = work / f"rpt-{case.corpus}"
+def prepare_rpt(case: Case, work: Path, vocab_size: str = "auto") -> tuple[Path, str, str, int]:
+    """rpt's prepared folder (`rpt prepare`'s defaults, but for `vocab_size` in an ablation) and the (train,
+    held-out) texts the peers get, with the held-out bytes."""
+    data = work / f"rpt-{case.corpus}" if vocab_size == "auto" else work / f"rpt-{case.corpus}-v{vocab_size}"
     if case.corpus in ENGLISH:
         source = SHAKESPEARE
         if case.corpus == "prose":
             source = work / "prose.txt"
             source.write_text(prose_text(), encoding="utf8")
-        cmd = [sys.executable, "-m", "rpt", "prepare", "--input", str(source), "--out", str(data)]
+        cmd = [sys.executable, "-m", "rpt", "prepare", "--input", str(source), "--out", str(data),
+               "--vocab-size", vocab_size]
         text = source.read_text(encoding="utf8")
         cut = int(len(text) * 0.9)
         train, held_out = text[:cut], text[cut:]
     else:
-        cmd = [sys.executable, "-m", "rpt", "prepare", "--out", str(data)]
+        cmd = [sys.executable, "-m", "rpt", "prepare", "--out", str(data), "--vocab-size", vocab_size]
     if not (data / "meta.json").exists():
         run(cmd, REPO, work / f"prepare-{case.corpus}.log")
     meta = json.loads((data / "meta.json").read_text())
@@ -198,13 +201,17 @@ def decode_split(data: Path, meta: dict, split: str) -> str:
     return "\n".join(tok.decode(d[d != meta["eot_id"]].tolist()) for d in docs if len(d))
 
 
-def run_rpt(case: Case, data: Path, work: Path) -> dict:
-    run_dir = work / f"rpt-{case.name}"
+def run_rpt(case: Case, data: Path, work: Path, sets: list[str] = ()) -> dict:
+    """`rpt train` with the data and the time only; `sets`: more --set KEY=VALUE, for an ablation."""
+    tag = f"rpt-{case.name}" + "".join(f"-{s}" for s in sets)
+    run_dir = work / tag
     shutil.rmtree(run_dir, ignore_errors=True)
     _, wall = run([sys.executable, "-m", "rpt", "train", "--run-dir", str(run_dir), "--set", f"data.path={data}",
-                   "--set", f"train.max_time={case.seconds}"], REPO, work / f"rpt-{case.name}.log")
+                   "--set", f"train.max_time={case.seconds}", *(a for s in sets for a in ("--set", s))], REPO,
+                  work / f"{tag}.log")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"peer": "rpt (default recipe)", "wall_s": wall, "bpb": summary["val_bpb"], "summary": summary,
+    return {"peer": "rpt (default recipe)" + "".join(f" {s}" for s in sets), "wall_s": wall,
+            "bpb": summary["val_bpb"], "summary": summary,
             "detail": f"{summary['steps']} steps, ended by {summary['ended_by']}"}
 
 
@@ -342,13 +349,16 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"a subset of {', '.join(CASES)}")
     parser.add_argument("--peers", default="nanogpt,gpt,wlm,rpt", help="a subset of nanogpt, gpt, wlm, rpt")
     parser.add_argument("--work", default="runs/peers", help="where the copies, data and logs go")
+    parser.add_argument("--rpt-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an ablation: rpt trains with this --set too (repeatable)")
+    parser.add_argument("--vocab-size", default="auto", help="rpt prepare's --vocab-size (an ablation)")
     args = parser.parse_args()
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     rows = {}
     for name in args.cases.split(","):
         case = CASES[name]
-        data, train, held_out, held_bytes = prepare_rpt(case, work)
+        data, train, held_out, held_bytes = prepare_rpt(case, work, args.vocab_size)
         chosen, results = args.peers.split(","), []
         if "nanogpt" in chosen:
             results.append(run_nanogpt(case, train, held_out, held_bytes, work))
@@ -357,7 +367,7 @@ def main() -> None:
         if "wlm" in chosen and case.corpus in ENGLISH:
             results.append(run_wlm(case, train, held_out, held_bytes, work))
         if "rpt" in chosen:
-            results.append(run_rpt(case, data, work))
+            results.append(run_rpt(case, data, work, args.rpt_set))
         rows[name] = results
         for r in results:
             print(f"{name:16s} {r['peer']:38s} {r['bpb']:.3f} bpb  {r['wall_s']:6.0f} s  {r['detail']}", flush=True)

@@ -25,6 +25,15 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                    help="override one setting; repeat as needed, e.g. --set train.max_steps=100")
 
 
+def _vocab_size(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor auto (e.g. 8192, or auto)") from None
+
+
 def _add_prepare(sub) -> None:
     p = sub.add_parser("prepare", help="train a byte-level BPE tokenizer and write token shards",
                        description="Turn text into train.bin / val.bin token shards, tokenizer.json and meta.json. "
@@ -33,7 +42,9 @@ def _add_prepare(sub) -> None:
                    ".jsonl holds one document per line, .parquet one per row, .gz and .zst are read compressed, a folder "
                    "saved by datasets' save_to_disk as its rows")
     p.add_argument("--out", required=True, type=Path, help="output folder, e.g. data/NAME")
-    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--vocab-size", type=_vocab_size, default="auto",
+                   help="BPE vocabulary size, or auto (the default): twice the words the corpus repeats, in steps "
+                        "of 4096 from 8192 to 32768")
     p.add_argument("--val-fraction", type=float, default=0.1, help="share of documents (or of the text) for validation")
     p.add_argument("--tokenizer", help="reuse this tokenizer.json instead of training one")
     p.add_argument("--text-field", default="text", help="the field of .jsonl records that holds the text")
@@ -194,7 +205,8 @@ def format_prepare_report(meta: dict, out: Path) -> str:
              f"  sources     {sources['files']} files, {report['text_bytes'] / 1e6:.1f} MB of text "
              f"({sources['bytes'] / 1e6:.1f} MB on disk; {', '.join(sources['inputs'])})",
              f"  documents   {report['documents']}",
-             f"  tokenizer   byte-level BPE, vocabulary {meta['vocab_size']}, stored as {meta['dtype']}"]
+             f"  tokenizer   byte-level BPE, vocabulary {meta['vocab_size']}, stored as {meta['dtype']}"
+             + (f" ({meta['vocab_choice']})" if meta.get("vocab_choice") else "")]
     for name, s in meta["splits"].items():
         lines.append(f"  {name:<11} {s['tokens']:,} tokens, {s['bytes']:,} bytes "
                      f"({s['bytes'] / max(s['tokens'], 1):.2f} bytes/token), {s['documents']} documents")

@@ -36,7 +36,7 @@ from tqdm import tqdm
 import rpt
 from rpt.data.merge import write_splits
 from rpt.data.sources import EOT, ReadReport, Source, discover, iter_pieces
-from rpt.data.tokenizer import (eot_id, file_sha256, load_tokenizer, token_byte_lengths,
+from rpt.data.tokenizer import (auto_vocab_size, eot_id, file_sha256, load_tokenizer, token_byte_lengths,
                                 train_tokenizer)
 from rpt.data.units import UnitJob, assign_parts, plan_units, read_done, remove_unit
 from rpt.data.workers import run_units
@@ -50,7 +50,7 @@ SHARD_TOKENS = 100_000_000
 class PrepareOptions:
     out: Path
     inputs: list[str] | None = None
-    vocab_size: int = 8192
+    vocab_size: int | str = "auto"  # or "auto": sized to the corpus's repeated words (auto_vocab_size)
     val_fraction: float = 0.1
     tokenizer: str | None = None
     text_field: str = "text"
@@ -150,11 +150,14 @@ class WorkFolder:
         _write_atomic(self.path / "plan.json", json.dumps(plan, indent=2) + "\n")
 
     def tokenizer(self, make) -> int:
-        """The job's tokenizer (made once, by `make`, and kept for parts and resumes); its vocabulary size."""
+        """The job's tokenizer (made once, by `make`, and kept for parts and resumes); its vocabulary size.
+        `make` returns the tokenizer and why its vocabulary has its size (None: as asked), kept for meta.json."""
         path = self.path / "tokenizer.json"
         if path.is_file():
             return load_tokenizer(path).get_vocab_size()
-        tok = make()
+        tok, why = make()
+        if why:
+            _write_atomic(self.path / "vocab.txt", why)
         tmp = path.with_name(f"tokenizer.json.tmp{os.getpid()}")
         tok.save(str(tmp))
         os.replace(tmp, path)
@@ -254,6 +257,7 @@ def _finish(work: WorkFolder, started: float, seconds: dict, progress: bool, exp
                 "rpt_version": rpt.__version__,
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "vocab_size": tok.get_vocab_size(),
+                **({"vocab_choice": (work.path / "vocab.txt").read_text()} if (work.path / "vocab.txt").is_file() else {}),
                 "dtype": np.dtype(dtype).name,
                 "eot_token": EOT,
                 "eot_id": eot_id(tok),
@@ -306,7 +310,10 @@ def _check_options(opts: PrepareOptions) -> None:
         raise RptError(f"--val-fraction {opts.val_fraction} is outside (0, 1)", "use e.g. 0.1 for 10% validation")
     if opts.dtype not in ("auto", "uint16", "uint32"):
         raise RptError(f"--dtype {opts.dtype} is not one of auto, uint16, uint32", "use --dtype auto")
-    if opts.tokenizer is None and opts.dtype == "uint16" and opts.vocab_size > 1 << 16:
+    if not (opts.vocab_size == "auto" or isinstance(opts.vocab_size, int)):
+        raise RptError(f"--vocab-size {opts.vocab_size} is neither a number nor auto", "use e.g. --vocab-size 8192, "
+                       "or auto (sized to the corpus)")
+    if opts.tokenizer is None and opts.dtype == "uint16" and opts.vocab_size != "auto" and opts.vocab_size > 1 << 16:
         raise RptError(f"a vocabulary of {opts.vocab_size} does not fit uint16 (at most {1 << 16} ids)",
                        "use --dtype uint32 (or auto), or --vocab-size 65536 or less")
     if opts.tokenizer_train_bytes <= 0:
@@ -361,25 +368,32 @@ def _check_output_folder(out: Path, fingerprint: str, force: bool) -> dict | Non
 
 
 def _tokenizer(opts: PrepareOptions, sources: list[Source]):
+    """The tokenizer (given, or trained on a sample of the corpus) and why its vocabulary has its size."""
     if opts.tokenizer:
         tok = load_tokenizer(opts.tokenizer)
         _dtype(opts.dtype, tok.get_vocab_size())
-        return tok
+        return tok, None
     total = sum(s.size for s in sources)
     keep = min(1.0, opts.tokenizer_train_bytes / max(total, 1))
     report = ReadReport()
 
-    def sample():
-        with _bar(opts, total, "train tokenizer") as bar:
+    def sample(desc: str = "train tokenizer"):
+        with _bar(opts, total, desc) as bar:
             for piece, _ in iter_pieces(sources, report, opts.text_field, opts.max_doc_chars):
                 bar.update(len(piece))
                 if keep >= 1.0 or zlib.crc32(piece.encode("utf-8", "replace")) < keep * 2**32:
                     yield piece
 
-    tok = train_tokenizer(sample(), opts.vocab_size)
+    vocab_size, why = opts.vocab_size, None
+    if vocab_size == "auto":
+        vocab_size, why = auto_vocab_size(sample("count words"))
+        if report.documents == 0:
+            raise no_text_error(report, opts.text_field)
+        report = ReadReport()  # the tokenizer's pass reads the corpus again
+    tok = train_tokenizer(sample(), vocab_size)
     if report.documents == 0:
         raise no_text_error(report, opts.text_field)
-    return tok
+    return tok, why
 
 
 def no_text_error(report, text_field: str) -> RptError:

@@ -9,6 +9,7 @@ checks that a tokenizer given by the user is one rpt can use.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
@@ -19,6 +20,28 @@ from rpt.data.sources import EOT
 from rpt.errors import RptError
 
 MIN_VOCAB = 257  # 256 byte tokens + the end-of-document token
+AUTO_VOCAB = (8192, 32768, 4096)  # the range `--vocab-size auto` chooses in, and its step
+
+
+def auto_vocab_size(texts: Iterable[str]) -> tuple[int, str]:
+    """The vocabulary `--vocab-size auto` gives a corpus, and why: room for every word (a piece of the byte-level
+    pre-tokenizer, within which BPE merges) seen at least twice as one token, beside as many pieces that spell it
+    and the rarer words (BPE makes a word whole by merging its prefixes): twice the repeated words, rounded up to
+    a step of AUTO_VOCAB within its range. Whole words are what a small corpus's model predicts best (benchmarks/RESULTS.md, issue
+    44). Reading stops once the largest size is certain."""
+    split = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str
+    low, high, step = AUTO_VOCAB
+    counts, repeated = Counter(), 0
+    for text in texts:
+        for word, _ in split(text):
+            counts[word] += 1
+            repeated += counts[word] == 2
+        if 2 * repeated >= high:
+            break
+    size = min(high, max(low, -(-2 * repeated // step) * step))
+    seen = "at least " if 2 * repeated >= high else ""
+    return size, (f"auto: {seen}{repeated:,} of the corpus's distinct words occur twice or more; twice that, in "
+                  f"steps of {step:,} from {low:,} to {high:,}")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, length: int | None = None) -> Tokenizer:

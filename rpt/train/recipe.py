@@ -8,7 +8,9 @@ times the size it picks), reads the corpus's training tokens, and from the budge
 the data each size would make. A corpus the budget passes over many times is over-fitted long before the
 budget ends, so the recipe regularises by the passes (dropout, embedding dropout, weight drop; SGD with
 momentum for AdamW; early stopping armed); a corpus larger than the budget gets none of them, and the widest
-model that still sees enough tokens per parameter (width before depth). A regulariser the cell does not take
+model that still sees enough tokens per parameter (width before depth). Where the chosen size makes more than
+FREE_PASSES passes, compute is to spare: the family becomes the stack with sliding-window attention in every 2nd
+block, and the sizes are timed again with it. A regulariser the cell does not take
 (weight drop beside lstm) is left out. The periodic validation is sized to cost a small share of the budget.
 Every choice is printed with its reason, written into the run's config.toml, and a key given with --set (or by
 a file) is never touched.
@@ -38,6 +40,7 @@ FREE_PASSES = 2.0  # passes over the data that need no regularisation; then 0.1 
 REGULARISERS = {"model.dropout": 1.0, "model.embed_dropout": 1.5, "model.weight_drop": 2.0}
 # and, past FREE_PASSES too, SGD with momentum in place of AdamW (word_language_model's clip)
 MANY_PASSES_OPTIMIZER = {"train.optimizer": "sgd", "train.lr": 1.0, "train.grad_clip": 0.25}
+ATTENTION_EVERY = 2  # the family: sliding-window attention in every 2nd block of the recurrent stack
 HEAD_SAVING = 2.0  # a two-level softmax only where its expected cost is at most 1 / this of the full one
 EVAL_SHARE = 0.025  # of the budget, for the recipe's own timing and the periodic validations together
 RECIPE_SHARE = 0.05  # of a time budget: the most the recipe's measuring may take (then sizes go by FLOPs)
@@ -48,7 +51,7 @@ FORWARD_SHARE = 0.4  # a validation token's cost against a training token's (for
 
 
 # every key the recipe may choose (a key a file or --set gives is left alone); a time budget it shortens by its own time
-CHOOSES = frozenset({"model.n_layers", "model.d_model", "model.head_shortlist", *REGULARISERS, *MANY_PASSES_OPTIMIZER,
+CHOOSES = frozenset({"model.n_layers", "model.d_model", "model.head_shortlist", "model.attention_every", *REGULARISERS, *MANY_PASSES_OPTIMIZER,
                      "train.early_stop", "train.eval_tokens", "train.eval_interval"})
 
 
@@ -76,10 +79,11 @@ def fits(size, budget: dict, tokens_per_s: float, tokens_per_step: int) -> bool:
 
 
 def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, tokens_per_step: int,
-           given: frozenset, spent: float = 0.0) -> list[Choice]:
+           given: frozenset, spent: float = 0.0, facts: dict | None = None) -> list[Choice]:
     """The choices for a corpus of `train_tokens` and a budget ({"seconds"|"tokens"|"steps": n}), with
     `speeds` {(n_layers, d_model): training tokens per second on this machine}; keys in `given` are left alone.
-    `spent`: the share of the budget the timing took, which the validations' share gives up."""
+    `spent`: the share of the budget the timing took, which the validations' share gives up. `facts`, where
+    given, receives the passes over the data the chosen size makes."""
     def tokens_of_size(size) -> float:
         return tokens_of(budget, speeds[size], tokens_per_step)
 
@@ -91,6 +95,8 @@ def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, token
         size = max(fitting, key=lambda s: recurrent_params(*s)) if fitting else min(
             speeds, key=lambda s: recurrent_params(*s))
     passes = tokens_of_size(size) / max(train_tokens, 1)
+    if facts is not None:
+        facts["passes"] = passes
     choices = []
     if not sized:
         why = (f"the widest size that sees {TOKENS_PER_PARAM:g} token per recurrent parameter within the budget "
@@ -138,6 +144,22 @@ def head_choice(cfg, counts: np.ndarray) -> list[Choice]:
     if "model.head_shortlist" in cfg.given or cfg.parallel.pp != 1:
         return []
     return [shortlist_for(counts)]
+
+
+def family_choice(cfg, passes: float) -> list[Choice]:
+    """The model family for a run that makes `passes` over its data (timed without attention): where that is
+    more than FREE_PASSES, the data, not the compute, limits it, and the recurrent stack spends the compute to
+    spare on sliding-window attention in every ATTENTION_EVERY-th block (exact recall of the last window's
+    tokens, which a fixed-size state only approximates); below, attention's cost buys less than the tokens it
+    takes. Left alone where the user chose attention (or none) or the size, whose blocks it would share."""
+    if {"model.attention_every", "model.n_layers", "model.d_model"} & cfg.given:
+        return []
+    if passes > FREE_PASSES:
+        return [Choice("model.attention_every", ATTENTION_EVERY, f"{passes:.1f} passes without it: compute to "
+                       f"spare, which attention every {ATTENTION_EVERY}nd block turns into better held-out text "
+                       "(benchmarks/RESULTS.md, issue 44); the size is timed again with it")]
+    return [Choice("model.attention_every", 0, f"{passes:.1f} passes: compute is short, and attention's cost "
+                   "would buy less than the tokens it takes")]
 
 
 def measure_speed(cfg, size, device: torch.device, counts: np.ndarray, limit: float) -> tuple[float, bool]:
@@ -274,11 +296,18 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.nda
     began = time.perf_counter()
     measure = type(cfg)()  # the run's settings with the data's vocabulary, for timing
     head = head_choice(cfg, counts)
-    measure.model = type(cfg.model)(**{**vars(cfg.model), "vocab_size": len(counts),
-                                       **{"head_shortlist": c.value for c in head}})
+    given_attention = cfg.model.attention_every if "model.attention_every" in cfg.given else 0
+    measure.model = type(cfg.model)(**{**vars(cfg.model), "vocab_size": len(counts), "attention_every":
+                                       given_attention, **{"head_shortlist": c.value for c in head}})
     measure.train = cfg.train
     timing = Timing(cfg.train, measure, device, counts, began)
-    choices = head + _sized(cfg, timing, train_tokens, val_tokens)
+    facts = {}
+    sized = _sized(cfg, timing, train_tokens, val_tokens, facts)
+    family = family_choice(cfg, facts["passes"])
+    if family and family[0].value:
+        measure.model = type(cfg.model)(**{**vars(measure.model), "attention_every": family[0].value})
+        sized = _sized(cfg, timing, train_tokens, val_tokens)
+    choices = family + head + sized
     if cfg.comm.mode == "diloco":  # the replicas agree only at outer steps, where validations must fall
         every = cfg.comm.diloco_steps
         choices = [Choice(c.key, math.ceil(c.value / every) * every,
@@ -323,15 +352,16 @@ class Timing:
         return said
 
 
-def _sized(cfg, timing: Timing, train_tokens: int, val_tokens: int) -> list:
+def _sized(cfg, timing: Timing, train_tokens: int, val_tokens: int, facts: dict | None = None) -> list:
     budget = budget_of(cfg.train)
     per_step, began = timing.per_step, timing.began
     own = (cfg.model.n_layers, cfg.model.d_model)
     if "model.d_model" in cfg.given or "model.n_layers" in cfg.given:
         speeds = {own: timing.speed(own) if "seconds" in budget else 1.0}
-        return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent_since(began, budget))
+        return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent_since(began, budget),
+                      facts)
     if "seconds" not in budget:
-        return choose(train_tokens, val_tokens, budget, dict.fromkeys(LADDER, 1.0), per_step, cfg.given)
+        return choose(train_tokens, val_tokens, budget, dict.fromkeys(LADDER, 1.0), per_step, cfg.given, 0.0, facts)
     reference = (2, 256)
     speed = timing.speed(reference)
     flops = {size: flops_of(timing.measure.model, size, timing.counts) for size in LADDER}
@@ -343,7 +373,7 @@ def _sized(cfg, timing: Timing, train_tokens: int, val_tokens: int) -> list:
         if not fits(picked, budget, speeds[picked], per_step):  # slower than its FLOPs said: a size smaller
             speeds = {s: v for s, v in speeds.items() if recurrent_params(*s) < recurrent_params(*picked)} or {
                 picked: speeds[picked]}
-    return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent_since(began, budget))
+    return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent_since(began, budget), facts)
 
 
 def spent_since(began: float, budget: dict) -> float:

@@ -249,3 +249,36 @@ def test_the_same_text_copied_or_touched_is_the_same_dataset(tmp_path, small_cor
     edited.write_text(edited.read_text() + "one more line\n")
     with pytest.raises(RptError, match="different dataset"):
         prepare(PrepareOptions(out=out, inputs=[str(copy)], vocab_size=300, progress=False))
+
+
+def _word(i: int) -> str:
+    """The i-th of distinct all-letter words (one pre-tokenizer piece each, with its leading space)."""
+    letters = ""
+    while True:
+        letters, i = letters + "abcdefghijklmnopqrstuvwxyz"[i % 26], i // 26
+        if not i:
+            return " " + letters
+
+
+def test_auto_vocabulary_is_twice_the_repeated_words_in_steps_within_its_range():
+    from rpt.data.tokenizer import auto_vocab_size
+
+    twice, once = [_word(i) for i in range(5000)], [_word(i) for i in range(5000, 8000)]
+    assert auto_vocab_size(["".join(twice * 2 + once)])[0] == 12288  # 2 x 5000, up to a step of 4096
+    assert auto_vocab_size(["".join(twice[:100] * 3)])[0] == 8192  # a small corpus: the floor
+    read = []
+
+    def many():  # 40,000 repeated words, a document of 1,000 at a time: reading stops once the cap is certain
+        for d in range(40):
+            read.append(d)
+            yield "".join([_word(i) for i in range(d * 1000, (d + 1) * 1000)] * 2)
+
+    size, why = auto_vocab_size(many())
+    assert size == 32768 and len(read) == 17 and why.startswith("auto: at least 17,000")
+
+
+def test_prepare_defaults_to_the_auto_vocabulary_and_says_why(tmp_path, small_corpus):
+    meta = prepare(PrepareOptions(out=tmp_path / "o", inputs=[str(small_corpus)], progress=False))
+    assert meta["vocab_choice"].startswith("auto: ") and 257 <= meta["vocab_size"] <= 8192
+    with pytest.raises(RptError, match="neither a number nor auto"):
+        prepare(PrepareOptions(out=tmp_path / "p", inputs=[str(small_corpus)], vocab_size="big", progress=False))

@@ -136,3 +136,30 @@ def test_the_head_gets_a_shortlist_where_it_halves_the_softmax(make_cfg):
     assert recipe.head_choice(make_cfg(), zipf)[0].value == S
     assert recipe.head_choice(make_cfg("model.head_shortlist=0"), zipf) == []  # given: left alone
     assert recipe.head_choice(make_cfg("parallel.pp=2"), zipf) == []  # a pipeline's last stage needs logits
+
+
+def test_attention_joins_the_stack_only_where_the_data_not_the_compute_limits_the_run(make_cfg):
+    from types import SimpleNamespace
+
+    def resolved(*sets, given=(), train_tokens=50_000):
+        cfg = make_cfg("train.max_steps=2000", "train.recipe=auto", *sets)
+        cfg.given = frozenset(given)
+        recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), train_tokens, 10_000, np.ones(512))
+        return cfg
+
+    many = resolved("model.attention_every=0")  # 2,000 steps over 50K tokens: many passes
+    assert many.model.attention_every == recipe.ATTENTION_EVERY
+    assert any("model.attention_every = 2" in note and "passes" in note for note in many.notes)
+    few = resolved("model.attention_every=3", train_tokens=10**9)  # under one pass: compute is short
+    assert few.model.attention_every == 0 and any("model.attention_every = 0" in note for note in few.notes)
+    assert resolved("model.attention_every=0", given={"model.attention_every"}).model.attention_every == 0
+    assert resolved("model.attention_every=3", given={"model.attention_every"}).model.attention_every == 3
+    # a size given: the user's blocks, which the recipe does not share out to attention
+    assert resolved("model.attention_every=0", "model.d_model=64", given={"model.d_model"}).model.attention_every == 0
+
+
+def test_the_passes_that_decide_the_family_are_the_chosen_sizes():
+    facts = {}
+    c = chosen(recipe.choose(100_000, 40_000, {"seconds": 130}, SPEEDS, 1024, frozenset(), facts=facts))
+    size = (c["model.n_layers"], c["model.d_model"])
+    assert facts["passes"] == pytest.approx(recipe.tokens_of({"seconds": 130}, SPEEDS[size], 1024) / 100_000)
