@@ -257,7 +257,7 @@ def _finish(work: WorkFolder, started: float, seconds: dict, progress: bool, exp
                 "rpt_version": rpt.__version__,
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "vocab_size": tok.get_vocab_size(),
-                **({"vocab_choice": (work.path / "vocab.txt").read_text()} if (work.path / "vocab.txt").is_file() else {}),
+                **({"vocab_choice": noted.read_text()} if (noted := work.path / "vocab.txt").is_file() else {}),
                 "dtype": np.dtype(dtype).name,
                 "eot_token": EOT,
                 "eot_id": eot_id(tok),

@@ -51,8 +51,9 @@ FORWARD_SHARE = 0.4  # a validation token's cost against a training token's (for
 
 
 # every key the recipe may choose (a key a file or --set gives is left alone); a time budget it shortens by its own time
-CHOOSES = frozenset({"model.n_layers", "model.d_model", "model.head_shortlist", "model.attention_every", *REGULARISERS, *MANY_PASSES_OPTIMIZER,
-                     "train.early_stop", "train.eval_tokens", "train.eval_interval"})
+CHOOSES = frozenset({"model.n_layers", "model.d_model", "model.head_shortlist", "model.attention_every",
+                     *REGULARISERS, *MANY_PASSES_OPTIMIZER, "train.early_stop", "train.eval_tokens",
+                     "train.eval_interval"})
 
 
 @dataclass(frozen=True)
