@@ -76,9 +76,6 @@ class ModelConfig:
     # entry for the rest in the first, the rest in the second (`ClusteredHead`, rpt/models/lm.py): exact, and
     # about a third of the cost where the S cover most of the text
     head_shortlist: int = 0
-    # with a shortlist: its first level a mixture of this many softmaxes (MoS, Yang et al. 2018), each over its own
-    # tanh projection of the hidden state; 0: one softmax
-    head_mixtures: int = 0
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     mlp_ratio: float = 0.0  # gated MLP sub-layer of this width ratio in every block; 0: none
     attention_every: int = 0  # causal sliding-window attention sub-layer in every k-th block; 0: none
@@ -104,7 +101,7 @@ class ModelConfig:
         _positive("model.n_layers", self.n_layers)
         _positive("model.d_model", self.d_model)
         _positive("model.heads", self.heads)
-        for name in ("vocab_size", "d_hidden", "mlp_ratio", "attention_every", "head_shortlist", "head_mixtures"):
+        for name in ("vocab_size", "d_hidden", "mlp_ratio", "attention_every", "head_shortlist"):
             _non_negative(f"model.{name}", getattr(self, name))
         if self.attention_every:
             _positive("model.attention_window", self.attention_window)

@@ -159,11 +159,8 @@ def _embedding(cfg: ModelConfig) -> nn.Embedding:
 
 
 def _head(cfg: ModelConfig, tied: nn.Parameter | None) -> nn.Module:
-    if cfg.head_mixtures and not cfg.head_shortlist:  # (checked here: the default recipe chooses the shortlist)
-        raise RptError(f"model.head_mixtures = {cfg.head_mixtures} without model.head_shortlist",
-                       "set model.head_shortlist (the mixture is its first level's), or model.head_mixtures = 0")
     if cfg.head_shortlist:
-        return ClusteredHead(cfg.d_model, cfg.vocab_size, cfg.head_shortlist, tied, cfg.head_mixtures)
+        return ClusteredHead(cfg.d_model, cfg.vocab_size, cfg.head_shortlist, tied)
     return Head(cfg.d_model, cfg.vocab_size, tied)
 
 
@@ -306,10 +303,9 @@ class Head(nn.Linear):
 class ClusteredHead(nn.Module):
     """The two-level softmax: `shortlist` frequent tokens and a "rarer token" entry, then the rarer tokens."""
 
-    def __init__(self, d_model: int, vocab_size: int, shortlist: int, tied: nn.Parameter | None = None,
-                 mixtures: int = 0):
+    def __init__(self, d_model: int, vocab_size: int, shortlist: int, tied: nn.Parameter | None = None):
         super().__init__()
-        self.shortlist, self.vocab_size, self.mixtures = shortlist, vocab_size, mixtures
+        self.shortlist, self.vocab_size = shortlist, vocab_size
         if tied is not None:
             self.weight = tied
         else:
@@ -318,9 +314,6 @@ class ClusteredHead(nn.Module):
         self.rest = nn.Linear(d_model, 1)  # the logit of "a token outside the shortlist"
         nn.init.zeros_(self.rest.weight)
         nn.init.zeros_(self.rest.bias)
-        if mixtures:  # each component's own view of h, and the mixture's weights
-            self.latent = nn.Linear(d_model, mixtures * d_model)
-            self.prior = nn.Linear(d_model, mixtures)
         self.register_buffer("order", torch.arange(vocab_size))  # token ids, the most frequent first
         self.tail_share = 1.0 - shortlist / vocab_size  # of training tokens outside the shortlist (for FLOPs)
 
@@ -338,14 +331,8 @@ class ClusteredHead(nn.Module):
         return rank
 
     def _head_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The first level's logits (log-probabilities where it is a mixture)."""
         short = self.weight.index_select(0, self.order[:self.shortlist])
-        if not self.mixtures:
-            return at_least_fp32(torch.cat([F.linear(h, short), self.rest(h)], dim=-1))
-        views = torch.tanh(self.latent(h)).unflatten(-1, (self.mixtures, -1))  # [..., K, d]
-        each = at_least_fp32(torch.cat([F.linear(views, short), self.rest(views)], dim=-1)).log_softmax(-1)
-        prior = at_least_fp32(self.prior(h)).log_softmax(-1).unsqueeze(-1)
-        return torch.logsumexp(prior + each, dim=-2)
+        return at_least_fp32(torch.cat([F.linear(h, short), self.rest(h)], dim=-1))
 
     def _tail_logits(self, h: torch.Tensor) -> torch.Tensor:
         return at_least_fp32(F.linear(h, self.weight.index_select(0, self.order[self.shortlist:])))
@@ -369,9 +356,8 @@ class ClusteredHead(nn.Module):
         return nats.view(shape)
 
     def flops_per_token(self) -> int:
-        d, k = self.weight.shape[1], max(1, self.mixtures)
-        mixing = 2 * d * (k * d + k) if self.mixtures else 0
-        return int(mixing + k * 2 * d * (self.shortlist + 1) + 2 * d * (self.vocab_size - self.shortlist) * self.tail_share)
+        d = self.weight.shape[1]
+        return int(2 * d * (self.shortlist + 1) + 2 * d * (self.vocab_size - self.shortlist) * self.tail_share)
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
