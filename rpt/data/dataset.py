@@ -33,7 +33,9 @@ class PreparedData:
             self.vocab_size = int(self.meta["vocab_size"])
             self.eot_id = int(self.meta["eot_id"])
             self.dtype = np.dtype(self.meta["dtype"])
-            splits = self.meta["splits"]
+            missing = [split for split in SPLITS if split not in self.meta["splits"]]
+            if missing:
+                raise KeyError(f"no split {', '.join(missing)}")
         except (ValueError, KeyError, TypeError) as exc:
             raise RptError(f"{meta_path} is damaged ({exc})", "prepare the data again with --force") from None
         for split in SPLITS:

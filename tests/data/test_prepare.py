@@ -209,6 +209,11 @@ def test_incomplete_dataset_is_detected(tmp_path, small_corpus):
         f.truncate(10)
     with pytest.raises(RptError, match="incomplete"):
         PreparedData(out)
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["splits"]["val"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(RptError, match="damaged .*no split val"):
+        PreparedData(out)
     (out / "meta.json").unlink()
     with pytest.raises(RptError, match="no meta.json"):
         prepare(PrepareOptions(out=out, inputs=[str(small_corpus / "a")], vocab_size=300, progress=False))
