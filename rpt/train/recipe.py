@@ -10,7 +10,9 @@ budget ends, so the recipe regularises by the passes (dropout, embedding dropout
 momentum for AdamW; early stopping armed); a corpus larger than the budget gets none of them, and the widest
 model that still sees enough tokens per parameter (width before depth). Where the chosen size makes more than
 FREE_PASSES passes, compute is to spare: the family becomes the stack with sliding-window attention in every 2nd
-block, and the sizes are timed again with it. A regulariser the cell does not take
+block, and the sizes are timed again with it; under FREE_PASSES the compute is short, and steps of
+COMPUTE_BOUND_BATCH rows (4 x the default's) reach a lower loss in the same time, the sizes timed again with
+them (a step budget keeps its batch). A regulariser the cell does not take
 (weight drop beside lstm) is left out. The periodic validation is sized to cost a small share of the budget.
 Every choice is printed with its reason, written into the run's config.toml, and a key given with --set (or by
 a file) is never touched.
@@ -41,6 +43,7 @@ REGULARISERS = {"model.dropout": 1.0, "model.embed_dropout": 1.5, "model.weight_
 # and, past FREE_PASSES too, SGD with momentum in place of AdamW (word_language_model's clip)
 MANY_PASSES_OPTIMIZER = {"train.optimizer": "sgd", "train.lr": 1.0, "train.grad_clip": 0.25}
 ATTENTION_EVERY = 2  # the family: sliding-window attention in every 2nd block of the recurrent stack
+COMPUTE_BOUND_BATCH = 64  # rows a step where the budget makes under FREE_PASSES passes (4 x the default's)
 HEAD_SAVING = 2.0  # a two-level softmax only where its expected cost is at most 1 / this of the full one
 EVAL_SHARE = 0.025  # of the budget, for the recipe's own timing and the periodic validations together
 RECIPE_SHARE = 0.05  # of a time budget: the most the recipe's measuring may take (then sizes go by FLOPs)
@@ -52,8 +55,8 @@ FORWARD_SHARE = 0.4  # a validation token's cost against a training token's (for
 
 # every key the recipe may choose (a key a file or --set gives is left alone); a time budget it shortens by its own time
 CHOOSES = frozenset({"model.n_layers", "model.d_model", "model.head_shortlist", "model.attention_every",
-                     *REGULARISERS, *MANY_PASSES_OPTIMIZER, "train.early_stop", "train.eval_tokens",
-                     "train.eval_interval"})
+                     "train.batch_size", *REGULARISERS, *MANY_PASSES_OPTIMIZER, "train.early_stop",
+                     "train.eval_tokens", "train.eval_interval"})
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,24 @@ def family_choice(cfg, passes: float) -> list[Choice]:
                        "(benchmarks/RESULTS.md, issue 44); the size is timed again with it")]
     return [Choice("model.attention_every", 0, f"{passes:.1f} passes: compute is short, and attention's cost "
                    "would buy less than the tokens it takes")]
+
+
+def batch_choice(cfg, passes: float) -> list[Choice]:
+    """The rows a step for a run that makes `passes` over its data (timed at the configured batch): under
+    FREE_PASSES the compute, not the data, limits it, and COMPUTE_BOUND_BATCH rows a step (4,096 tokens at the
+    default window) reach a lower loss in the same time than the default's 16 (steps of less noise, and more
+    tokens a second from the larger matrix products); beyond, the data limits it and the smaller batches' more
+    steps are kept. Left alone where given, under a step budget (whose steps' size the user chose with it) or
+    where the batch would not divide into the run's micro-batches."""
+    if "train.batch_size" in cfg.given or "steps" in budget_of(cfg.train) or \
+            COMPUTE_BOUND_BATCH % cfg.train.grad_accum or COMPUTE_BOUND_BATCH % cfg.parallel.microbatches:
+        return []
+    if passes < FREE_PASSES:
+        return [Choice("train.batch_size", COMPUTE_BOUND_BATCH, f"{passes:.1f} passes at {cfg.train.batch_size} "
+                       f"rows a step: compute is short, and larger steps reach a lower loss in the same time "
+                       "(benchmarks/RESULTS.md, issue 44); the size is timed again with it")]
+    return [Choice("train.batch_size", cfg.train.batch_size, f"{passes:.1f} passes: the data limits the run, "
+                   "and smaller batches' more steps generalise better")]
 
 
 def measure_speed(cfg, size, device: torch.device, counts: np.ndarray, limit: float) -> tuple[float, bool]:
@@ -304,11 +325,15 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.nda
     timing = Timing(cfg.train, measure, device, counts, began)
     facts = {}
     sized = _sized(cfg, timing, train_tokens, val_tokens, facts)
-    family = family_choice(cfg, facts["passes"])
+    family, batch = family_choice(cfg, facts["passes"]), batch_choice(cfg, facts["passes"])
     if family and family[0].value:
         measure.model = type(cfg.model)(**{**vars(measure.model), "attention_every": family[0].value})
         sized = _sized(cfg, timing, train_tokens, val_tokens)
-    choices = family + head + sized
+    elif batch and batch[0].value != cfg.train.batch_size:
+        measure.train = type(cfg.train)(**{**vars(cfg.train), "batch_size": batch[0].value})
+        timing.per_step = batch[0].value * cfg.train.seq_len
+        sized = _sized(cfg, timing, train_tokens, val_tokens)
+    choices = family + batch + head + sized
     if cfg.comm.mode == "diloco":  # the replicas agree only at outer steps, where validations must fall
         every = cfg.comm.diloco_steps
         choices = [Choice(c.key, math.ceil(c.value / every) * every,

@@ -163,3 +163,27 @@ def test_the_passes_that_decide_the_family_are_the_chosen_sizes():
     c = chosen(recipe.choose(100_000, 40_000, {"seconds": 130}, SPEEDS, 1024, frozenset(), facts=facts))
     size = (c["model.n_layers"], c["model.d_model"])
     assert facts["passes"] == pytest.approx(recipe.tokens_of({"seconds": 130}, SPEEDS[size], 1024) / 100_000)
+
+
+def test_larger_batches_only_where_the_compute_not_the_data_limits_the_run(make_cfg):
+    from types import SimpleNamespace
+
+    def resolved(*sets, given=(), train_tokens=50_000):
+        cfg = make_cfg("train.max_steps=0", "train.max_tokens=400000", "train.recipe=auto", "train.batch_size=4",
+                       "train.seq_len=16", "model.attention_every=0", *sets)
+        cfg.given = frozenset(given)
+        recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), train_tokens, 10_000, np.ones(512))
+        return cfg
+
+    few = resolved(train_tokens=10**9)  # 400K tokens over 1G: under one pass
+    assert few.train.batch_size == recipe.COMPUTE_BOUND_BATCH
+    assert any("train.batch_size = 64" in note and "compute is short" in note for note in few.notes)
+    # validations are sized for the new step: 4,096 tokens cost their share of 64 x 16 tokens a step
+    assert few.train.eval_interval == pytest.approx(
+        recipe.EVAL_TOKENS * recipe.FORWARD_SHARE / (recipe.EVAL_SHARE * 64 * 16), abs=1)
+    assert resolved().train.batch_size == 4  # 400K tokens over 50K: eight passes, the data limits the run
+    assert resolved(train_tokens=10**9, given={"train.batch_size"}).train.batch_size == 4  # given: left alone
+    assert resolved("train.grad_accum=3", "train.batch_size=3", train_tokens=10**9).train.batch_size == 3
+    steps = make_cfg("train.max_steps=2000", "train.recipe=auto", "train.batch_size=4")
+    steps.given = frozenset({"train.max_steps"})
+    assert recipe.batch_choice(steps, 0.1) == []  # a step budget: the steps' size goes with it
