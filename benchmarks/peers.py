@@ -4,6 +4,7 @@ the same wall time on the same training text and scored in bits per UTF-8 byte o
     .venv/bin/python benchmarks/peers.py [--cases shakespeare-130,shakespeare-600,stdlib-300,stdlib-600,prose-600]
                                          [--peers nanogpt,gpt,wlm,rpt] [--work DIR]
                                          [--vocab-size N] [--rpt-set KEY=VALUE ...]   (ablations)
+                                         [--gpt-sizes 4x128x64,...]                   (the gpt peer's sizes)
 
 Cases: tiny-shakespeare with its last 10% of characters held out (as nanoGPT's prepare.py does; the file is ASCII,
 so characters are bytes), for 130 s and 600 s; the embedded default corpus (the Python standard library, split by
@@ -267,13 +268,13 @@ print(f"scored {scored} tokens, nats {nats!r}")
 """
 
 
-def run_gpt(case: Case, data: Path, work: Path) -> dict:
-    """nanoGPT on rpt's token files at each of GPT_SIZES for the whole budget; the best size's result."""
+def run_gpt(case: Case, data: Path, work: Path, sizes=GPT_SIZES) -> dict:
+    """nanoGPT on rpt's token files at each of `sizes` for the whole budget; the best size's result."""
     meta = json.loads((data / "meta.json").read_text())
     if meta["dtype"] != "uint16" or any("shards" in meta["splits"][s] for s in ("train", "val")):
         raise SystemExit("the gpt peer reads one uint16 token file per split (rpt prepare's default)")
     results = []
-    for layers, width, block in GPT_SIZES:
+    for layers, width, block in sizes:
         tag = f"{layers}x{width}-b{block}"
         home = work / f"gpt-{case.name}-{tag}"
         shutil.rmtree(home, ignore_errors=True)
@@ -352,6 +353,8 @@ def main() -> None:
     parser.add_argument("--rpt-set", action="append", default=[], metavar="KEY=VALUE",
                         help="an ablation: rpt trains with this --set too (repeatable)")
     parser.add_argument("--vocab-size", default="auto", help="rpt prepare's --vocab-size (an ablation)")
+    parser.add_argument("--gpt-sizes", default=",".join("x".join(map(str, s)) for s in GPT_SIZES),
+                        help="the gpt peer's sizes, LAYERSxWIDTHxBLOCK,... (fewer: a partial row, said as such)")
     args = parser.parse_args()
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -363,7 +366,8 @@ def main() -> None:
         if "nanogpt" in chosen:
             results.append(run_nanogpt(case, train, held_out, held_bytes, work))
         if "gpt" in chosen:
-            results.append(run_gpt(case, data, work))
+            sizes = [tuple(map(int, g.split("x"))) for g in args.gpt_sizes.split(",")]
+            results.append(run_gpt(case, data, work, sizes))
         if "wlm" in chosen and case.corpus in ENGLISH:
             results.append(run_wlm(case, train, held_out, held_bytes, work))
         if "rpt" in chosen:
