@@ -16,8 +16,9 @@ about 0.93 MB, 150K words), its last 10% held out, for 600 s. Issue 44 is judged
 How each is run, never changing its code (each in a copy, since both write beside their code):
   gpt                    nanoGPT as a transformer of the same budget on rpt's own token files (rpt prepare's
                          byte-level BPE: the same tokens, which are nanoGPT's format, flat uint16):
-                         config/train_shakespeare_char.py (AdamW 1e-3 decaying to 1e-4 over the run, beta2 0.99, no gradient accumulation) with 50 warm-up
-                         iterations, no dropout, batch 12, at each of GPT_SIZES (layers x width / block), its
+                         config/train_shakespeare_char.py (AdamW 1e-3 decaying to 1e-4 over the run, beta2 0.99,
+                         no gradient accumulation) with 50 warm-up iterations, no dropout, batch 12, at each of
+                         GPT_SIZES (or --gpt-sizes; layers x width / block), its
                          iterations fitted to the budget from a timing run as below; the best of the three counts.
                          Its score: the checkpoint it kept (the best of its own validations) over the whole held-out
                          split, sliding windows of its block at a stride of half a block, each token scored once.

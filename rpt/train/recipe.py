@@ -166,15 +166,17 @@ def family_choice(cfg, passes: float) -> list[Choice]:
                    "would buy less than the tokens it takes")]
 
 
-def batch_choice(cfg, passes: float) -> list[Choice]:
+def batch_choice(cfg, passes: float, rank_tokens: int) -> list[Choice]:
     """The rows a step for a run that makes `passes` over its data (timed at the configured batch): under
     FREE_PASSES the compute, not the data, limits it, and COMPUTE_BOUND_BATCH rows a step (4,096 tokens at the
     default window) reach a lower loss in the same time than the default's 16 (steps of less noise, and more
     tokens a second from the larger matrix products); beyond, the data limits it and the smaller batches' more
-    steps are kept. Left alone where given, under a step budget (whose steps' size the user chose with it) or
-    where the batch would not divide into the run's micro-batches."""
+    steps are kept. Left alone where given, under a step budget (whose steps' size the user chose with it),
+    where the batch would not divide into the run's micro-batches, or where a rank's `rank_tokens` are too few
+    for that many streams of two windows each (the stream loader's least)."""
     if "train.batch_size" in cfg.given or "steps" in budget_of(cfg.train) or \
-            COMPUTE_BOUND_BATCH % cfg.train.grad_accum or COMPUTE_BOUND_BATCH % cfg.parallel.microbatches:
+            COMPUTE_BOUND_BATCH % cfg.train.grad_accum or COMPUTE_BOUND_BATCH % cfg.parallel.microbatches or \
+            rank_tokens <= COMPUTE_BOUND_BATCH * 2 * cfg.train.seq_len:
         return []
     if passes < FREE_PASSES:
         return [Choice("train.batch_size", COMPUTE_BOUND_BATCH, f"{passes:.1f} passes at {cfg.train.batch_size} "
@@ -291,7 +293,8 @@ def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, counts: np.ndarr
     began = time.perf_counter()
     choices = remarks = None
     if dist_info.rank == 0:
-        choices, remarks = _choose_here(cfg, dist_info.device, train_tokens, val_tokens, counts)
+        choices, remarks = _choose_here(cfg, dist_info.device, train_tokens, val_tokens, counts,
+                                        dist_info.world_size)
         takes = get_cell(cfg.model.cell).options  # the cell options this cell does not take are left out
         choices = [c for c in choices if c.key.removeprefix("model.") not in CELL_OPTIONS or
                    c.key.removeprefix("model.") in takes]
@@ -312,7 +315,8 @@ def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, counts: np.ndarr
     cfg.validate()
 
 
-def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.ndarray) -> tuple[list[Choice], list]:
+def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.ndarray,
+                 world_size: int = 1) -> tuple[list[Choice], list]:
     """Speeds by FLOPs from one measured size (the run's own, or 2 x 256), the chosen size measured too, within
     the recipe's share of a time budget; and remarks on the measuring, where it was cut short or contended."""
     began = time.perf_counter()
@@ -325,7 +329,8 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.nda
     timing = Timing(cfg.train, measure, device, counts, began)
     facts = {}
     sized = _sized(cfg, timing, train_tokens, val_tokens, facts)
-    family, batch = family_choice(cfg, facts["passes"]), batch_choice(cfg, facts["passes"])
+    family = family_choice(cfg, facts["passes"])
+    batch = batch_choice(cfg, facts["passes"], train_tokens // world_size)
     if family and family[0].value:
         measure.model = type(cfg.model)(**{**vars(measure.model), "attention_every": family[0].value})
         sized = _sized(cfg, timing, train_tokens, val_tokens)

@@ -184,6 +184,25 @@ def test_larger_batches_only_where_the_compute_not_the_data_limits_the_run(make_
     assert resolved().train.batch_size == 4  # 400K tokens over 50K: eight passes, the data limits the run
     assert resolved(train_tokens=10**9, given={"train.batch_size"}).train.batch_size == 4  # given: left alone
     assert resolved("train.grad_accum=3", "train.batch_size=3", train_tokens=10**9).train.batch_size == 3
+    # too few tokens for 64 streams of two windows: kept (a budget of under two passes over 2,048 tokens)
+    assert resolved("train.max_tokens=2000", train_tokens=2048).train.batch_size == 4
     steps = make_cfg("train.max_steps=2000", "train.recipe=auto", "train.batch_size=4")
     steps.given = frozenset({"train.max_steps"})
-    assert recipe.batch_choice(steps, 0.1) == []  # a step budget: the steps' size goes with it
+    assert recipe.batch_choice(steps, 0.1, 10**9) == []  # a step budget: the steps' size goes with it
+
+
+def test_under_a_time_budget_the_sizes_are_timed_again_at_the_larger_batch(make_cfg, monkeypatch):
+    from types import SimpleNamespace
+
+    timed = []
+
+    def measure_speed(cfg, size, device, counts, limit):
+        timed.append(cfg.train.batch_size)
+        return 1e6, True  # fast: the sizes' passes stay under two only on a corpus far larger than the budget
+
+    monkeypatch.setattr(recipe, "measure_speed", measure_speed)
+    cfg = make_cfg("train.max_steps=0", "train.max_time=60", "train.recipe=auto", "train.batch_size=4",
+                   "train.seq_len=16", "model.attention_every=0")
+    cfg.given = frozenset()
+    recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 10**12, 10_000, np.ones(512))
+    assert cfg.train.batch_size == 64 and timed[0] == 4 and timed[-1] == 64
