@@ -47,7 +47,7 @@ def worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str,
     d = launch.setup("cpu")
     try:
         cfg = Config.load(None, overrides)
-        trainer = Trainer(cfg, Path(run_dir), d, progress=False)
+        trainer = Trainer(cfg, Path(run_dir), d, show_progress=False)
         finish, seen = trainer._finish, {}
 
         def peak_then_finish():  # the training steps' peak, before the final evaluation and checkpoint

@@ -15,7 +15,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from rpt.monitor.profile import STEP, _length, _union
+from rpt.monitor.trace_summary import STEP, _length, _union
 
 
 def top_kernels(trace: dict, top: int) -> list[str]:

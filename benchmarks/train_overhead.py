@@ -62,7 +62,7 @@ def minimal_loop(cfg: Config, steps: int, device: torch.device) -> float:
 def rpt_loop(cfg: Config, steps: int, device: torch.device) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         cfg.train.max_steps = steps
-        trainer = Trainer(cfg, Path(tmp), Dist(0, 1, 0, device), progress=False)
+        trainer = Trainer(cfg, Path(tmp), Dist(0, 1, 0, device), show_progress=False)
         return trainer.run()["tokens_per_second"]
 
 

@@ -356,7 +356,7 @@ def _cmd_lm_eval(args) -> None:
 
 
 def _cmd_topology(args) -> None:
-    from rpt.parallel.topology_run import run_topology
+    from rpt.parallel.topology_command import run_topology
 
     run_topology(load_config(args.config, args.overrides), args.nproc, args.message_mb, args.out)
 
@@ -365,7 +365,7 @@ def _cmd_plan(args) -> None:
     import json
 
     from rpt.parallel.plan import GiB, choose_plan, format_plan
-    from rpt.parallel.topology_run import resolve_vocab_size
+    from rpt.parallel.topology_command import resolve_vocab_size
 
     if args.world_size < 1:
         raise RptError(f"--world-size {args.world_size} must be at least 1", "e.g. --world-size 8")

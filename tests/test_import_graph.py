@@ -64,3 +64,63 @@ def test_no_function_in_rpt_runs_past_about_80_lines():
             for path in ROOT.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 85}
     assert not long, long
+
+
+def module_edges() -> dict[str, set[str]]:
+    """rpt module -> the rpt modules it imports (at the top or inside functions). `from rpt.a import b` names the
+    module rpt.a.b where that is a file, else the package rpt.a (its __init__)."""
+    def module_name(path: Path) -> str:
+        parts = ("rpt",) + path.relative_to(ROOT).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    known = {module_name(p) for p in ROOT.rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        here = module_name(path)
+        targets = edges.setdefault(here, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name in known)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module in known:
+                subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
+                targets.update(subs or [node.module])
+        targets.discard(here)
+    return edges
+
+
+def cycles_of(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_between_modules():
+    edges = module_edges()
+    assert "rpt.comm.gradient_sync" in edges["rpt.comm.diloco"]  # the graph is really read, to the module
+    assert cycles_of({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]  # and a circle would be found
+    assert not cycles_of(edges), cycles_of(edges)

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 
 from rpt.comm.accounting import allgather_wire_bytes, allreduce_wire_bytes
-from rpt.comm.sync import LocalSync
+from rpt.comm.gradient_sync import GradientSync
 
 WIRE = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
 
 
-class DiLoCoSync(LocalSync):
+class DiLoCoSync(GradientSync):
     def __init__(self, model: torch.nn.Module, cfg, world_size: int, group=None):
         super().__init__(model)
         self.world_size, self.group = world_size, group
@@ -41,7 +41,7 @@ class DiLoCoSync(LocalSync):
         self.outer_optimizer = torch.optim.SGD(self.outer, lr=cfg.diloco_outer_lr, momentum=momentum,
                                                nesterov=momentum > 0)
 
-    # no_sync and clip_grad_norm: LocalSync's (nothing to hold back; each replica clips its own gradients)
+    # no_sync and clip_grad_norm: GradientSync's (nothing to hold back; each replica clips its own gradients)
 
     def bind(self, optimizer) -> None:
         self.inner_optimizer = optimizer

@@ -24,14 +24,14 @@ The trainer drives every mode through the same five calls, in this order each st
 - `DiLoCoSync` (`diloco`, rpt/comm/diloco.py): local steps, and every H steps an outer step on the averaged
   change of the parameters.
 - `auto` (`choose_mode`): the links are measured and each mode's traffic pattern timed at start
-  (rpt/comm/topology.py); every rank gets the same numbers and takes the same mode.
+  (rpt/comm/links.py); every rank gets the same numbers and takes the same mode.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 
 import torch
 import torch.distributed as dist
@@ -39,52 +39,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rpt.comm import compress
 from rpt.comm.adaptive import AdaptiveSchedule
-from rpt.comm.accounting import CommMeter
+from rpt.comm.diloco import DiLoCoSync
+from rpt.comm.gradient_sync import GradientSync
 from rpt.config import CommConfig
-from rpt.comm import topology
+from rpt.comm import links
 
 log = logging.getLogger("rpt.comm")
 
 
-class LocalSync:
-    """One process: nothing to synchronise; the same calls, so the trainer has one path."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.module, self.meter = model, CommMeter()
-        self.owned = [p for p in model.parameters() if p.requires_grad]
-        self.mode, self.predictions = "none", None  # the mode in force; auto's seconds per mode (model, timed)
-
-    def no_sync(self):
-        return nullcontext()
-
-    def wait_gradients(self) -> None:
-        pass
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return clip_global_norm(self.owned, max_norm)
-
-    def share_parameters(self) -> None:
-        pass
-
-    def bind(self, optimizer) -> None:
-        """The optimiser the trainer built over `owned` (DiLoCo keeps its state per rank)."""
-
-    def finish(self) -> None:
-        """The end of training: whatever a mode still owes the replicas (DiLoCo's last outer step)."""
-
-    def schedule_in_force(self) -> dict:
-        """Adaptive synchronisation's current schedule, for the metrics (empty without it)."""
-        return {}
-
-    def state_dict(self) -> dict:
-        """What this rank's synchronisation carries from step to step (a checkpoint keeps it per rank)."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
-class AllReduceSync(LocalSync):
+class AllReduceSync(GradientSync):
     """DDP over the model, or over each of `parts` (disjoint pieces of it that run their forward and backward
     separately: the virtual stages of an interleaved pipeline, which torch's schedule hands DDP one by one).
     Parts share the meter and the adaptive schedule; each has its own DDP buckets and codec state.
@@ -165,7 +128,7 @@ class _Bucket:
         self.start = 0.0
 
 
-class ParameterServerSync(LocalSync):
+class ParameterServerSync(GradientSync):
     def __init__(self, model: torch.nn.Module, cfg: CommConfig, rank: int, world_size: int, sharded: bool):
         super().__init__(model)
         self.rank, self.world_size = rank, world_size
@@ -265,32 +228,6 @@ class ParameterServerSync(LocalSync):
         self.meter.add_exposed(time.perf_counter() - waited)
 
 
-def clip_global_norm(counted: list, max_norm: float, *, device=None, reduce: bool = False, group=None,
-                     scale: list | None = None) -> torch.Tensor:
-    """The global gradient norm: the square root of the summed squares of the `counted` parameters'
-    gradients, summed over the ranks of `group` (or of each group of a tuple, in turn) when `reduce` (each rank
-    holding a share). When it is
-    finite, the gradients of `scale` (default: `counted`) are multiplied by min(1, max_norm / norm).
-    Written here rather than torch.nn.utils.clip_grad_norm_ because shards must add up across ranks, and
-    because torch's fp32 CPU norm lost 1.6e-4 relative on a 8192 x 64 embedding gradient here (fp32 sums of
-    squares agree with a float64 reference to 1e-7), so every mode and pipeline degree now clips alike."""
-    grads = [p.grad for p in counted if p.grad is not None]
-    if grads:
-        total = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-    else:
-        total = torch.zeros((), device=device)
-    if reduce:
-        for g in group if isinstance(group, tuple) else (group,):
-            dist.all_reduce(total, group=g)
-    norm = total.sqrt()
-    if max_norm and torch.isfinite(norm):
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in counted if scale is None else scale:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return norm
-
-
 def _cut(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torch.nn.Parameter]]:
     buckets, current, size = [], [], 0
     for p in params:
@@ -343,20 +280,18 @@ def _tensors(out) -> list[torch.Tensor]:
 
 def build_sync(model: torch.nn.Module, cfg: CommConfig, *, rank: int, world_size: int, distributed: bool,
                powersgd_start: int = 2, seed: int = 0, precision: str = "fp32", group=None,
-               parts: list[torch.nn.Module] | None = None) -> LocalSync:
+               parts: list[torch.nn.Module] | None = None) -> GradientSync:
     """The mode of `cfg` over `world_size` data-parallel ranks: every rank, or the ranks of `group` (the dp
     dimension of a pipeline mesh, where only all-reduce runs: config validation refuses the others).
     `parts`: the pieces of `model` that run separately (AllReduceSync)."""
     if not distributed or world_size == 1:
-        return LocalSync(model)
+        return GradientSync(model)
     mode, predictions = cfg.mode, None
     if mode == "auto" and group is not None:
         mode = "allreduce"  # the links are measured over the whole world, not per dp group: not yet
     if mode == "auto":
         mode, predictions = choose_mode(model, cfg, precision)
     if mode == "diloco":
-        from rpt.comm.diloco import DiLoCoSync  # it builds on this module's LocalSync
-
         sync = DiLoCoSync(model, cfg, world_size, group=group)
     elif mode == "allreduce":
         sync = AllReduceSync(model, cfg, world_size, powersgd_start=powersgd_start, seed=seed, group=group,
@@ -379,21 +314,21 @@ def choose_mode(model: torch.nn.Module, cfg: CommConfig, precision: str) -> tupl
     scaling nor powersgd/topk). With `comm.compression = "none"` it chooses the codec too, among those that
     do not change what a step learns: bf16 gradients where they save at least HALF_WIDTH_WORTH a step (the
     choice is written into `cfg.compression`). powersgd, topk and diloco stay the user's to choose."""
-    topo = topology.measure(message_mb=1.0, repeats=2)
+    topo = links.measure(message_mb=1.0, repeats=2)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    predictions = topology.predict(topo, grad_bytes)
-    timed = topology.time_modes(grad_bytes)
+    predictions = links.predict(topo, grad_bytes)
+    timed = links.time_modes(grad_bytes)
     allowed = ["allreduce"]
     if precision != "fp16" and cfg.compression in ("none", "fp16", "bf16") and not cfg.adaptive:
         allowed += ["ps", "ps-sharded"]
-    mode = topology.choose({m: t for m, t in timed.items() if m in allowed})
+    mode = links.choose({m: t for m, t in timed.items() if m in allowed})
     codec = cfg.compression
     if codec == "none" and not cfg.adaptive:
         saved = timed[mode] - min(timed[m] * HALF_WIDTH_SHARE[m] for m in allowed)
         if saved >= HALF_WIDTH_WORTH:
-            mode = topology.choose({m: timed[m] * HALF_WIDTH_SHARE[m] for m in allowed})
+            mode = links.choose({m: timed[m] * HALF_WIDTH_SHARE[m] for m in allowed})
             codec = cfg.compression = "bf16"
     log.info("comm.mode auto: model %s, timed %s (seconds per step); chose %s with compression %s\n%s", predictions,
-             timed, mode, codec, topology.format_table(topo, predictions, grad_bytes, timed))
+             timed, mode, codec, links.format_table(topo, predictions, grad_bytes, timed))
     return mode, {"model": predictions, "timed": timed, "compression": codec,
                   "predicted_seconds": timed[mode] * (HALF_WIDTH_SHARE[mode] if codec in ("fp16", "bf16") else 1)}

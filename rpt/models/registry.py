@@ -40,9 +40,8 @@ def register_cell(name: str):
 
 def check_names(cfg, search: list[Path] = ()) -> None:
     """model.cell and model.gate name registered ones (after importing model.imports, which may register them),
-    or the error says which are, with a did-you-mean. `cfg` is a ModelConfig; `search`: the config file's folder."""
-    import rpt.models  # noqa: F401  (the built-in cells register on import)
-
+    or the error says which are, with a did-you-mean. `cfg` is a ModelConfig; `search`: the config file's folder.
+    (The built-in cells are registered by then: importing this module ran rpt/models/__init__.py.)"""
     import_user_modules(cfg.imports, list(search))
     cls = get_cell(cfg.cell)
     check_options(cfg, cls)

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rpt.comm.sync import LocalSync, build_sync
+from rpt.comm.gradient_sync import GradientSync
+from rpt.comm.sync import build_sync
 from rpt.models import RecurrentLM
 from rpt.models.lm import Block
 from rpt.parallel import fsdp, pipeline
@@ -24,7 +25,7 @@ class Parallel:
     """This rank's model and how it runs: `model` holds its parameters (checkpoints and the optimiser read it),
     `sync.module` is what a step's forward goes through, `pipe` the pipeline where there is one."""
     model: RecurrentLM
-    sync: LocalSync
+    sync: GradientSync
     pipe: pipeline.Pipeline | None
     dp_rank: int
     dp_size: int

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rpt.comm.accounting import fsdp_wire_bytes
-from rpt.comm.sync import LocalSync, clip_global_norm
+from rpt.comm.gradient_sync import GradientSync, clip_global_norm
 from rpt.models.lm import Block
 
 
@@ -68,7 +68,7 @@ def gathered(module: nn.Module):
         module.reshard()
 
 
-class FSDPSync(LocalSync):
+class FSDPSync(GradientSync):
     """The sync calls over an FSDP2 model: FSDP communicates inside forward and backward; here the
     accumulation switch, the exposed wait, the norm and the bytes moved."""
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rpt.comm.sync import clip_global_norm
+from rpt.comm.gradient_sync import clip_global_norm
 from rpt.errors import RptError
 from rpt.models.lm import cat_rows, detach_state, next_token_loss, rows
 from rpt.parallel.fsdp import LocalGrad, gathered, local

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from rpt.errors import RptError
-from rpt.train.checkpoint import Checkpointer
+from rpt.train.checkpoint_store import CheckpointStore
 from rpt.train.hooks import StepHooks
 
 log = logging.getLogger("rpt.train")
@@ -25,7 +25,7 @@ class Checkpointing:
     def __init__(self, cfg, default_root: str, rank: int, world_size: int, is_main: bool, hooks: list[StepHooks],
                  layout: dict | None = None):
         self.cfg, self.is_main, self.hooks = cfg, is_main, hooks
-        self.checkpointer = Checkpointer(cfg.path or default_root, rank, world_size, cfg.keep_last, cfg.keep_best,
+        self.checkpointer = CheckpointStore(cfg.path or default_root, rank, world_size, cfg.keep_last, cfg.keep_best,
                                          cfg.async_save, layout)
         self.last_saved_step = -1
         self.saved_at: float | None = None  # the agreed training clock at the last timed checkpoint (or the start)

@@ -5,7 +5,7 @@ loop reads no line of them. What installs one:
 
     faults.FaultHooks     RPT_FAULT (tests make ranks fail on purpose)
     watchdog.Watchdog     a run of several processes with train.stall_timeout > 0
-    profiling.Profiling   monitor.profile = "START:END" (rpt train --profile)
+    step_profiler.StepProfiler   monitor.profile = "START:END" (rpt train --profile)
 
 A hook overrides the points it needs; the others do nothing.
 """

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from rpt.errors import RptError
-from rpt.train.checkpoint import MANIFEST, Checkpointer
+from rpt.train.checkpoint_store import MANIFEST, CheckpointStore
 
 WN = ".parametrizations."  # weight normalisation's keys: X.parametrizations.NAME.original0 (g) / original1 (v)
 
@@ -35,11 +35,11 @@ def read_weights(path: str | Path) -> Weights:
     p = Path(path)
     if (p / "config.toml").is_file():
         cfg = Config.load(p / "config.toml")
-        ck = Checkpointer(cfg.checkpoint.path or str(p / "checkpoints"))
+        ck = CheckpointStore(cfg.checkpoint.path or str(p / "checkpoints"))
         found = ck.resolve("best", str(p))
         return Weights(ck.read_model(found), run_tokenizer_sha256(p), found)
     if (p / MANIFEST).is_file():
-        ck = Checkpointer(str(p.parent))
+        ck = CheckpointStore(str(p.parent))
         found = ck.resolve(str(p), str(p.parent))
         return Weights(ck.read_model(found), run_tokenizer_sha256(p.parent.parent), found)
     if is_export(p):

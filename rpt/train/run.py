@@ -42,10 +42,10 @@ def setup_logging(run_dir: Path, rank: int) -> None:
 
 
 def load_run(run_dir: str | Path, checkpoint: str = "best", device: str | None = None):
-    """(config, model with weights, tokenizer, checkpoint path, its Checkpointer) of a finished or running run."""
+    """(config, model with weights, tokenizer, checkpoint path, its CheckpointStore) of a finished or running run."""
     from rpt.data.tokenizer import load_tokenizer
     from rpt.models import RecurrentLM
-    from rpt.train.checkpoint import Checkpointer
+    from rpt.train.checkpoint_store import CheckpointStore
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file():
@@ -53,7 +53,7 @@ def load_run(run_dir: str | Path, checkpoint: str = "best", device: str | None =
     cfg = Config.load(run_dir / "config.toml")
     dev = launch.pick_device(device, 0)
     model = RecurrentLM(cfg.model).to(dev)
-    ck = Checkpointer(cfg.checkpoint.path or str(run_dir / "checkpoints"))
+    ck = CheckpointStore(cfg.checkpoint.path or str(run_dir / "checkpoints"))
     path = ck.resolve(checkpoint, str(run_dir))
     for damaged, problem in ck.damaged.items():
         print(f"skipping the damaged checkpoint {damaged}: {problem}", file=sys.stderr)

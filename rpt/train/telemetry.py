@@ -29,10 +29,10 @@ log = logging.getLogger("rpt.train")
 
 
 class Telemetry:
-    def __init__(self, trainer, progress: bool):
+    def __init__(self, trainer, show_progress: bool):
         self.tr, self.cfg = trainer, trainer.cfg.monitor
         self.d, self.run_dir = trainer.d, trainer.run_dir
-        self.progress = progress and self.d.is_main
+        self.show_progress = show_progress and self.d.is_main
         self.comm_window: list[dict] = []  # per-step communication figures since the last log line
         self.last_train_loss: float | None = None
         pipe = trainer.pipe  # the gate probe: each stage's first input of a logged step, through its blocks
@@ -59,7 +59,7 @@ class Telemetry:
                                 eval_tokens=t.eval_tokens if t.eval_interval else 0)
         # The bar counts per mille of the budget spent (steps, tokens or time, whichever ends the run first), so it
         # shows an ETA for every kind of budget.
-        self.bar = tqdm(total=1000, initial=0, disable=not self.progress or None, dynamic_ncols=True, desc="train",
+        self.bar = tqdm(total=1000, initial=0, disable=not self.show_progress or None, dynamic_ncols=True, desc="train",
                         bar_format="{desc} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]")
         self.started, self.spent_at_start = time.perf_counter(), tr.spent()
         self.window = (tr.step, time.perf_counter(), 0)  # first step, start time, tokens of this log interval
@@ -116,7 +116,7 @@ class Telemetry:
             self.bar.set_postfix(step=tr.step, loss=f"{mean_loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
                                  lr=f"{lr:.2e}")
             where = self.where()
-            if self.bar.disable and self.progress:  # stdout is no terminal (tee, nohup, SLURM): a plain line instead
+            if self.bar.disable and self.show_progress:  # stdout is no terminal (tee, nohup, SLURM): a plain line instead
                 print(progress_line(where, mean_loss, lr, record["tokens_per_s"]), flush=True)
             self.store.set_meta(progress=where)  # the dashboard's "step X of Y, ETA"
             self._append_jsonl(record)

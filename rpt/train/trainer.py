@@ -62,7 +62,7 @@ from rpt.train.evaluate import Evaluation
 from rpt.train.hooks import StepHooks
 from rpt.train.init_from import load_weights, read_weights, run_tokenizer_sha256
 from rpt.train.optim import build_optimizer
-from rpt.train.profiling import Profiling
+from rpt.train.step_profiler import StepProfiler
 from rpt.train.run import setup_logging
 from rpt.train.telemetry import Telemetry
 from rpt.train.watchdog import Watchdog
@@ -82,7 +82,7 @@ def train(cfg: Config, run_dir: Path, resume: bool, nproc: int, max_restarts: in
     return train_worker(cfg, str(run_dir), resume, device)
 
 
-def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, progress: bool = True) -> dict:
+def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, show_progress: bool = True) -> dict:
     """What every rank runs, alone, under torchrun or as one of the workers `--nproc` launches (a top-level
     function, so that the launcher can start it in a fresh process). Each rank logs to RUN_DIR/logs/rankR.log."""
     if cfg.parallel.fsdp == 1:  # FSDP frees each unit's gathered parameters: they go back to the OS
@@ -97,7 +97,7 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, pr
                 cfg = Config.load(run_dir / "config.toml")
             else:
                 apply_recipe(cfg, d)
-        trainer = Trainer(cfg, run_dir, d, resume=resume or restarted, progress=progress)
+        trainer = Trainer(cfg, run_dir, d, resume=resume or restarted, show_progress=show_progress)
         return trainer.run()
     except RptError as exc:
         if (run_dir / "config.toml").exists():  # a run that exists keeps the record; a refused new one leaves nothing
@@ -121,7 +121,8 @@ def apply_recipe(cfg: Config, d) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, dist_info: Dist, resume: bool = False, progress: bool = True):
+    def __init__(self, cfg: Config, run_dir: Path, dist_info: Dist, resume: bool = False,
+                 show_progress: bool = True):
         self.cfg, self.run_dir, self.d = cfg, Path(run_dir), dist_info
         self.device = dist_info.device
         t = cfg.train
@@ -155,10 +156,10 @@ class Trainer:
         self.elapsed_before, self.started = 0.0, time.perf_counter()  # training seconds of earlier runs; this one's
         self.stopped: float | None = None  # when this run's training time ended (before the final evaluations)
         self.agreed_clock: float | None = None  # elapsed() as every rank agreed it this step, where they did
-        self.budget, self.ended_by, self.progress = Budget(t), None, 0.0
+        self.budget, self.ended_by, self.spent_share = Budget(t), None, 0.0
         self.pending_skip = None  # on a GPU: the last step's non-finite flag, not read yet
         self.hooks = step_hooks(cfg, dist_info, self.run_dir)
-        self.profiler = next((h for h in self.hooks if isinstance(h, Profiling)), None)
+        self.profiler = next((h for h in self.hooks if isinstance(h, StepProfiler)), None)
         self.clock = PhaseClock(self.device, self.mark_phase)
         self.averaging = WeightAverage(t.average, list(self.model.parameters()))
         self.evaluation = Evaluation(t, self.data, token_byte_lengths(self.data.tokenizer), self.device,
@@ -167,7 +168,7 @@ class Trainer:
         self.checkpoints = Checkpointing(cfg.checkpoint, str(self.run_dir / "checkpoints"), dist_info.rank,
                                          dist_info.world_size, dist_info.is_main, self.hooks, par.layout)
         self.checkpointer = self.checkpoints.checkpointer
-        self.telemetry = Telemetry(self, progress)
+        self.telemetry = Telemetry(self, show_progress)
         if self.initialised_from:
             self.telemetry.say(self.initialised_from)
         # what a checkpoint holds beside the model and the optimiser: save and resume walk this one registry
@@ -281,11 +282,11 @@ class Trainer:
                 elapsed, stopping = self._agreed(stop)
                 if stopping:
                     return self._stop_interrupted(stop)
-                self.progress = self.budget.progress(self.step, self.tokens, elapsed)
+                self.spent_share = self.budget.progress(self.step, self.tokens, elapsed)
                 self.ended_by = self.budget.ended_by(self.step, self.tokens, elapsed) or self.evaluation.stale
                 if self.ended_by:
                     break
-                lr = self.budget.lr(self.step, self.progress)
+                lr = self.budget.lr(self.step, self.spent_share)
                 for group in self.optimizer.param_groups if self.optimizer is not None else ():
                     group["lr"] = lr
                 with self.clock("data"):
@@ -293,7 +294,7 @@ class Trainer:
                 for hook in self.hooks:
                     hook.step_begins(self.step)
                 loss, grad_norm = self.train_step(batch)
-                self.averaging.step(self.progress)
+                self.averaging.step(self.spent_share)
                 self.step += 1
                 if not self.recorded:
                     self._write_run_files()
@@ -423,7 +424,7 @@ class Trainer:
         with self.clock("eval"), self.averaging.in_model():  # averaging: the average is what is validated
             result = self.evaluation.run(PipelineEval(self.pipe) if self.pipe else self.model, self.step, final)
             if not final:
-                self.evaluation.keep_if_best(self._weights, self.progress)
+                self.evaluation.keep_if_best(self._weights, self.spent_share)
         self.telemetry.evaluation(self.step, result, final, weights_step)
         return result
 
@@ -556,7 +557,7 @@ def step_hooks(cfg: Config, d: Dist, run_dir: Path) -> list[StepHooks]:
     if d.world_size > 1 and cfg.train.stall_timeout:
         hooks.append(Watchdog(d.rank, d.world_size, cfg.train.stall_timeout))
     if cfg.monitor.profile:
-        hooks.append(Profiling(cfg.monitor.profile, run_dir, d.rank, d.device))
+        hooks.append(StepProfiler(cfg.monitor.profile, run_dir, d.rank, d.device))
     return hooks
 
 

@@ -27,7 +27,7 @@ def train_variants(data: str, out_dir: str, variants: list[tuple[str, list[str]]
         for name, overrides in variants:
             cfg = Config.load(None, base_overrides(data) + overrides)
             run_dir = Path(out_dir) / name
-            trainer = Trainer(cfg, run_dir, d, progress=False)
+            trainer = Trainer(cfg, run_dir, d, show_progress=False)
             summary = trainer.run()
             opt = trainer.optimizer
             optim_numel = sum(t.numel() for st in (opt.state.values() if opt else ()) for t in st.values()
@@ -50,12 +50,12 @@ def build_auto_with_timings(timed: dict) -> dict:
     """comm.mode = auto with the pattern timings replaced by `timed`: which sync it built, what this rank owns."""
     from rpt.comm.sync import build_sync
     from rpt.config import CommConfig
-    from rpt.comm import topology
+    from rpt.comm import links
     from rpt.parallel import launch
 
     d = launch.setup("cpu")
     try:
-        topology.time_modes = lambda grad_bytes, **_: dict(timed)
+        links.time_modes = lambda grad_bytes, **_: dict(timed)
         model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
         cfg = CommConfig(mode="auto", bucket_mb=0.0005)
         sync = build_sync(model, cfg, rank=d.rank, world_size=d.world_size, distributed=True)

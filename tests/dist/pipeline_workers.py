@@ -41,7 +41,7 @@ def train_runs(data: str, out_dir: str, runs: list[tuple[str, list[str], bool]])
         for name, overrides, resume in runs:
             cfg = Config.load(None, pipeline_overrides(data) + overrides)
             run_dir = Path(out_dir) / name
-            trainer = Trainer(cfg, run_dir, d, resume=resume, progress=False)
+            trainer = Trainer(cfg, run_dir, d, resume=resume, show_progress=False)
             summary = trainer.run()
             results[name + ("+resumed" if resume else "")] = {
                 "summary": summary, "losses": losses_of(run_dir) if d.rank == 0 else {},
@@ -86,7 +86,7 @@ def resize_runs(data: str, out_dir: str, runs: list[tuple[str, list[str], str | 
             if d.enabled:
                 dist.barrier()
             trainer = Trainer(Config.load(None, pipeline_overrides(data) + overrides), run_dir, d,
-                              resume=source is not None, progress=False)
+                              resume=source is not None, show_progress=False)
             first = next(p for n, p in trainer.model.named_parameters() if n.endswith("w_ih"))
             moments = trainer.optimizer.state.get(first, {})
             loaded = {"params": {n: whole(p) for n, p in trainer.model.named_parameters()},

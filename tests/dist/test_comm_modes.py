@@ -97,7 +97,7 @@ def test_a_time_budget_ends_every_rank_at_the_same_step_with_identical_replicas(
 
 
 def test_auto_measures_and_every_rank_takes_the_same_mode(runs):
-    from rpt.comm.topology import choose
+    from rpt.comm.links import choose
 
     for name in ("auto", "auto-topk"):
         s0, s1 = runs[0][name]["summary"], runs[1][name]["summary"]

@@ -24,7 +24,7 @@ def reference(data, tmp_path, name: str, *overrides: str) -> tuple[dict, dict]:
     """The same model trained in this one process, without a pipeline: (losses by step, parameters)."""
     torch.set_num_threads(1)
     cfg = Config.load(None, pipeline_overrides(str(data)) + list(overrides))
-    trainer = Trainer(cfg, tmp_path / name, SOLO, progress=False)
+    trainer = Trainer(cfg, tmp_path / name, SOLO, show_progress=False)
     trainer.run()
     return losses_of(tmp_path / name), {n: p.detach() for n, p in trainer.model.named_parameters()}
 

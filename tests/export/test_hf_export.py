@@ -50,7 +50,7 @@ def runs(tmp_path_factory, tiny_data) -> dict[str, tuple[Path, Path]]:
                                  "train.batch_size=4", "train.seq_len=16", "train.max_steps=3", "train.warmup_steps=1",
                                  "train.eval_interval=0", "train.eval_tokens=256", "monitor.tensorboard=false",
                                  "train.lr=0.02", *overrides])
-        Trainer(cfg, root / name, solo, progress=False).run()
+        Trainer(cfg, root / name, solo, show_progress=False).run()
         export_run(root / name, root / f"{name}-hf")
         out[name] = (root / name, root / f"{name}-hf")
     return out

@@ -39,7 +39,7 @@ def exported(tmp_path_factory, tiny_data) -> tuple[Path, Path, Path]:
     cfg = Config.load(None, [f"data.path={tiny_data}", "model.d_model=32", "model.cell=modlstm", "train.batch_size=4",
                              "train.seq_len=16", "train.max_steps=10", "train.eval_interval=0", "train.eval_tokens=256",
                              "model.attention_every=2", "model.attention_window=8", "monitor.tensorboard=false"])
-    Trainer(cfg, root / "run", Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), progress=False).run()
+    Trainer(cfg, root / "run", Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), show_progress=False).run()
     export_run(root / "run", root / "hf")
     tasks = root / "tasks"
     tasks.mkdir()

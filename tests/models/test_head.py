@@ -99,14 +99,14 @@ def test_the_model_with_a_shortlist_steps_as_it_runs_and_scores_as_it_samples(ti
 
 def test_a_run_with_a_shortlist_learns_and_resumes_with_its_order(make_cfg, tmp_path, solo):
     from rpt.data.dataset import PreparedData
-    from rpt.train.checkpoint import Checkpointer
+    from rpt.train.checkpoint_store import CheckpointStore
     from rpt.train.trainer import Trainer
 
     cfg = make_cfg("model.head_shortlist=32", "train.max_steps=30", "train.lr=1e-2")
     summary = Trainer(cfg, tmp_path / "r", solo, progress=False).run()
     counts = token_counts(PreparedData(cfg.data.path).tokens("train"), 300)
     model = RecurrentLM(ModelConfig(**{**vars(cfg.model), "vocab_size": 300}))
-    checkpoints = Checkpointer(str(tmp_path / "r" / "checkpoints"))
+    checkpoints = CheckpointStore(str(tmp_path / "r" / "checkpoints"))
     checkpoints.load(checkpoints.resolve("latest", str(tmp_path / "r")), model)
     assert set(model.head.order[:32].tolist()) == set(np.argsort(-counts, kind="stable")[:32].tolist())
     assert summary["val_loss"] < np.log(300) - 1.0  # learned well beyond a uniform guess

@@ -31,7 +31,7 @@ def recorded(tiny_data, tmp_path_factory) -> Path:
     cfg = Config.load(None, [f"data.path={tiny_data}", "model.d_model=32", "train.batch_size=4", "train.seq_len=16",
                              "train.max_steps=8", "train.eval_interval=4", "train.eval_tokens=1024",
                              "monitor.log_interval=2"])
-    Trainer(cfg, run, Dist(0, 1, 0, torch.device("cpu")), progress=False).run()
+    Trainer(cfg, run, Dist(0, 1, 0, torch.device("cpu")), show_progress=False).run()
     return run
 
 

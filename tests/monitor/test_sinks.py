@@ -16,7 +16,7 @@ def test_tensorboard_scalars_equal_the_store(make_cfg, tmp_path, solo):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cfg = make_cfg("train.max_steps=6", "monitor.log_interval=2", "train.eval_interval=3", "monitor.tensorboard=true")
-    Trainer(cfg, tmp_path / "r", solo, progress=False).run()
+    Trainer(cfg, tmp_path / "r", solo, show_progress=False).run()
     events = EventAccumulator(str(tmp_path / "r" / "tb"))
     events.Reload()
     store = MetricsReader(tmp_path / "r")
@@ -31,10 +31,10 @@ def test_tensorboard_scalars_equal_the_store(make_cfg, tmp_path, solo):
 
 
 def test_tensorboard_auto_writes_when_installed_and_is_quiet_when_not(make_cfg, tmp_path, solo, monkeypatch):
-    Trainer(make_cfg("train.max_steps=2", "monitor.tensorboard=auto"), tmp_path / "on", solo, progress=False).run()
+    Trainer(make_cfg("train.max_steps=2", "monitor.tensorboard=auto"), tmp_path / "on", solo, show_progress=False).run()
     assert list((tmp_path / "on" / "tb").iterdir())
     monkeypatch.setattr(sinks, "installed", lambda package: False)
-    Trainer(make_cfg("train.max_steps=2", "monitor.tensorboard=auto"), tmp_path / "off", solo, progress=False).run()
+    Trainer(make_cfg("train.max_steps=2", "monitor.tensorboard=auto"), tmp_path / "off", solo, show_progress=False).run()
     assert not (tmp_path / "off" / "tb").exists()
 
 
@@ -44,7 +44,7 @@ def test_an_asked_for_sink_whose_package_is_missing_is_refused(make_cfg, tmp_pat
                                                                 package):
     monkeypatch.setattr(sinks, "installed", lambda name: name != package)
     with pytest.raises(RptError, match=f"needs the {package} package") as info:
-        Trainer(make_cfg(setting), tmp_path / "r", solo, progress=False)
+        Trainer(make_cfg(setting), tmp_path / "r", solo, show_progress=False)
     assert f"pip install {package}" in info.value.fix
     assert not (tmp_path / "r").exists()  # refused before anything was written
 
@@ -57,7 +57,7 @@ def test_wandb_offline_run_holds_the_stores_figures_and_resume_continues_it(make
     run = tmp_path / "r"
     cfg = make_cfg("train.max_steps=4", "monitor.log_interval=2", "train.eval_interval=4", "monitor.wandb=true",
                    "checkpoint.interval=2")
-    Trainer(cfg, run, solo, progress=False).run()
+    Trainer(cfg, run, solo, show_progress=False).run()
     run_id = (run / "wandb_run_id").read_text().strip()
     logs = list((run / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(logs) == 1
@@ -70,6 +70,6 @@ def test_wandb_offline_run_holds_the_stores_figures_and_resume_continues_it(make
     assert json.dumps(store.rows("evals")[-1]["bpb"]).encode() in blob
     # resuming the rpt run continues the same W&B run id
     Trainer(make_cfg("train.max_steps=6", "monitor.log_interval=2", "monitor.wandb=true"), run, solo, resume=True,
-            progress=False).run()
+            show_progress=False).run()
     assert (run / "wandb_run_id").read_text().strip() == run_id
     assert len(list((run / "wandb").glob(f"offline-run-*-{run_id}"))) >= 1

@@ -19,7 +19,7 @@ from rpt.train.trainer import Trainer
 
 def test_a_run_writes_every_logged_step_rank_eval_and_layer(make_cfg, tmp_path, solo):
     cfg = make_cfg("train.max_steps=6", "monitor.log_interval=2", "train.eval_interval=3", "model.n_layers=3")
-    Trainer(cfg, tmp_path / "r", solo, progress=False).run()
+    Trainer(cfg, tmp_path / "r", solo, show_progress=False).run()
     reader = MetricsReader(tmp_path / "r")
     jsonl = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     train = reader.rows("train")
@@ -84,7 +84,7 @@ def test_stragglers_are_judged_against_peers_of_the_same_stage():
 
 
 def test_a_finished_run_leaves_one_self_contained_database_file(make_cfg, tmp_path, solo):
-    Trainer(make_cfg("train.max_steps=4", "monitor.log_interval=1"), tmp_path / "r", solo, progress=False).run()
+    Trainer(make_cfg("train.max_steps=4", "monitor.log_interval=1"), tmp_path / "r", solo, show_progress=False).run()
     assert not (tmp_path / "r" / "metrics.sqlite-wal").exists()  # folded in when the writer closed
     (tmp_path / "copy").mkdir()
     shutil.copy(tmp_path / "r" / "metrics.sqlite", tmp_path / "copy")  # the file alone, as users copy it

@@ -35,7 +35,7 @@ def test_every_rank_reads_every_ranks_device_kind(devices, expected):
 def test_a_mixed_job_refuses_what_gloo_cannot_carry_for_cuda_tensors(make_cfg, tmp_path, setting):
     mixed = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mixed_devices=True)
     with pytest.raises(RptError, match="mixes CPU and GPU ranks") as info:
-        Trainer(make_cfg(setting), tmp_path / "r", mixed, progress=False)
+        Trainer(make_cfg(setting), tmp_path / "r", mixed, show_progress=False)
     assert setting.split("=")[0] in info.value.message and not (tmp_path / "r").exists()
     check_mixed_devices(make_cfg("comm.compression=powersgd"), mixed)  # all-reduce based: allowed
     auto = make_cfg("comm.mode=auto")

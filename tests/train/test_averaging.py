@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rpt.errors import RptError
-from rpt.train.checkpoint import Checkpointer
+from rpt.train.checkpoint_store import CheckpointStore
 from rpt.train.trainer import Trainer
 
 
@@ -22,7 +22,7 @@ def test_the_run_ends_with_the_mean_of_the_iterates_of_its_last_share(make_cfg, 
         iterates.append({n: p.detach().clone() for n, p in self.model.named_parameters()})
         return out
     monkeypatch.setattr(Trainer, "train_step", recording)
-    trainer = Trainer(make_cfg("train.max_steps=8", "train.average=0.5"), tmp_path / "r", solo, progress=False)
+    trainer = Trainer(make_cfg("train.max_steps=8", "train.average=0.5"), tmp_path / "r", solo, show_progress=False)
     trainer.run()
     assert len(iterates) == 8 and trainer.averaging.count == 4  # the steps begun at 4/8 of the budget or later
     for name, p in trainer.model.named_parameters():
@@ -30,7 +30,7 @@ def test_the_run_ends_with_the_mean_of_the_iterates_of_its_last_share(make_cfg, 
         torch.testing.assert_close(p.detach(), mean, rtol=1e-5, atol=1e-6, msg=name)
         assert not torch.allclose(p.detach(), iterates[-1][name])  # not the last iterate
     # the last checkpoint holds the average as its model, what rpt eval and export read
-    saved = Checkpointer(str(tmp_path / "r" / "checkpoints")).read_model(
+    saved = CheckpointStore(str(tmp_path / "r" / "checkpoints")).read_model(
         str(tmp_path / "r" / "checkpoints" / "step_00000008"))
     for name, p in trainer.model.named_parameters():
         assert torch.equal(saved[name], p.detach())
@@ -39,13 +39,13 @@ def test_the_run_ends_with_the_mean_of_the_iterates_of_its_last_share(make_cfg, 
 def test_a_resume_inside_the_averaged_stretch_continues_exactly(make_cfg, tmp_path, solo):
     overrides = ("train.max_steps=8", "train.average=0.6", "checkpoint.interval=3", "checkpoint.keep_last=5",
                  "model.dropout=0.1")
-    whole = Trainer(make_cfg(*overrides), tmp_path / "whole", solo, progress=False)
+    whole = Trainer(make_cfg(*overrides), tmp_path / "whole", solo, show_progress=False)
     whole.run()
     cut = tmp_path / "cut"
     shutil.copytree(tmp_path / "whole", cut)
     shutil.rmtree(cut / "checkpoints" / "step_00000008")  # as if killed after the checkpoint of step 6
     (cut / "config.toml").write_text((cut / "config.toml").read_text().replace(str(tmp_path / "whole"), str(cut)))
-    again = Trainer(make_cfg(*overrides), cut, solo, resume=True, progress=False)
+    again = Trainer(make_cfg(*overrides), cut, solo, resume=True, show_progress=False)
     assert again.step == 6 and again.averaging.count == 2  # the average of steps 5 and 6, and their iterate
     again.run()
     assert again.averaging.count == whole.averaging.count == 4

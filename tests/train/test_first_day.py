@@ -59,9 +59,9 @@ def test_best_is_ranked_by_one_measure_and_eval_says_which(finished):
 
 def test_a_mistyped_checkpoint_names_the_ones_there_are(finished):
     from rpt.errors import RptError
-    from rpt.train.checkpoint import Checkpointer
+    from rpt.train.checkpoint_store import CheckpointStore
 
-    ck = Checkpointer(str(finished / "checkpoints"))
+    ck = CheckpointStore(str(finished / "checkpoints"))
     for name in ("step_00000010", "10", str(finished / "checkpoints" / "step_00000010")):
         assert ck.resolve(name, str(finished)).endswith("step_00000010")
     for name in ("step_00006000", "bestt", "no/such/folder"):

@@ -7,7 +7,7 @@ import torch
 
 from rpt.train.faults import FaultHooks
 from rpt.train.hooks import StepHooks
-from rpt.train.profiling import Profiling
+from rpt.train.step_profiler import StepProfiler
 from rpt.train.trainer import Trainer
 
 
@@ -39,14 +39,14 @@ class Recorder(StepHooks):
 
 
 def test_a_run_installs_only_the_hooks_it_asks_for(make_cfg, tmp_path, monkeypatch, solo):
-    assert Trainer(make_cfg(), tmp_path / "plain", solo, progress=False).hooks == []
+    assert Trainer(make_cfg(), tmp_path / "plain", solo, show_progress=False).hooks == []
     monkeypatch.setenv("RPT_FAULT", "nan@2")
-    trainer = Trainer(make_cfg("monitor.profile=2:3"), tmp_path / "both", solo, progress=False)
-    assert [type(h) for h in trainer.hooks] == [FaultHooks, Profiling] and trainer.profiler is trainer.hooks[1]
+    trainer = Trainer(make_cfg("monitor.profile=2:3"), tmp_path / "both", solo, show_progress=False)
+    assert [type(h) for h in trainer.hooks] == [FaultHooks, StepProfiler] and trainer.profiler is trainer.hooks[1]
 
 
 def test_the_loop_calls_each_point_in_order(make_cfg, tmp_path, solo):
-    trainer = Trainer(make_cfg("train.max_steps=2", "checkpoint.interval=2"), tmp_path / "r", solo, progress=False)
+    trainer = Trainer(make_cfg("train.max_steps=2", "checkpoint.interval=2"), tmp_path / "r", solo, show_progress=False)
     recorder = Recorder()
     trainer.hooks.append(recorder)
     trainer.run()
@@ -62,7 +62,7 @@ def test_the_loop_calls_each_point_in_order(make_cfg, tmp_path, solo):
 
 
 def test_the_step_goes_on_with_the_loss_a_hook_returns(make_cfg, tmp_path, solo):
-    trainer = Trainer(make_cfg("train.max_steps=2", "train.weight_decay=0"), tmp_path / "r", solo, progress=False)
+    trainer = Trainer(make_cfg("train.max_steps=2", "train.weight_decay=0"), tmp_path / "r", solo, show_progress=False)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.hooks.append(Recorder(scale=0.0))  # no gradient: AdamW moves nothing
     trainer.run()

@@ -64,10 +64,10 @@ def test_an_sgd_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(ma
 
     sgd = ("train.optimizer=sgd", "train.lr=0.5", "train.schedule=constant", "train.warmup_steps=0",
            "checkpoint.interval=3")
-    full = Trainer(make_cfg(*sgd, "train.max_steps=6"), tmp_path / "full", solo, progress=False)
+    full = Trainer(make_cfg(*sgd, "train.max_steps=6"), tmp_path / "full", solo, show_progress=False)
     full.run()
-    Trainer(make_cfg(*sgd, "train.max_steps=3"), tmp_path / "cut", solo, progress=False).run()
-    resumed = Trainer(make_cfg(*sgd, "train.max_steps=6"), tmp_path / "cut", solo, resume=True, progress=False)
+    Trainer(make_cfg(*sgd, "train.max_steps=3"), tmp_path / "cut", solo, show_progress=False).run()
+    resumed = Trainer(make_cfg(*sgd, "train.max_steps=6"), tmp_path / "cut", solo, resume=True, show_progress=False)
     assert resumed.step == 3 and any(s["momentum_buffer"].abs().sum() > 0 for s in resumed.optimizer.state.values())
     resumed.run()
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):

@@ -104,10 +104,10 @@ def test_restarts_without_checkpoints_are_warned_of(tmp_path, tiny_data):
 def test_keeping_no_checkpoint_at_all_is_refused_and_the_newest_is_always_kept(tmp_path, capsys):
     code, _, err = cli(capsys, "config", "--set", "checkpoint.keep_last=0", "--set", "checkpoint.keep_best=0")
     assert code == 2 and "would delete every checkpoint" in err
-    from rpt.train.checkpoint import Checkpointer
+    from rpt.train.checkpoint_store import CheckpointStore
 
     model = torch.nn.Linear(3, 2)
-    ck = Checkpointer(str(tmp_path / "ck"), keep_last=0, keep_best=1)
+    ck = CheckpointStore(str(tmp_path / "ck"), keep_last=0, keep_best=1)
     for step in (1, 2, 3):  # no validation loss yet: nothing is "best", and the newest is what a resume needs
         ck.save(step, model, None, {})
     assert [p.rsplit("/", 1)[-1] for p, _ in ck.complete()] == ["step_00000003"]
@@ -201,7 +201,7 @@ def test_the_final_evaluation_names_the_step_whose_weights_it_scores(make_cfg, t
 
 
 def test_a_link_figure_never_comes_from_a_noisy_difference():
-    from rpt.comm.topology import bandwidth_of
+    from rpt.comm.links import bandwidth_of
 
     nbytes = 4 << 20
     noisy = bandwidth_of(nbytes, [1.0e-3, 1.1e-3, 0.9e-3], rtt=1.2e-3)  # the round trip outlasted the sends

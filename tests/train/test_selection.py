@@ -33,7 +33,7 @@ def scripted(monkeypatch):
 def test_a_validation_that_stops_improving_ends_the_run_with_the_best_weights(make_cfg, tmp_path, solo, scripted):
     calls = scripted(itertools.chain([5.0, 4.0, 3.0], itertools.repeat(3.5)))  # best: the third, at step 6
     cfg = make_cfg("train.max_steps=20", "train.eval_interval=2", "train.early_stop=0.2")
-    trainer = Trainer(cfg, tmp_path / "r", solo, progress=False)
+    trainer = Trainer(cfg, tmp_path / "r", solo, show_progress=False)
     summary = trainer.run()
     # the best was measured after step 6 (5 of 20 steps spent when it began); the validation after step 10 is the
     # first 0.2 of the budget later, and finds nothing better: the run stops there
@@ -45,7 +45,7 @@ def test_a_validation_that_stops_improving_ends_the_run_with_the_best_weights(ma
     assert final == [periodic[2]] and periodic[2] != periodic[-1]  # the final evaluation saw step 6's weights
     best = trainer.checkpointer.best()
     assert best.endswith("step_00000006") and trainer.checkpointer.latest().endswith("step_00000010")
-    loaded = Trainer(make_cfg("train.max_steps=20"), tmp_path / "other", solo, progress=False).model
+    loaded = Trainer(make_cfg("train.max_steps=20"), tmp_path / "other", solo, show_progress=False).model
     trainer.checkpointer.load(best, loaded)
     assert param_digest(loaded) == periodic[2]
     assert 0 < summary["eval_share"] < 1 and summary["eval_seconds"] > 0
@@ -54,7 +54,7 @@ def test_a_validation_that_stops_improving_ends_the_run_with_the_best_weights(ma
 def test_told_not_to_the_run_goes_to_its_budget_and_ends_with_its_last_weights(make_cfg, tmp_path, solo, scripted):
     calls = scripted(itertools.chain([5.0, 4.0, 3.0], itertools.repeat(3.5)))
     cfg = make_cfg("train.max_steps=12", "train.eval_interval=2", "train.early_stop=0", "train.select_best=false")
-    summary = Trainer(cfg, tmp_path / "r", solo, progress=False).run()
+    summary = Trainer(cfg, tmp_path / "r", solo, show_progress=False).run()
     assert summary["steps"] == 12 and summary["ended_by"] == "train.max_steps = 12"
     assert summary["selected_step"] == 12
     periodic = [digest for tokens, digest in calls if tokens]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rpt.errors import RptError
-from rpt.train.checkpoint import Checkpointer
+from rpt.train.checkpoint_store import CheckpointStore
 from rpt.train.trainer import Trainer
 
 
@@ -20,7 +20,7 @@ def train_losses(run_dir):
 
 
 def test_runs_to_max_steps_and_writes_the_run_directory(make_cfg, tmp_path, solo):
-    summary = Trainer(make_cfg("train.max_steps=12"), tmp_path / "r", solo, progress=False).run()
+    summary = Trainer(make_cfg("train.max_steps=12"), tmp_path / "r", solo, show_progress=False).run()
     assert summary["steps"] == 12 and summary["tokens"] == 12 * 4 * 16
     for name in ("config.toml", "meta.json", "tokenizer.json", "metrics.jsonl", "summary.json"):
         assert (tmp_path / "r" / name).is_file(), name
@@ -35,13 +35,13 @@ def test_runs_to_max_steps_and_writes_the_run_directory(make_cfg, tmp_path, solo
 
 
 def test_token_and_time_budgets(make_cfg, tmp_path, solo):
-    summary = Trainer(make_cfg("train.max_steps=0", "train.max_tokens=300"), tmp_path / "a", solo, progress=False).run()
+    summary = Trainer(make_cfg("train.max_steps=0", "train.max_tokens=300"), tmp_path / "a", solo, show_progress=False).run()
     assert summary["tokens"] >= 300 and summary["steps"] == 5  # 64 tokens a step
     start = time.perf_counter()
-    summary = Trainer(make_cfg("train.max_steps=0", "train.max_time=1.5"), tmp_path / "b", solo, progress=False).run()
+    summary = Trainer(make_cfg("train.max_steps=0", "train.max_time=1.5"), tmp_path / "b", solo, show_progress=False).run()
     assert summary["wall_seconds"] >= 1.5 and time.perf_counter() - start < 30
     summary = Trainer(make_cfg("train.max_steps=1000000", "train.max_time=1.0"), tmp_path / "c", solo,
-                      progress=False).run()
+                      show_progress=False).run()
     assert summary["steps"] < 1000000
 
 
@@ -49,7 +49,7 @@ def test_accumulating_two_halves_equals_one_batch(make_cfg, tmp_path, solo):
     params = []
     for accum in (1, 2):
         trainer = Trainer(make_cfg(f"train.grad_accum={accum}", "train.weight_decay=0"), tmp_path / f"acc{accum}", solo,
-                          progress=False)
+                          show_progress=False)
         batch = trainer.loader.batch(0)
         for _ in range(3):  # the state carries across steps as well
             trainer.train_step(batch)
@@ -77,7 +77,7 @@ def test_clipping_applies_to_unscaled_gradients_with_a_loss_scaler(make_cfg, tmp
     norms = {}
     for precision in ("fp32", "fp16"):
         trainer = Trainer(make_cfg(f"train.precision={precision}", "train.grad_clip=0.05"), tmp_path / precision, solo,
-                          progress=False)
+                          show_progress=False)
         seen = _norm_at_step(trainer)
         trainer.train_step(trainer.loader.batch(0))
         norms[precision] = seen[0]
@@ -87,8 +87,8 @@ def test_clipping_applies_to_unscaled_gradients_with_a_loss_scaler(make_cfg, tmp
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_paths_train_on_cpu(make_cfg, tmp_path, precision, solo):
-    fp32 = Trainer(make_cfg(), tmp_path / "fp32", solo, progress=False)
-    mixed = Trainer(make_cfg(f"train.precision={precision}"), tmp_path / precision, solo, progress=False)
+    fp32 = Trainer(make_cfg(), tmp_path / "fp32", solo, show_progress=False)
+    mixed = Trainer(make_cfg(f"train.precision={precision}"), tmp_path / precision, solo, show_progress=False)
     batch = fp32.loader.batch(0)
     loss32, _ = fp32.train_step(batch)
     loss_mixed, _ = mixed.train_step(batch)
@@ -99,12 +99,12 @@ def test_mixed_precision_paths_train_on_cpu(make_cfg, tmp_path, precision, solo)
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(make_cfg, tmp_path, monkeypatch, solo):
     monkeypatch.setenv("RPT_FAULT", "nan@2")
-    trainer = Trainer(make_cfg(), tmp_path / "once", solo, progress=False)
+    trainer = Trainer(make_cfg(), tmp_path / "once", solo, show_progress=False)
     summary = trainer.run()
     assert summary["skipped_steps"] == 1 and summary["steps"] == 6
     monkeypatch.setenv("RPT_FAULT", "nan@2-99")
     trainer = Trainer(make_cfg("train.max_bad_steps=3", "checkpoint.interval=1", "train.max_steps=20"),
-                      tmp_path / "always", solo, progress=False)
+                      tmp_path / "always", solo, show_progress=False)
     with pytest.raises(RptError, match="3 optimiser steps in a row had non-finite gradients") as info:
         trainer.run()
     assert "step_00000002" in info.value.fix  # the last good checkpoint is named and kept
@@ -113,7 +113,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(make_cfg, tmp_path, monk
 def test_a_skipped_step_leaves_parameters_and_optimiser_state_alone(make_cfg, tmp_path, monkeypatch, solo):
     """The skip happens inside fused AdamW (no host sync): nothing of the model or optimiser may move."""
     monkeypatch.setenv("RPT_FAULT", "nan@1")  # the loss of the second step (trainer.step == 1) is poisoned
-    trainer = Trainer(make_cfg("train.weight_decay=0.1"), tmp_path / "r", solo, progress=False)
+    trainer = Trainer(make_cfg("train.weight_decay=0.1"), tmp_path / "r", solo, show_progress=False)
 
     def snapshot():
         opt = trainer.optimizer.state_dict()["state"]
@@ -135,9 +135,9 @@ def test_a_skipped_step_leaves_parameters_and_optimiser_state_alone(make_cfg, tm
 
 
 def test_resume_with_another_model_shape_lists_the_keys(make_cfg, tmp_path, solo):
-    Trainer(make_cfg("train.max_steps=2"), tmp_path / "r", solo, progress=False).run()
+    Trainer(make_cfg("train.max_steps=2"), tmp_path / "r", solo, show_progress=False).run()
     with pytest.raises(RptError, match="another shape") as info:
-        Trainer(make_cfg("model.d_model=48", "train.max_steps=4"), tmp_path / "r", solo, resume=True, progress=False)
+        Trainer(make_cfg("model.d_model=48", "train.max_steps=4"), tmp_path / "r", solo, resume=True, show_progress=False)
     assert "embed.weight: checkpoint (300, 32), model (300, 48)" in info.value.message
     assert "config.toml" in info.value.fix
 
@@ -145,7 +145,7 @@ def test_resume_with_another_model_shape_lists_the_keys(make_cfg, tmp_path, solo
 def test_checkpoints_keep_last_and_best(make_cfg, tmp_path, solo):
     cfg = make_cfg("train.max_steps=8", "checkpoint.interval=2", "train.eval_interval=2", "checkpoint.keep_last=2",
                    "checkpoint.keep_best=1", "train.early_stop=0")  # retention over the whole run
-    trainer = Trainer(cfg, tmp_path / "r", solo, progress=False)
+    trainer = Trainer(cfg, tmp_path / "r", solo, show_progress=False)
     trainer.run()
     complete = trainer.checkpointer.complete(verify=True)
     steps = [m["step"] for _, m in complete]
@@ -159,8 +159,8 @@ def test_checkpoints_keep_last_and_best(make_cfg, tmp_path, solo):
 
 
 def test_retention_keeps_the_best_even_when_it_is_old(make_cfg, tmp_path, solo):
-    trainer = Trainer(make_cfg(), tmp_path / "r", solo, progress=False)
-    ck = Checkpointer(str(tmp_path / "ck"), keep_last=1, keep_best=1)
+    trainer = Trainer(make_cfg(), tmp_path / "r", solo, show_progress=False)
+    ck = CheckpointStore(str(tmp_path / "ck"), keep_last=1, keep_best=1)
     for step, val in zip(range(1, 5), (3.0, 1.0, 2.0, 2.5)):
         ck.save(step, trainer.model, trainer.optimizer, {"step": step}, val=(val, 2048))
     assert [m["step"] for _, m in ck.complete()] == [2, 4]
@@ -175,9 +175,9 @@ def test_retention_keeps_the_best_even_when_it_is_old(make_cfg, tmp_path, solo):
 
 def test_bad_data_path_and_small_vocabulary(make_cfg, tmp_path, solo):
     with pytest.raises(RptError, match="not a prepared dataset"):
-        Trainer(make_cfg(f"data.path={tmp_path}"), tmp_path / "r", solo, progress=False)
+        Trainer(make_cfg(f"data.path={tmp_path}"), tmp_path / "r", solo, show_progress=False)
     with pytest.raises(RptError, match="smaller than the data's vocabulary"):
-        Trainer(make_cfg("model.vocab_size=100"), tmp_path / "r", solo, progress=False)
+        Trainer(make_cfg("model.vocab_size=100"), tmp_path / "r", solo, show_progress=False)
 
 
 @pytest.mark.parametrize("where", ["file", "memory", "async"])
@@ -185,10 +185,10 @@ def test_checkpoints_to_urls_and_in_the_background_resume(make_cfg, tmp_path, so
     path = {"file": f"file://{tmp_path}/ck", "memory": f"memory://ck-{tmp_path.name}", "async": ""}[where]
     extra = ["checkpoint.async_save=true"] if where == "async" else [f"checkpoint.path={path}"]
     first = Trainer(make_cfg("train.max_steps=3", "checkpoint.interval=2", *extra), tmp_path / "r", solo,
-                    progress=False)
+                    show_progress=False)
     first.run()
     assert [m["step"] for _, m in first.checkpointer.complete(verify=True)][-1] == 3
-    resumed = Trainer(make_cfg("train.max_steps=5", *extra), tmp_path / "r", solo, resume=True, progress=False)
+    resumed = Trainer(make_cfg("train.max_steps=5", *extra), tmp_path / "r", solo, resume=True, show_progress=False)
     assert resumed.step == 3
     for a, b in zip(first.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
@@ -197,7 +197,7 @@ def test_checkpoints_to_urls_and_in_the_background_resume(make_cfg, tmp_path, so
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(make_cfg, tmp_path, solo, caplog):
     trainer = Trainer(make_cfg("train.max_steps=4", "checkpoint.interval=2", "checkpoint.keep_last=3"), tmp_path / "r",
-                      solo, progress=False)
+                      solo, show_progress=False)
     trainer.run()
     newest = trainer.checkpointer.complete()[-1][0]
     shard = next(p for p in (tmp_path / "r" / "checkpoints").glob("step_00000004/*.distcp"))
@@ -210,7 +210,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(make_cfg, tmp_pa
 
 def test_a_pipeline_the_ranks_cannot_hold_is_refused(make_cfg, tmp_path, solo):
     with pytest.raises(RptError, match="world size 1 is not divisible by parallel.pp = 2"):
-        Trainer(make_cfg("parallel.pp=2"), tmp_path / "r", solo, progress=False)
+        Trainer(make_cfg("parallel.pp=2"), tmp_path / "r", solo, show_progress=False)
     with pytest.raises(RptError, match="larger than model.n_layers"):
         make_cfg("parallel.pp=3")
     with pytest.raises(RptError, match="grad_accum"):
@@ -230,7 +230,7 @@ def test_compiled_blocks_train_as_eager_ones(make_cfg, tmp_path, solo, cell, rec
         torch._dynamo.reset()
         trainer = Trainer(make_cfg(f"model.cell={cell}", "model.dropout=0", f"train.compile={backend}",
                                    f"model.activation_checkpointing={str(recompute).lower()}"),
-                          tmp_path / f"run-{backend or 'eager'}", solo, progress=False)
+                          tmp_path / f"run-{backend or 'eager'}", solo, show_progress=False)
         batch = trainer.loader.batch(0)
         trainer.losses = [trainer.train_step(batch)[0].item() for _ in range(3)]
         trainers.append(trainer)
@@ -259,7 +259,7 @@ def test_a_compiled_run_breaks_no_graph_at_its_log_lines(make_cfg, tmp_path, sol
         torch._dynamo.reset()
         counters.clear()
         Trainer(make_cfg("train.compile=aot_eager", f"train.max_steps={steps}", "monitor.log_interval=1"),
-                tmp_path / f"run-{steps}", solo, progress=False).run()
+                tmp_path / f"run-{steps}", solo, show_progress=False).run()
         assert not [reason for reason in counters["graph_break"] if "item()" in reason]
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[1]

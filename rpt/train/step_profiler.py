@@ -1,6 +1,6 @@
 """`monitor.profile = "START:END"` (rpt train --profile): torch.profiler over steps START to END (1-based,
 inclusive) on every rank, each step a `rpt_step#N` span, written to RUN_DIR/traces/rankR.json and summarised
-by rpt.monitor.profile. A step hook (rpt/train/hooks.py), installed only when a range is asked for.
+by rpt.monitor.trace_summary. A step hook (rpt/train/hooks.py), installed only when a range is asked for.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from rpt.monitor.profile import STEP, parse_range, summarize
+from rpt.monitor.trace_summary import STEP, parse_range, summarize
 from rpt.train.hooks import StepHooks
 
 
-class Profiling(StepHooks):
+class StepProfiler(StepHooks):
     def __init__(self, spec: str, run_dir: Path, rank: int, device: torch.device):
         self.range = parse_range(spec)
         self.path = Path(run_dir) / "traces" / f"rank{rank}.json"

@@ -14,7 +14,7 @@ import torch
 
 from rpt.config import Config
 from rpt.errors import RptError
-from rpt.comm import topology
+from rpt.comm import links
 from rpt.parallel import launch
 from rpt.models.shapes import on_meta
 
@@ -44,19 +44,19 @@ def topology_worker(cfg: Config, message_mb: float, out: str | None) -> dict:
     try:
         if not d.enabled:
             raise RptError("rpt topology needs several ranks", "run it under torchrun on every node, or with --nproc N")
-        topo = topology.measure(message_mb=message_mb)
+        topo = links.measure(message_mb=message_mb)
         n = gradient_bytes(cfg)
-        predictions = topology.predict(topo, n)
-        timed = topology.time_modes(n)
+        predictions = links.predict(topo, n)
+        timed = links.time_modes(n)
         if d.is_main:
-            print(topology.format_table(topo, predictions, n, timed), flush=True)
+            print(links.format_table(topo, predictions, n, timed), flush=True)
             if out:
                 Path(out).write_text(json.dumps({
                     "world_size": topo.world_size, "nodes": topo.nodes, "gradient_bytes": n,
                     "links": [{"pair": [i, j], "kind": topo.kind(i, j), "latency_s": topo.latency[(i, j)],
                                "bandwidth_Bps": topo.bandwidth[(i, j)]} for (i, j) in sorted(topo.latency)],
                     "predicted_seconds": predictions, "timed_seconds": timed,
-                    "chosen": topology.choose(timed)}, indent=2) + "\n")
+                    "chosen": links.choose(timed)}, indent=2) + "\n")
         return predictions
     finally:
         launch.teardown()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rpt.monitor.profile import STEP, summarize
+from rpt.monitor.trace_summary import STEP, summarize
 
 
 def _x(name, ts, dur, tid=1, cat="cpu_op"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rpt.comm.topology import Topology, choose, pairs_to_measure, predict
+from rpt.comm.links import Topology, choose, pairs_to_measure, predict
 
 MB = 2**20
 

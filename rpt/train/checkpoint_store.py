@@ -45,7 +45,7 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 PREFIX = "step_"
 
 
-class Checkpointer:
+class CheckpointStore:
     def __init__(self, root: str, rank: int = 0, world_size: int = 1, keep_last: int = 2, keep_best: int = 1,
                  async_save: bool = False, layout: dict | None = None):
         self.fs, self.root = fsspec.core.url_to_fs(str(root))

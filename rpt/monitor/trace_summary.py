@@ -1,5 +1,5 @@
 """`rpt train --profile START:END`: each rank's torch.profiler trace of those steps (taken by
-rpt/train/profiling.py) summarised into compute, communication, their overlap, and idle time.
+rpt/train/step_profiler.py) summarised into compute, communication, their overlap, and idle time.
 
 The traces land in RUN_DIR/traces/rankR.json (Chrome trace format: open in Perfetto or chrome://tracing).
 The summary is computed here from the trace events rather than with HTA (Holistic Trace Analysis),
