@@ -450,9 +450,6 @@ class Config:
                            f"model.n_layers = {m.n_layers}: each needs at least one block",
                            "use fewer stages_per_rank, a smaller pp, or more layers")
         if p.pp != 1:
-            if m.head_shortlist:
-                raise RptError(f"model.head_shortlist = {m.head_shortlist} with parallel.pp = {p.pp}: the pipeline's "
-                               "last stage computes its loss from full logits", "set model.head_shortlist = 0")
             if c.mode in ("ps", "ps-sharded", "diloco"):
                 raise RptError(f"comm.mode = '{c.mode}' with parallel.pp = {p.pp}: the parameter servers and DiLoCo do not run "
                                "over a pipeline's data-parallel dimension yet",

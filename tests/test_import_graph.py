@@ -124,3 +124,25 @@ def test_no_import_circle_between_modules():
     assert "rpt.comm.gradient_sync" in edges["rpt.comm.diloco"]  # the graph is really read, to the module
     assert cycles_of({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]  # and a circle would be found
     assert not cycles_of(edges), cycles_of(edges)
+
+
+def test_the_trainer_holds_one_handle_on_the_model_and_no_pipeline_branch():
+    """The trainer reaches the running model only through the runner that parallelize returns, and neither the
+    trainer nor its telemetry names a pipeline, a stage or the sync object: those are the runner's."""
+    def of_runner(node: ast.Attribute) -> bool:  # runner.x, self.runner.x: what the runner reports is its own
+        v = node.value
+        return (isinstance(v, ast.Name) and v.id == "runner") or (isinstance(v, ast.Attribute) and v.attr == "runner")
+
+    def names(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text())
+        return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+            {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and not of_runner(n)}
+
+    trainer, telemetry = ROOT / "train" / "trainer.py", ROOT / "train" / "telemetry.py"
+    assert {"runner", "train_step", "telemetry"} <= names(trainer) | names(telemetry)  # the files are really read
+    for path in (trainer, telemetry):
+        wrong = {n for n in names(path) if "pipe" in n.lower() or "stage" in n.lower()} | ({"sync", "module"} & names(path))
+        assert not wrong, f"{path.name}: {sorted(wrong)}"
+    held = {n.attr for n in ast.walk(ast.parse(trainer.read_text())) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    assert "runner" in held and not {"model", "sync", "pipe", "optimizer", "scaler", "checkpointer"} & held

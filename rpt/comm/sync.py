@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from rpt.comm import compress
 from rpt.comm.adaptive import AdaptiveSchedule
 from rpt.comm.diloco import DiLoCoSync
-from rpt.comm.gradient_sync import GradientSync
+from rpt.comm.gradient_sync import GradientSync, clip_global_norm
 from rpt.config import CommConfig
 from rpt.comm import links
 

@@ -84,6 +84,12 @@ class RecurrentLM(nn.Module):
         view.head = self.head if "head" in parts else None
         return view
 
+    def order_head(self, counts: np.ndarray) -> None:
+        """The two-level head's shortlist: the most frequent tokens by `counts` (nothing to do without that head,
+        or on a part of the model without the head)."""
+        if isinstance(self.head, ClusteredHead):
+            self.head.assign(counts)
+
     def init_state(self, batch: int, device=None, dtype=None) -> list:
         return [b.init_state(batch, device, dtype) for b in self.blocks.values()]
 

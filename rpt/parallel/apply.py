@@ -5,34 +5,24 @@ mode of rpt.comm) and the pipeline's schedule around what it wrapped. The model 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rpt.comm.gradient_sync import GradientSync
 from rpt.comm.sync import build_sync
 from rpt.models import RecurrentLM
 from rpt.models.lm import Block
 from rpt.parallel import fsdp, pipeline
 from rpt.parallel.mesh import Mesh
+from rpt.parallel.pipeline_runner import PipelineRunner
+from rpt.parallel.runner import Runner
 
 
-@dataclass
-class Parallel:
-    """This rank's model and how it runs: `model` holds its parameters (checkpoints and the optimiser read it),
-    `sync.module` is what a step's forward goes through, `pipe` the pipeline where there is one."""
-    model: RecurrentLM
-    sync: GradientSync
-    pipe: pipeline.Pipeline | None
-    dp_rank: int
-    dp_size: int
-    layout: dict  # pp, dp (replicas) and fsdp: what a checkpoint records, to reshard on another one
-
-
-def parallelize(cfg, rank: int, world_size: int, device: torch.device, distributed: bool) -> Parallel:
+def parallelize(cfg, rank: int, world_size: int, device: torch.device, distributed: bool) -> Runner:
+    """This rank's model, built and wrapped as the run asks, behind the one object the trainer calls
+    (rpt/parallel/runner.py)."""
     t = cfg.train
     plan, mesh = layout_for(cfg, rank, world_size, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     staged, sharded = plan is not None and plan.pp > 1, mesh is not None and mesh.fsdp > 1
@@ -59,7 +49,9 @@ def parallelize(cfg, rank: int, world_size: int, device: torch.device, distribut
     if pipe:  # the schedule runs each stage as data parallelism wrapped it (one DDP each), or as it is
         pipe.build_schedule(sync.module if isinstance(sync.module, list) else pipe.stages)
     layout = {"pp": mesh.pp, "dp": mesh.replicas, "fsdp": mesh.fsdp} if mesh else {"pp": 1, "dp": dp_size, "fsdp": 1}
-    return Parallel(model, sync, pipe, dp_rank, dp_size, layout)
+    if pipe:
+        return PipelineRunner(pipe, sync, t, device, dp_rank, dp_size, layout, probe=not sharded)
+    return Runner(model, sync, t, device, dp_rank, dp_size, layout, probe=not sharded)
 
 
 def layout_for(cfg, rank: int, world_size: int, device: torch.device, local_world: int = 1):

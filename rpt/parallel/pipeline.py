@@ -75,14 +75,17 @@ class MicroBatchStage(nn.Module):
     def state_of(self, state: list) -> list:
         return state[self.offset:self.offset + len(self.lm.blocks)]
 
-    def forward(self, x, reset=None):
+    def forward(self, x, reset=None, targets=None):
+        """The last stage returns each token's loss in nats (the model's own: a two-level head's too), the others
+        their activations."""
         pipe = self.pipe
         began = time.perf_counter()
         k, self.calls = self.calls, self.calls + 1
-        y, s = self.lm(x, rows(self.state_of(pipe.state), slice(k * pipe.micro, (k + 1) * pipe.micro)), reset)
+        y, s = self.lm(x, rows(self.state_of(pipe.state), slice(k * pipe.micro, (k + 1) * pipe.micro)), reset,
+                       targets if self.last else None)
         self.new.append(detach_state(s))
         pipe.compute_seconds += time.perf_counter() - began
-        return y.float() if self.last else _BackwardClock.apply(y, pipe.marks)  # on the last stage the loss has the clock
+        return y if self.last else _BackwardClock.apply(y, pipe.marks)  # on the last stage the loss has the clock
 
 
 def stage_parts(stage, n_stages: int) -> set[str]:
@@ -122,12 +125,12 @@ class Pipeline:
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
-        mb, T, D, V = self.micro, self.seq_len, self.model.cfg.d_model, self.model.cfg.vocab_size
+        mb, T, D = self.micro, self.seq_len, self.model.cfg.d_model
 
         def pipe_stage(module, stage: MicroBatchStage):
-            # static shapes (no trial forward): activations and logits carry gradients, tokens do not
+            # static shapes (no trial forward): activations and losses carry gradients, tokens do not
             x = torch.zeros(mb, T, dtype=torch.long) if stage.first else torch.zeros(mb, T, D, requires_grad=True)
-            y = torch.zeros(mb, T, V if stage.last else D, requires_grad=True)
+            y = torch.zeros(mb, T, requires_grad=True) if stage.last else torch.zeros(mb, T, D, requires_grad=True)
             return PipelineStage(module, stage.index, len(self.plan.stages), self.device,
                                  input_args=x.to(self.device), output_args=y.to(self.device), group=self.mesh.pp_group)
 
@@ -138,12 +141,10 @@ class Pipeline:
             cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule_name]
             self.schedule = cls(stages[0], m, loss_fn=self.loss)
 
-    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss function on the last stage: timed, and its backward marks the stage's start."""
-        began = time.perf_counter()
-        loss = next_token_loss(logits, target)
-        self.compute_seconds += time.perf_counter() - began
-        return _BackwardClock.apply(loss, self.marks)
+    def loss(self, nats: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function on the last stage: the mean of the stage's nats (its targets came in with
+        the inputs); its backward marks the stage's start."""
+        return _BackwardClock.apply(nats.mean(), self.marks)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, reset: torch.Tensor | None) -> torch.Tensor:
         """Forward and backward of the whole batch through the pipeline; returns the mean loss on every stage."""
@@ -151,7 +152,7 @@ class Pipeline:
         self.marks, self.compute_seconds = [], 0.0
         for st in self.stages:
             st.calls, st.new = 0, []
-        kwargs = {} if reset is None else {"reset": reset}
+        kwargs = {"targets": y} if reset is None else {"reset": reset, "targets": y}
         losses: list[torch.Tensor] = []
         self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None, losses=losses, **kwargs)
         for st in self.stages:
@@ -213,13 +214,13 @@ class PipelineEval(nn.Module):
                 h = torch.empty(x.shape[0], x.shape[1], self.model.cfg.d_model, device=x.device)
                 dist.recv(h, group=mesh.pp_group, group_src=(st.index - 1) % mesh.pp)
             with gathered(st):  # FSDP: the stage's own parameters (embedding, head), unsharded
-                out, s = st.lm(h, st.state_of(state), reset)
+                out, s = st.lm(h, st.state_of(state), reset, targets if st.last else None)
             new.extend(s)
             if not st.last:
                 dist.send(out.float().contiguous(), group=mesh.pp_group, group_dst=(st.index + 1) % mesh.pp)
         if not pipe.last:
             return None, new
-        return (out if targets is None else next_token_loss(out, targets, "none")), new
+        return out, new
 
 
 def check_layout(cfg, world_size: int) -> None:

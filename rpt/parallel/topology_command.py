@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 
 from rpt.config import Config
 from rpt.errors import RptError

@@ -1,6 +1,8 @@
 """The checkpoint section as a component of the trainer: when to save, and what.
 
-A checkpoint holds the model, the optimiser, and every part of the run that has state, as one registry
+The store (rpt/train/checkpoint_store.py: where checkpoints are written, found, verified and loaded) is this
+component's own: the trainer asks it to save, resume and select, never the store. A checkpoint holds the model,
+the optimiser, and every part of the run that has state, as one registry
 (name -> object with `state_dict()` / `load_state_dict()`): saving writes each part's state under its name,
 resuming hands each part its own back, so what is saved and what is restored cannot drift apart.
 """
@@ -25,7 +27,7 @@ class Checkpointing:
     def __init__(self, cfg, default_root: str, rank: int, world_size: int, is_main: bool, hooks: list[StepHooks],
                  layout: dict | None = None):
         self.cfg, self.is_main, self.hooks = cfg, is_main, hooks
-        self.checkpointer = CheckpointStore(cfg.path or default_root, rank, world_size, cfg.keep_last, cfg.keep_best,
+        self._store = CheckpointStore(cfg.path or default_root, rank, world_size, cfg.keep_last, cfg.keep_best,
                                          cfg.async_save, layout)
         self.last_saved_step = -1
         self.saved_at: float | None = None  # the agreed training clock at the last timed checkpoint (or the start)
@@ -58,7 +60,7 @@ class Checkpointing:
     def save(self, step: int, model, optimizer, parts: dict, val: tuple[float, int] | None) -> None:
         """A checkpoint of `step`, ranked by `val` (loss, validation tokens) when it has one."""
         extras = {name: part.state_dict() for name, part in parts.items()}
-        path = self.checkpointer.save(step, model, optimizer, extras, val=val,
+        path = self._store.save(step, model, optimizer, extras, val=val,
                                       before_commit=lambda: self._written(step))
         for hook in self.hooks:
             hook.checkpoint_complete(step, None if self.cfg.async_save else path)
@@ -67,30 +69,30 @@ class Checkpointing:
     def finish(self, step: int, model, optimizer, parts: dict, val: tuple[float, int]) -> None:
         """The end of a run: its last step saved (or, saved by the interval at this very step, given its loss)."""
         if self.last_saved_step == step:
-            self.checkpointer.finish_pending()
-            self.checkpointer.set_val_loss(step, val)
+            self._store.finish_pending()
+            self._store.set_val_loss(step, val)
         else:
             self.save(step, model, optimizer, parts, val)
-        self.checkpointer.finish_pending()
+        self._store.finish_pending()
 
     def resume(self, model, optimizer, parts: dict, partial: bool, per_rank: tuple = ()) -> str | None:
         """Load the newest complete checkpoint into the model, the optimiser and every part; its path, or None
         (a run with no complete checkpoint starts from step 0, and says so). A checkpoint of another layout
         loads resharded, and the parts named in `per_rank` (state of one rank's place: random generators,
         codec state) start afresh, as they would in a new run."""
-        path = self.checkpointer.latest()
-        for damaged, problem in self.checkpointer.damaged.items():
+        path = self._store.latest()
+        for damaged, problem in self._store.damaged.items():
             self._say(f"skipping the damaged checkpoint {damaged}: {problem}")
         if path is None:
             log.info("no complete checkpoint to resume from; starting fresh")
-            self._say(f"no complete checkpoint in {self.checkpointer.root}: this run starts fresh from step 0")
+            self._say(f"no complete checkpoint in {self._store.root}: this run starts fresh from step 0")
             return None
-        resharded = self.checkpointer.resharded(path)
-        extras = self.checkpointer.load(path, model, optimizer, partial=partial)
+        resharded = self._store.resharded(path)
+        extras = self._store.load(path, model, optimizer, partial=partial)
         if resharded:
             parts = {name: part for name, part in parts.items() if name not in per_rank}
-            saved = ", ".join(f"{k} {v}" for k, v in self.checkpointer.saved_layout(path).items())
-            now = ", ".join(f"{k} {v}" for k, v in self.checkpointer.layout.items())
+            saved = ", ".join(f"{k} {v}" for k, v in self._store.saved_layout(path).items())
+            now = ", ".join(f"{k} {v}" for k, v in self._store.layout.items())
             self._say(f"resuming {path} (written with {saved}) on {now}: model and optimiser resharded, the data "
                       f"continues from its global position; the recurrent state and {', '.join(per_rank)} start "
                       "afresh")
@@ -102,6 +104,34 @@ class Checkpointing:
             part.load_state_dict(extras[name])
         log.info("resumed from %s", path)
         return path
+
+    def latest(self) -> str | None:
+        """The newest complete checkpoint's path."""
+        return self._store.latest()
+
+    def finish_pending(self) -> None:
+        """Wait for an asynchronous save still being written."""
+        self._store.finish_pending()
+
+    def select_best(self, step: int, best: dict, best_weights: dict | None, model, partial: bool) -> dict:
+        """Put the weights of the best periodic validation `best` (its step, loss, tokens) into `model`: from
+        `best_weights` where this run kept them (written as a weights-only checkpoint of their step unless one is
+        there), else from that step's checkpoint (a resumed run); the selection as the summary records it. The
+        last step's weights stay where neither exists."""
+        last = {"selected_step": step, "selected_by": "the last step"}
+        if best["step"] == step:
+            return {**last, "selected_by": "the best periodic validation, at the last step"}
+        saved = {m["step"]: p for p, m in self._store.complete()}
+        if best_weights is not None:
+            model.load_state_dict(best_weights)
+            if best["step"] not in saved:  # weights only: a resume continues from the last step's checkpoint
+                self._store.save(best["step"], model, None, {"selected": True}, val=(best["loss"], best["tokens"]))
+        elif best["step"] in saved:  # a resumed run: the best was found before, and checkpointed
+            self._store.load(saved[best["step"]], model, None, partial=partial)
+        else:
+            return {**last, "selected_by": f"the last step (the best validation, step {best['step']}, came before a "
+                                           "resume and has no checkpoint)"}
+        return {"selected_step": best["step"], "selected_by": "the best periodic validation"}
 
     def _say(self, line: str) -> None:
         if self.is_main:

@@ -1,21 +1,22 @@
-"""`rpt train`: what every rank runs (`train_worker`), and the Trainer's step and loop: one process or many,
-truncated BPTT, mixed precision, budgets, checkpoints.
+"""`rpt train`: what every rank runs (`train_worker`), and the Trainer's loop: one process or many, truncated
+BPTT, mixed precision, budgets, checkpoints.
 
     for each step:
         batch = next(loader)                                # [B, T] per rank, rows continue the last batch
-        for each micro-batch (rows of the batch):           # gradient accumulation, no sync until the last
-            nats, state = model(x, state, reset, y)         # autocast; the state carries over, detached
-            scaler.scale(loss / accum).backward()           # gradient transfers start as buckets fill
-        wait for the gradients (rpt.comm: all-reduce or parameter server, with its codec)
-        unscale, clip the global norm, AdamW step (skipped when the gradients are not finite)
-        share the updated parameters (parameter-server modes)
-        log / evaluate / checkpoint / check the budgets
+        record, state = runner.train_step(batch, state)     # rpt/parallel/runner.py:
+            for each micro-batch (rows of the batch):       #   gradient accumulation, no sync until the last
+                nats, state = model(x, state, reset, y)     #   autocast; the state carries over, detached
+                scaler.scale(loss / accum).backward()       #   gradient transfers start as buckets fill
+            wait for the gradients (rpt.comm: all-reduce or parameter server, with its codec)
+            unscale, clip the global norm, AdamW step (skipped when the gradients are not finite)
+            share the updated parameters (parameter-server modes)
+        log / evaluate / checkpoint / check the budgets     # each component is handed the record and values
 
-The step and the loop are here; what happens around them are components that own their config section and
-their timing: Telemetry (monitor), Evaluation (train.eval_*), Checkpointing (checkpoint), Budget (train.max_*
-and the learning rate), and the step hooks a run installs (rpt/train/hooks.py: the stall watchdog, the
-profiler, fault injection). How the model runs on the ranks (pipeline, DDP, comm modes) is applied in
-rpt.parallel.apply.
+The loop is here; the step is the runner's, which `rpt.parallel.apply.parallelize` builds for how the model
+runs on the ranks (pipeline, DDP, comm modes, FSDP): the trainer holds that one handle. What happens around the
+step are components that own their config section and their timing: Telemetry (monitor), Evaluation
+(train.eval_*), Checkpointing (checkpoint), Budget (train.max_* and the learning rate), and the step hooks a run
+installs (rpt/train/hooks.py: the stall watchdog, the profiler, fault injection).
 Everything a run writes goes into its run directory: config.toml, meta.json of the data, logs/rank*.log,
 metrics.jsonl, checkpoints/, summary.json.
 """
@@ -28,7 +29,7 @@ import os
 import random
 import shutil
 import time
-from contextlib import closing, contextmanager, nullcontext
+from contextlib import closing, contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -44,16 +45,17 @@ from rpt.data.stream import TokenStream
 from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
-from rpt.models.lm import all_finite, cat_rows, detach_state, map_state, rows, shapes, token_counts
+from rpt.models.lm import all_finite, map_state, shapes, token_counts
 from rpt.models.shapes import on_meta
 from rpt.monitor import sinks
 from rpt.monitor.metrics import PHASES
 from rpt.parallel.apply import parallelize
 from rpt.parallel.interrupt import StopRequest
+from rpt.parallel.runner import StepRecord
 from rpt.parallel import launch
 from rpt.parallel.launch import Dist, restart_count
 from rpt.runtime import keep_freed_memory
-from rpt.parallel.pipeline import PipelineEval, check_layout
+from rpt.parallel.pipeline import check_layout
 from rpt.train import faults
 from rpt.train.averaging import WeightAverage
 from rpt.train.budget import Budget
@@ -82,7 +84,8 @@ def train(cfg: Config, run_dir: Path, resume: bool, nproc: int, max_restarts: in
     return train_worker(cfg, str(run_dir), resume, device)
 
 
-def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None, show_progress: bool = True) -> dict:
+def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None,
+                 show_progress: bool = True) -> dict:
     """What every rank runs, alone, under torchrun or as one of the workers `--nproc` launches (a top-level
     function, so that the launcher can start it in a fresh process). Each rank logs to RUN_DIR/logs/rankR.log."""
     if cfg.parallel.fsdp == 1:  # FSDP frees each unit's gathered parameters: they go back to the OS
@@ -132,26 +135,20 @@ class Trainer:
         self.data = open_data(cfg, self.run_dir if resume else None)
         with on_meta():  # shapes only: what the run counts
             shape = RecurrentLM(cfg.model)
-        par = parallelize(cfg, dist_info.rank, dist_info.world_size, self.device, dist_info.enabled)
-        self.model, self.sync, self.pipe = par.model, par.sync, par.pipe
+        self.runner = runner = parallelize(cfg, dist_info.rank, dist_info.world_size, self.device, dist_info.enabled)
         if cfg.model.head_shortlist:  # the two-level softmax's shortlist: this corpus's most frequent tokens
             counts = token_counts(self.data.tokens("train"), cfg.model.vocab_size)
-            for model in (shape, self.model):  # (a resumed run then loads the order it trained with)
-                model.head.assign(counts)
+            for model in (shape, runner.model):  # (a resumed run then loads the order it trained with)
+                model.order_head(counts)
         self.initialised_from = self._init_from(t) if t.init_from and not resume else None  # (a resumed run's
         # checkpoint holds them already)
         self.params, self.flops_per_token = shape.num_params(), shape.flops_per_token()
-        self.dp_rank, self.dp_size = par.dp_rank, par.dp_size
-        self.optimizer = build_optimizer(self.model, t, self.sync.owned)  # None where a rank owns nothing
-        self.sync.bind(self.optimizer)
-        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
-        if self.amp_dtype is not None and self.device.type == "cuda":
-            torch.set_float32_matmul_precision("high")  # what stays float32 (the recurrences) takes TF32 products
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.precision == "fp16")
+        self.dp_rank, self.dp_size = runner.dp_rank, runner.dp_size
+        runner.bind(build_optimizer(runner.model, t, runner.owned))  # None where a rank owns nothing
         make_loader = self.data.stream if cfg.data.mix else partial(TokenStream, self.data.tokens("train"))
         self.loader = make_loader(t.batch_size, t.seq_len, rank=self.dp_rank, world_size=self.dp_size, seed=t.seed,
                                   mode=cfg.data.loader, eot_id=self.data.eot_id)
-        self.state = self.model.init_state(t.batch_size, self.device)  # a pipeline stage: its blocks' state
+        self.state = runner.init_state(t.batch_size)  # a pipeline stage: its blocks' state
         self.step = self.tokens = self.skipped_steps = self.bad_streak = 0
         self.elapsed_before, self.started = 0.0, time.perf_counter()  # training seconds of earlier runs; this one's
         self.stopped: float | None = None  # when this run's training time ended (before the final evaluations)
@@ -161,19 +158,17 @@ class Trainer:
         self.hooks = step_hooks(cfg, dist_info, self.run_dir)
         self.profiler = next((h for h in self.hooks if isinstance(h, StepProfiler)), None)
         self.clock = PhaseClock(self.device, self.mark_phase)
-        self.averaging = WeightAverage(t.average, list(self.model.parameters()))
+        self.averaging = WeightAverage(t.average, list(runner.model.parameters()))
         self.evaluation = Evaluation(t, self.data, token_byte_lengths(self.data.tokenizer), self.device,
-                                     self.dp_rank, self.dp_size, cfg.data.reset_at_documents, self._autocast)
-        self.layout = par.layout
+                                     self.dp_rank, self.dp_size, cfg.data.reset_at_documents, runner.autocast)
         self.checkpoints = Checkpointing(cfg.checkpoint, str(self.run_dir / "checkpoints"), dist_info.rank,
-                                         dist_info.world_size, dist_info.is_main, self.hooks, par.layout)
-        self.checkpointer = self.checkpoints.checkpointer
-        self.telemetry = Telemetry(self, show_progress)
+                                         dist_info.world_size, dist_info.is_main, self.hooks, runner.layout)
+        self.telemetry = Telemetry(cfg, dist_info, self.run_dir, runner, show_progress)
         if self.initialised_from:
             self.telemetry.say(self.initialised_from)
         # what a checkpoint holds beside the model and the optimiser: save and resume walk this one registry
-        self.stateful = {"trainer": self, "loader": self.loader, "scaler": self.scaler, "sync": self.sync,
-                         "budget": self.budget, "evaluation": self.evaluation, "averaging": self.averaging,
+        self.stateful = {"trainer": self, "loader": self.loader, **runner.stateful(), "budget": self.budget,
+                         "evaluation": self.evaluation, "averaging": self.averaging,
                          "rng": RandomState(self.device)}
         torch.manual_seed(t.seed + 1000 * dist_info.rank)  # dropout differs per rank
         random.seed(t.seed + dist_info.rank)
@@ -188,57 +183,17 @@ class Trainer:
             self._write_run_files()
 
     # ------------------------------------------------------------------ the step
-    def train_step(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimiser step over one batch; returns (mean loss, gradient norm)."""
-        t = self.cfg.train
-        pin = self.device.type == "cuda"  # a copy from pageable memory would wait for the queued kernels
-        x, y, reset = ((v.pin_memory() if pin else v).to(self.device, non_blocking=True) for v in batch)
-        reset = reset if self.cfg.data.reset_at_documents else None
-        if self.pipe is not None:
-            loss = self._pipeline_forward_backward(x, y, reset)
-        else:
-            micro, losses, states = t.batch_size // t.grad_accum, [], []
-            for k in range(t.grad_accum):
-                part = slice(k * micro, (k + 1) * micro)
-                with nullcontext() if k == t.grad_accum - 1 else self.sync.no_sync():  # sync on the last only
-                    with self._autocast(), self.clock("forward"):
-                        nats, state = self.sync.module(x[part], rows(self.state, part),
-                                                       None if reset is None else reset[part], y[part])
-                        loss = nats.mean()
-                        for hook in self.hooks:
-                            loss = hook.in_forward(self.step, loss)
-                    with self.clock("backward"):
-                        self.scaler.scale(loss / t.grad_accum).backward()
-                losses.append(loss.detach())
-                states.append(detach_state(state))
-            self.state, loss = cat_rows(states), torch.stack(losses).mean()
-        with self.clock("optimizer"):
-            self.sync.wait_gradients()
-            if self.optimizer is not None:
-                self.scaler.unscale_(self.optimizer)
-            grad_norm = (self.pipe or self.sync).clip_grad_norm(t.grad_clip)  # over every stage's gradients
-            nonfinite = ~torch.isfinite(grad_norm)  # the same on every rank: the norm is global
-            if self.optimizer is not None:
-                if self.scaler.is_enabled():  # fp16: the scaler hands fused AdamW its own overflow flag
-                    self.scaler.step(self.optimizer)
-                else:
-                    step_unless(self.optimizer, nonfinite)
-                self.optimizer.zero_grad(set_to_none=True)
-            self.scaler.update()
-            self.sync.share_parameters()  # a skipped step shares unchanged parameters
-            self.telemetry.comm_window.append(self.sync.meter.end_step())
-        self._count_skip(nonfinite)
-        return loss, grad_norm
+    def train_step(self, batch) -> StepRecord:
+        """One optimiser step over one batch (the runner's), and its skip counted."""
+        x, y, reset = batch
+        record, self.state = self.runner.train_step(x, y, reset if self.cfg.data.reset_at_documents else None,
+                                                    self.state, self.clock, self._in_forward)
+        self._count_skip(record.nonfinite)
+        return record
 
-    def _pipeline_forward_backward(self, x, y, reset) -> torch.Tensor:
-        """Forward and backward of every micro-batch, through the pipeline schedule."""
-        self.pipe.state = self.state
-        with self._autocast():
-            loss = self.pipe.step(x, y, reset)
-        self.state = self.pipe.state
-        backward = sum(self.pipe.marks)
-        self.clock.add("forward", self.pipe.compute_seconds - backward)
-        self.clock.add("backward", backward)
+    def _in_forward(self, loss: torch.Tensor) -> torch.Tensor:
+        for hook in self.hooks:
+            loss = hook.in_forward(self.step, loss)
         return loss
 
     def _count_skip(self, nonfinite: torch.Tensor) -> None:
@@ -263,7 +218,7 @@ class Trainer:
         self.skipped_steps += skipped
         self.bad_streak = self.bad_streak + 1 if skipped else 0
         if skipped and not all_finite(self.state):  # a step late on a GPU: that step was skipped as well
-            self.state = self.model.init_state(self.cfg.train.batch_size, self.device)
+            self.state = self.runner.init_state(self.cfg.train.batch_size)
 
     def _settle_pending_skip(self) -> None:
         """Read the last step's flag now (before a checkpoint, a log line, the end)."""
@@ -273,9 +228,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
-        t, tel = self.cfg.train, self.telemetry
+        tel = self.telemetry
         self.started = time.perf_counter()
-        tel.open()
+        tel.open(self.params, self.step, self.spent(), self.budget.describe(),
+                 [self.checkpoints.describe(), *[line for line in [self.averaging.describe()] if line]])
         with StopRequest(in_worker="TORCHELASTIC_RUN_ID" in os.environ) as stop, closing(tel.bar):
             while True:
                 self.mark_phase("data")
@@ -287,25 +243,26 @@ class Trainer:
                 if self.ended_by:
                     break
                 lr = self.budget.lr(self.step, self.spent_share)
-                for group in self.optimizer.param_groups if self.optimizer is not None else ():
-                    group["lr"] = lr
+                self.runner.set_lr(lr)
                 with self.clock("data"):
                     batch = self._next_batch()
                 for hook in self.hooks:
                     hook.step_begins(self.step)
-                loss, grad_norm = self.train_step(batch)
+                record = self.train_step(batch)
                 self.averaging.step(self.spent_share)
                 self.step += 1
                 if not self.recorded:
                     self._write_run_files()
                 for hook in self.hooks:
                     hook.step_ends(self.step)
-                self.tokens += t.batch_size * t.seq_len * self.dp_size
-                tel.step_done(t.batch_size * t.seq_len * self.dp_size)
+                self.tokens += record.tokens
+                tel.step_done(self.step, record, self.spent())
                 self._check_bad_streak()
                 if tel.should_log(self.step):
                     self._settle_pending_skip()
-                    tel.log_interval(loss, grad_norm, lr)
+                    self.mark_phase("log")
+                    tel.log_interval(record, lr, self.where(), self.skipped_steps, self.clock.take(), self.state,
+                                     self._tokens_by_source())
                 if self.evaluation.should_evaluate(self.step):
                     self._evaluate(final=False)
                 if self.checkpoints.should_save(self.step, self.agreed_clock):
@@ -323,10 +280,10 @@ class Trainer:
         self._settle_pending_skip()
         self.stopped = time.perf_counter()
         wall = self.stopped - self.started
-        profile = tel.profile()
-        self.sync.finish()
+        profile = tel.profile(self.profiler, self.step)
+        self.runner.finish()
         self.averaging.put_in()  # the run ends with the average (its iterate kept for a resume)
-        log.info("parameter digest %s", param_digest(self.model))  # ranks compare equal under data parallel
+        log.info("parameter digest %s", param_digest(self.runner.model))  # ranks compare equal under data parallel
         ev = self.evaluation
         if ev.last is not None and ev.ranking(self.step) is None:
             self._evaluate(final=False)  # the measure checkpoints are ranked and the best chosen by, at the last step too
@@ -337,11 +294,11 @@ class Trainer:
         else:
             val = ev.ranking(self.step)
         with self.clock("checkpoint"):
-            self.checkpoints.finish(self.step, self.model, self.optimizer, self.stateful, val)
+            self.checkpoints.finish(self.step, self.runner.model, self.runner.optimizer, self.stateful, val)
         if ev.last is not None:
             selected = self._select_best()
             final = self._evaluate(final=True, weights_step=selected["selected_step"])
-        summary = tel.summary(wall, final, profile, selected)
+        summary = tel.summary(self._run_figures(wall, profile, selected), final)
         for hook in self.hooks:
             hook.run_ends()
         tel.close()
@@ -359,7 +316,7 @@ class Trainer:
             raise RptError(f"{self.bad_streak} optimiser steps in a row had non-finite gradients "
                            f"(step {self.step}); the run stopped",
                            "lower train.lr, raise train.warmup_steps or use precision fp32/bf16; "
-                           f"the last good checkpoint is {self.checkpointer.latest() or 'none'}")
+                           f"the last good checkpoint is {self.checkpoints.latest() or 'none'}")
 
     def _stop_interrupted(self, stop: StopRequest) -> dict:
         """After an interrupt: a checkpoint of this step (no final evaluation, no summary: the run goes on
@@ -371,11 +328,11 @@ class Trainer:
         self._settle_pending_skip()
         if self.checkpoints.last_saved_step != self.step and self.step > 0:
             self._save()
-        self.checkpointer.finish_pending()
+        self.checkpoints.finish_pending()
         for hook in self.hooks:
             hook.run_ends()
         tel.close()
-        saved = self.checkpointer.latest()
+        saved = self.checkpoints.latest()
         tel.say(f"interrupted at step {self.step:,}; " + (f"the checkpoint {saved} holds it. " if saved else "")
                 + f"Continue with: rpt train --run-dir {self.run_dir} --resume"
                 + (f" --nproc {os.environ['RPT_NPROC']}" if "RPT_NPROC" in os.environ else
@@ -388,11 +345,6 @@ class Trainer:
         counts as step + 1."""
         for hook in self.hooks:
             hook.phase(self.step + (phase in IN_STEP), phase)
-
-    def _autocast(self):
-        if self.amp_dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def elapsed(self) -> float:
         """Training seconds of this run directory: earlier runs' and this one's."""
@@ -419,57 +371,73 @@ class Trainer:
         self.agreed_clock = agreed[0].item()  # what timed checkpoints go by: the same on every rank
         return self.agreed_clock, bool(agreed[1].item())
 
+    def where(self) -> dict:
+        """How far the run is: its step (of train.max_steps), the spent share of the budget, and the budget nearest
+        its end."""
+        return {"step": self.step, "tokens": self.tokens, "max_steps": self.cfg.train.max_steps,
+                "spent": min(1.0, self.spent()),
+                "budget": self.budget.leading(self.step, self.tokens, self.elapsed())}
+
+    def _tokens_by_source(self) -> dict:
+        """A mixture's tokens read from each source so far (empty for one dataset)."""
+        by_source = getattr(self.loader, "tokens_by_source", None)
+        return by_source() if by_source else {}
+
+    def _run_figures(self, wall: float, profile: list[dict] | None, selected: dict) -> dict:
+        """What the run's summary says of the run itself (telemetry adds the losses and the communication)."""
+        ev, recipe = self.evaluation, self.cfg.recipe_seconds
+        return {"steps": self.step, "tokens": self.tokens, "wall_seconds": round(wall, 3),
+                "tokens_per_second": self.tokens / max(self.elapsed(), 1e-9), "params": self.params,
+                "flops_per_token": self.flops_per_token, "ended_by": self.ended_by,
+                "skipped_steps": self.skipped_steps, "precision": self.cfg.train.precision,
+                "compression": self.cfg.comm.compression, "device": str(self.device), "profile_by_rank": profile,
+                **selected, "best_periodic_val_loss": ev.best["loss"] if ev.best else None,
+                "eval_seconds": round(ev.seconds, 3), "eval_share": ev.seconds / max(wall, 1e-9),
+                "recipe_seconds": round(recipe, 3),
+                "selection_share": (ev.seconds + recipe) / max(wall + recipe, 1e-9)}
+
     def _evaluate(self, final: bool, weights_step: int | None = None) -> dict:
         """A validation of the model's weights (those of `weights_step` where they were loaded back)."""
         with self.clock("eval"), self.averaging.in_model():  # averaging: the average is what is validated
-            result = self.evaluation.run(PipelineEval(self.pipe) if self.pipe else self.model, self.step, final)
+            result = self.evaluation.run(self.runner.eval_model(), self.step, final)
             if not final:
                 self.evaluation.keep_if_best(self._weights, self.spent_share)
         self.telemetry.evaluation(self.step, result, final, weights_step)
         return result
 
     def _weights(self) -> dict:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.runner.model.state_dict().items()}
 
     def _select_best(self) -> dict:
         """The weights the run ends with (its final evaluation, the checkpoint `best`): those of the best periodic
-        validation, loaded back and written as a checkpoint of their step unless one is there; else the last."""
-        best, last = self.evaluation.best, {"selected_step": self.step, "selected_by": "the last step"}
+        validation, loaded back (rpt/train/checkpointing.py: Checkpointing.select_best); else the last step's."""
+        best = self.evaluation.best
         if best is None or not self.cfg.train.select_best:
-            return last
-        if best["step"] == self.step:
-            return {**last, "selected_by": "the best periodic validation, at the last step"}
-        saved = {m["step"]: p for p, m in self.checkpointer.complete()}
-        if self.evaluation.best_weights is not None:
-            self.model.load_state_dict(self.evaluation.best_weights)
-            if best["step"] not in saved:
-                with self.clock("checkpoint"):  # weights only: a resume continues from the last step's checkpoint
-                    self.checkpointer.save(best["step"], self.model, None, {"selected": True},
-                                           val=(best["loss"], best["tokens"]))
-        elif best["step"] in saved:  # a resumed run: the best was found before, and checkpointed
-            self.checkpointer.load(saved[best["step"]], self.model, None, partial=self.pipe is not None)
-        else:
-            return {**last, "selected_by": f"the last step (the best validation, step {best['step']}, came before a "
-                                           "resume and has no checkpoint)"}
-        self.telemetry.say(f"selected the weights of step {best['step']:,}: the best periodic validation loss "
-                           f"{best['loss']:.4f}, against {self.evaluation.last['loss']:.4f} at step {self.step:,}")
-        return {"selected_step": best["step"], "selected_by": "the best periodic validation"}
+            return {"selected_step": self.step, "selected_by": "the last step"}
+        with self.clock("checkpoint"):
+            selected = self.checkpoints.select_best(self.step, best, self.evaluation.best_weights, self.runner.model,
+                                                    self.runner.partial)
+        if selected["selected_step"] != self.step:
+            self.telemetry.say(f"selected the weights of step {best['step']:,}: the best periodic validation loss "
+                               f"{best['loss']:.4f}, against {self.evaluation.last['loss']:.4f} at step {self.step:,}")
+        return selected
 
     def _save(self, val: tuple[float, int] | None = None) -> None:
         """A checkpoint of this step, ranked by its periodic evaluation when it has one."""
         with self.clock("checkpoint"), self.averaging.in_model():  # a checkpoint's model is what the run stands at
-            self.checkpoints.save(self.step, self.model, self.optimizer, self.stateful,
+            self.checkpoints.save(self.step, self.runner.model, self.runner.optimizer, self.stateful,
                                   val or self.evaluation.ranking(self.step))
 
     def state_dict(self) -> dict:
         """The trainer's own part of a checkpoint: how far the run is, and the recurrent state it carries."""
         return {"step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
-                "elapsed": self.elapsed(), "state": self.state, "layout": {**self.layout, "rank": self.d.rank}}
+                "elapsed": self.elapsed(), "state": self.state, "layout": {**self.runner.layout, "rank": self.d.rank}}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens, self.skipped_steps = state["step"], state["tokens"], state["skipped_steps"]
         self.elapsed_before = state["elapsed"]
-        if state.get("layout", {**self.layout, "rank": self.d.rank}) != {**self.layout, "rank": self.d.rank}:
+        layout = {**self.runner.layout, "rank": self.d.rank}
+        if state.get("layout", layout) != layout:
             return  # another rank's rows: the recurrent state starts afresh (Checkpointing.resume says so)
         saved, fresh = shapes(state["state"]), shapes(self.state)
         if saved != fresh:  # another batch size (or state width): each row starts afresh, as the loader's rows do
@@ -480,15 +448,15 @@ class Trainer:
 
     def _init_from(self, t) -> str:
         weights = read_weights(t.init_from)
-        loaded = load_weights(self.model, weights, t.init_fresh, self.cfg.model.tie_embeddings,
-                              partial=self.pipe is not None, tokenizer_sha256=self.data.meta.get("tokenizer_sha256", ""))
+        loaded = load_weights(self.runner.model, weights, t.init_fresh, self.cfg.model.tie_embeddings,
+                              partial=self.runner.partial, tokenizer_sha256=self.data.meta.get("tokenizer_sha256", ""))
         fresh = f"; fresh: {', '.join(t.init_fresh)}" if t.init_fresh else ""
         log.info("initialised %d tensors from %s%s", len(loaded), weights.source, fresh)
         return f"initialised from {weights.source} ({len(loaded)} tensors{fresh})"
 
     def _resume(self) -> None:
-        path = self.checkpoints.resume(self.model, self.optimizer, self.stateful, partial=self.pipe is not None,
-                                       per_rank=("rng", "sync", "averaging"))
+        path = self.checkpoints.resume(self.runner.model, self.runner.optimizer, self.stateful,
+                                       partial=self.runner.partial, per_rank=("rng", "sync", "averaging"))
         if path is None:  # nothing saved yet: a restarted new run starts as it did
             if self.cfg.train.init_from:
                 self.telemetry.say(self._init_from(self.cfg.train))
@@ -581,20 +549,6 @@ def open_data(cfg: Config, resumed: Path | None = None) -> PreparedData | MixedD
     for split in ("train", "val"):
         data.check_ids(split, cfg.model.vocab_size)
     return data
-
-
-def step_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
-    """The optimiser's step, skipped on the device where `nonfinite` (a 0-d bool tensor) is set.
-
-    Fused AdamW and SGD read a `found_inf` tensor (GradScaler hands fp16 steps the same way) and then leave
-    parameters, moments and step counts untouched, so the host never waits for the gradient norm:
-    on a GPU the next step's kernels queue behind this one instead of after a synchronisation.
-    """
-    optimizer.found_inf = nonfinite.float()
-    try:
-        optimizer.step()
-    finally:
-        del optimizer.found_inf
 
 
 def param_digest(model: torch.nn.Module) -> str:

@@ -102,7 +102,7 @@ def test_a_run_on_a_mixture_reports_the_tokens_of_each_source(two_folders, tmp_p
     cfg = Config.load(None, [f'data.mix={{"{a}" = 0.75, "{b}" = 0.25}}', "model.d_model=32", "train.batch_size=8",
                              "train.seq_len=16", "train.max_steps=5", "train.warmup_steps=1", "train.eval_interval=0",
                              "train.eval_tokens=1024", "monitor.log_interval=5", "monitor.tensorboard=false"])
-    Trainer(cfg, tmp_path / "r", solo, progress=False).run()
+    Trainer(cfg, tmp_path / "r", solo, show_progress=False).run()
     record = [r for r in map(json.loads, (tmp_path / "r" / "metrics.jsonl").read_text().splitlines())
               if r["kind"] == "train"][-1]
     assert record[f"tokens/{a}"] + record[f"tokens/{b}"] == 5 * 8 * 16 and record[f"tokens/{a}"] > 0

@@ -29,7 +29,7 @@ def train_variants(data: str, out_dir: str, variants: list[tuple[str, list[str]]
             run_dir = Path(out_dir) / name
             trainer = Trainer(cfg, run_dir, d, show_progress=False)
             summary = trainer.run()
-            opt = trainer.optimizer
+            opt = trainer.runner.optimizer
             optim_numel = sum(t.numel() for st in (opt.state.values() if opt else ()) for t in st.values()
                               if torch.is_tensor(t) and t.dim() > 0)
             losses = {}
@@ -39,8 +39,8 @@ def train_variants(data: str, out_dir: str, variants: list[tuple[str, list[str]]
                     if record["kind"] == "train":
                         losses[record["step"]] = record
             results[name] = {"summary": summary, "optim_numel": optim_numel, "losses": losses,
-                             "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
-                             "owned": sum(p.numel() for p in trainer.sync.owned)}
+                             "params": {n: p.detach().clone() for n, p in trainer.runner.model.named_parameters()},
+                             "owned": sum(p.numel() for p in trainer.runner.owned)}
     finally:
         launch.teardown()
     return results

@@ -45,8 +45,8 @@ def train_runs(data: str, out_dir: str, runs: list[tuple[str, list[str], bool]])
             summary = trainer.run()
             results[name + ("+resumed" if resume else "")] = {
                 "summary": summary, "losses": losses_of(run_dir) if d.rank == 0 else {},
-                "params": {n: whole(p) for n, p in trainer.model.named_parameters()},
-                "stage_blocks": sorted(int(k) for k in trainer.model.blocks.keys()) if trainer.pipe else None}
+                "params": {n: whole(p) for n, p in trainer.runner.model.named_parameters()},
+                "stage_blocks": sorted(int(k) for k in trainer.runner.model.blocks.keys()) if trainer.runner.partial else None}
     except BaseException:
         traceback.print_exc()  # now: the other ranks may wait for this one in a collective until the test's timeout
         raise
@@ -87,14 +87,14 @@ def resize_runs(data: str, out_dir: str, runs: list[tuple[str, list[str], str | 
                 dist.barrier()
             trainer = Trainer(Config.load(None, pipeline_overrides(data) + overrides), run_dir, d,
                               resume=source is not None, show_progress=False)
-            first = next(p for n, p in trainer.model.named_parameters() if n.endswith("w_ih"))
-            moments = trainer.optimizer.state.get(first, {})
-            loaded = {"params": {n: whole(p) for n, p in trainer.model.named_parameters()},
+            first = next(p for n, p in trainer.runner.model.named_parameters() if n.endswith("w_ih"))
+            moments = trainer.runner.optimizer.state.get(first, {})
+            loaded = {"params": {n: whole(p) for n, p in trainer.runner.model.named_parameters()},
                       "loader": trainer.loader.state_dict(), "step": trainer.step,
                       "exp_avg": whole(moments["exp_avg"]) if "exp_avg" in moments else None}
             summary = trainer.run()
             results[name] = {"summary": summary, "losses": losses_of(run_dir) if d.rank == 0 else {},
-                             "params": {n: whole(p) for n, p in trainer.model.named_parameters()},
+                             "params": {n: whole(p) for n, p in trainer.runner.model.named_parameters()},
                              "loaded": loaded}
     except BaseException:
         traceback.print_exc()

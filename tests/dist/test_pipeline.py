@@ -26,7 +26,7 @@ def reference(data, tmp_path, name: str, *overrides: str) -> tuple[dict, dict]:
     cfg = Config.load(None, pipeline_overrides(str(data)) + list(overrides))
     trainer = Trainer(cfg, tmp_path / name, SOLO, show_progress=False)
     trainer.run()
-    return losses_of(tmp_path / name), {n: p.detach() for n, p in trainer.model.named_parameters()}
+    return losses_of(tmp_path / name), {n: p.detach() for n, p in trainer.runner.model.named_parameters()}
 
 
 def assert_same_training(got: dict, ref_losses: dict, ref_params: dict) -> None:
@@ -50,6 +50,8 @@ def two_stages(tiny_data, tmp_path_factory):
             # 4 blocks as 4 virtual stages, two on each rank
             ("interleaved", ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.microbatches=2"], False),
             ("recompute", ["parallel.pp=2", "model.activation_checkpointing=true"], False),
+            # the last stage's loss is the model's own nats: a two-level head trains there as in one process
+            ("shortlist", ["parallel.pp=2", "model.head_shortlist=64"], False),
             # a warm-up longer than the runs: the learning rate depends on the step alone, not on max_steps
             ("whole", ["parallel.pp=2", "train.warmup_steps=100"], False),
             # a new run from the weights of the one above: each stage loads its own blocks
@@ -77,6 +79,14 @@ def test_two_stages_train_exactly_as_one_process(two_stages, tiny_data, tmp_path
         ref_val = json.loads((tmp_path / "ref" / "summary.json").read_text())["val_loss"]
         assert s["val_loss"] == pytest.approx(ref_val, abs=1e-5)  # evaluation hops through every stage
         assert 0.0 < s["pipeline_bubble"] < 1.0 and len(s["pipeline_bubble_by_stage"]) == 2
+    # a two-level softmax head (model.head_shortlist) on the last stage: its nats are the loss, as in one process
+    short_losses, short_params = reference(tiny_data, tmp_path, "ref-shortlist", "model.head_shortlist=64")
+    first, last = ranks[0]["shortlist"], ranks[1]["shortlist"]
+    assert_same_training({"losses": first["losses"], "params": {**first["params"], **last["params"]}},
+                         short_losses, short_params)
+    assert short_losses[1] != pytest.approx(ref_losses[1], abs=1e-3)  # the shortlist head is really another head
+    short_val = json.loads((tmp_path / "ref-shortlist" / "summary.json").read_text())["val_loss"]
+    assert first["summary"]["val_loss"] == pytest.approx(short_val, abs=1e-5)
     # activation checkpointing inside the stages changes memory, not results
     first, last = ranks[0]["recompute"], ranks[1]["recompute"]
     assert_same_training({"losses": first["losses"], "params": {**first["params"], **last["params"]}},

@@ -37,7 +37,7 @@ def trained(tiny_data, tmp_path_factory):
                                  "model.d_model=64", "train.batch_size=8", "train.seq_len=32",
                                  f"train.max_steps={STEPS}", "train.warmup_steps=10", "train.eval_interval=30",
                                  "monitor.log_interval=30", "monitor.tensorboard=false", *extra])
-        Trainer(cfg, run, Dist(0, 1, 0, torch.device("cpu")), progress=False).run()
+        Trainer(cfg, run, Dist(0, 1, 0, torch.device("cpu")), show_progress=False).run()
         done[gate, extra] = evaluations(run)
         return done[gate, extra]
     return train

@@ -103,7 +103,7 @@ def test_a_run_with_a_shortlist_learns_and_resumes_with_its_order(make_cfg, tmp_
     from rpt.train.trainer import Trainer
 
     cfg = make_cfg("model.head_shortlist=32", "train.max_steps=30", "train.lr=1e-2")
-    summary = Trainer(cfg, tmp_path / "r", solo, progress=False).run()
+    summary = Trainer(cfg, tmp_path / "r", solo, show_progress=False).run()
     counts = token_counts(PreparedData(cfg.data.path).tokens("train"), 300)
     model = RecurrentLM(ModelConfig(**{**vars(cfg.model), "vocab_size": 300}))
     checkpoints = CheckpointStore(str(tmp_path / "r" / "checkpoints"))

@@ -19,20 +19,20 @@ def test_the_run_ends_with_the_mean_of_the_iterates_of_its_last_share(make_cfg, 
 
     def recording(self, batch):
         out = step(self, batch)
-        iterates.append({n: p.detach().clone() for n, p in self.model.named_parameters()})
+        iterates.append({n: p.detach().clone() for n, p in self.runner.model.named_parameters()})
         return out
     monkeypatch.setattr(Trainer, "train_step", recording)
     trainer = Trainer(make_cfg("train.max_steps=8", "train.average=0.5"), tmp_path / "r", solo, show_progress=False)
     trainer.run()
     assert len(iterates) == 8 and trainer.averaging.count == 4  # the steps begun at 4/8 of the budget or later
-    for name, p in trainer.model.named_parameters():
+    for name, p in trainer.runner.model.named_parameters():
         mean = torch.stack([it[name] for it in iterates[4:]]).mean(0)
         torch.testing.assert_close(p.detach(), mean, rtol=1e-5, atol=1e-6, msg=name)
         assert not torch.allclose(p.detach(), iterates[-1][name])  # not the last iterate
     # the last checkpoint holds the average as its model, what rpt eval and export read
     saved = CheckpointStore(str(tmp_path / "r" / "checkpoints")).read_model(
         str(tmp_path / "r" / "checkpoints" / "step_00000008"))
-    for name, p in trainer.model.named_parameters():
+    for name, p in trainer.runner.model.named_parameters():
         assert torch.equal(saved[name], p.detach())
 
 
@@ -49,7 +49,7 @@ def test_a_resume_inside_the_averaged_stretch_continues_exactly(make_cfg, tmp_pa
     assert again.step == 6 and again.averaging.count == 2  # the average of steps 5 and 6, and their iterate
     again.run()
     assert again.averaging.count == whole.averaging.count == 4
-    for (name, a), b in zip(whole.model.named_parameters(), again.model.parameters()):
+    for (name, a), b in zip(whole.runner.model.named_parameters(), again.runner.model.parameters()):
         assert torch.equal(a, b), name
 
 

@@ -63,7 +63,7 @@ def test_the_loop_calls_each_point_in_order(make_cfg, tmp_path, solo):
 
 def test_the_step_goes_on_with_the_loss_a_hook_returns(make_cfg, tmp_path, solo):
     trainer = Trainer(make_cfg("train.max_steps=2", "train.weight_decay=0"), tmp_path / "r", solo, show_progress=False)
-    before = [p.detach().clone() for p in trainer.model.parameters()]
+    before = [p.detach().clone() for p in trainer.runner.model.parameters()]
     trainer.hooks.append(Recorder(scale=0.0))  # no gradient: AdamW moves nothing
     trainer.run()
-    assert all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.model.parameters()))
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.runner.model.parameters()))

@@ -10,7 +10,7 @@ from rpt.config import Config
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
 from rpt.train.optim import build_optimizer
-from rpt.train.trainer import step_unless
+from rpt.parallel.runner import step_unless
 
 
 def model_and_grads(cfg: Config, seed: int = 0):
@@ -68,7 +68,7 @@ def test_an_sgd_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(ma
     full.run()
     Trainer(make_cfg(*sgd, "train.max_steps=3"), tmp_path / "cut", solo, show_progress=False).run()
     resumed = Trainer(make_cfg(*sgd, "train.max_steps=6"), tmp_path / "cut", solo, resume=True, show_progress=False)
-    assert resumed.step == 3 and any(s["momentum_buffer"].abs().sum() > 0 for s in resumed.optimizer.state.values())
+    assert resumed.step == 3 and any(s["momentum_buffer"].abs().sum() > 0 for s in resumed.runner.optimizer.state.values())
     resumed.run()
-    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+    for a, b in zip(full.runner.model.parameters(), resumed.runner.model.parameters()):
         assert torch.equal(a, b)

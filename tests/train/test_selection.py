@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 import rpt.train.evaluate as evaluate_module
+from rpt.train.checkpoint_store import CheckpointStore
 from rpt.train.trainer import Trainer, param_digest
 
 
@@ -43,10 +44,11 @@ def test_a_validation_that_stops_improving_ends_the_run_with_the_best_weights(ma
     final = [digest for tokens, digest in calls if not tokens]
     assert len(periodic) == 5  # steps 2, 4, 6, 8, 10
     assert final == [periodic[2]] and periodic[2] != periodic[-1]  # the final evaluation saw step 6's weights
-    best = trainer.checkpointer.best()
-    assert best.endswith("step_00000006") and trainer.checkpointer.latest().endswith("step_00000010")
-    loaded = Trainer(make_cfg("train.max_steps=20"), tmp_path / "other", solo, show_progress=False).model
-    trainer.checkpointer.load(best, loaded)
+    store = CheckpointStore(str(trainer.run_dir / "checkpoints"))
+    best = store.best()
+    assert best.endswith("step_00000006") and store.latest().endswith("step_00000010")
+    loaded = Trainer(make_cfg("train.max_steps=20"), tmp_path / "other", solo, show_progress=False).runner.model
+    store.load(best, loaded)
     assert param_digest(loaded) == periodic[2]
     assert 0 < summary["eval_share"] < 1 and summary["eval_seconds"] > 0
 

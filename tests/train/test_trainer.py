@@ -53,7 +53,7 @@ def test_accumulating_two_halves_equals_one_batch(make_cfg, tmp_path, solo):
         batch = trainer.loader.batch(0)
         for _ in range(3):  # the state carries across steps as well
             trainer.train_step(batch)
-        params.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]))
+        params.append(torch.cat([p.detach().flatten() for p in trainer.runner.model.parameters()]))
     # AdamW divides by the gradient's own size: summation-order noise in a near-zero gradient entry moves it
     # by up to ~lr x 1e-2 (seen: 5e-5 in 2 of 26,656 entries), while a wrong accumulation moves them by ~lr = 3e-3
     torch.testing.assert_close(params[0], params[1], rtol=0, atol=1e-4)
@@ -62,14 +62,14 @@ def test_accumulating_two_halves_equals_one_batch(make_cfg, tmp_path, solo):
 
 def _norm_at_step(trainer):
     seen = []
-    original = trainer.optimizer.step
+    original = trainer.runner.optimizer.step
 
     def step(*a, **k):
-        grads = [p.grad for g in trainer.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for g in trainer.runner.optimizer.param_groups for p in g["params"] if p.grad is not None]
         seen.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
         return original(*a, **k)
 
-    trainer.optimizer.step = step
+    trainer.runner.optimizer.step = step
     return seen
 
 
@@ -90,8 +90,7 @@ def test_mixed_precision_paths_train_on_cpu(make_cfg, tmp_path, precision, solo)
     fp32 = Trainer(make_cfg(), tmp_path / "fp32", solo, show_progress=False)
     mixed = Trainer(make_cfg(f"train.precision={precision}"), tmp_path / precision, solo, show_progress=False)
     batch = fp32.loader.batch(0)
-    loss32, _ = fp32.train_step(batch)
-    loss_mixed, _ = mixed.train_step(batch)
+    loss32, loss_mixed = fp32.train_step(batch).loss, mixed.train_step(batch).loss
     assert torch.isfinite(loss_mixed) and loss_mixed.item() == pytest.approx(loss32.item(), rel=2e-2)
     summary = mixed.run()
     assert summary["precision"] == precision and summary["val_loss"] < 7.0
@@ -116,8 +115,8 @@ def test_a_skipped_step_leaves_parameters_and_optimiser_state_alone(make_cfg, tm
     trainer = Trainer(make_cfg("train.weight_decay=0.1"), tmp_path / "r", solo, show_progress=False)
 
     def snapshot():
-        opt = trainer.optimizer.state_dict()["state"]
-        return ([p.detach().clone() for p in trainer.model.parameters()],
+        opt = trainer.runner.optimizer.state_dict()["state"]
+        return ([p.detach().clone() for p in trainer.runner.model.parameters()],
                 [{k: v.clone() for k, v in s.items()} for s in opt.values()])
 
     trainer.train_step(next(trainer.loader))
@@ -131,7 +130,7 @@ def test_a_skipped_step_leaves_parameters_and_optimiser_state_alone(make_cfg, tm
     trainer.step = 2
     trainer.train_step(next(trainer.loader))
     assert trainer.skipped_steps == 1 and trainer.bad_streak == 0
-    assert not all(torch.equal(a, p) for a, p in zip(params, trainer.model.parameters()))
+    assert not all(torch.equal(a, p) for a, p in zip(params, trainer.runner.model.parameters()))
 
 
 def test_resume_with_another_model_shape_lists_the_keys(make_cfg, tmp_path, solo):
@@ -147,7 +146,7 @@ def test_checkpoints_keep_last_and_best(make_cfg, tmp_path, solo):
                    "checkpoint.keep_best=1", "train.early_stop=0")  # retention over the whole run
     trainer = Trainer(cfg, tmp_path / "r", solo, show_progress=False)
     trainer.run()
-    complete = trainer.checkpointer.complete(verify=True)
+    complete = CheckpointStore(str(tmp_path / "r" / "checkpoints")).complete(verify=True)
     steps = [m["step"] for _, m in complete]
     evals = {}  # the periodic validation loss of every checkpointed step: the measure that ranks them all
     for record in map(json.loads, (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()):
@@ -162,7 +161,7 @@ def test_retention_keeps_the_best_even_when_it_is_old(make_cfg, tmp_path, solo):
     trainer = Trainer(make_cfg(), tmp_path / "r", solo, show_progress=False)
     ck = CheckpointStore(str(tmp_path / "ck"), keep_last=1, keep_best=1)
     for step, val in zip(range(1, 5), (3.0, 1.0, 2.0, 2.5)):
-        ck.save(step, trainer.model, trainer.optimizer, {"step": step}, val=(val, 2048))
+        ck.save(step, trainer.runner.model, trainer.runner.optimizer, {"step": step}, val=(val, 2048))
     assert [m["step"] for _, m in ck.complete()] == [2, 4]
     assert ck.best().endswith("step_00000002") and ck.latest().endswith("step_00000004")
     # a loss over other tokens (a whole split) does not rank against these: the newest measure decides
@@ -187,10 +186,11 @@ def test_checkpoints_to_urls_and_in_the_background_resume(make_cfg, tmp_path, so
     first = Trainer(make_cfg("train.max_steps=3", "checkpoint.interval=2", *extra), tmp_path / "r", solo,
                     show_progress=False)
     first.run()
-    assert [m["step"] for _, m in first.checkpointer.complete(verify=True)][-1] == 3
+    store = CheckpointStore(first.cfg.checkpoint.path or str(tmp_path / "r" / "checkpoints"))
+    assert [m["step"] for _, m in store.complete(verify=True)][-1] == 3
     resumed = Trainer(make_cfg("train.max_steps=5", *extra), tmp_path / "r", solo, resume=True, show_progress=False)
     assert resumed.step == 3
-    for a, b in zip(first.model.parameters(), resumed.model.parameters()):
+    for a, b in zip(first.runner.model.parameters(), resumed.runner.model.parameters()):
         assert torch.equal(a, b)
     assert resumed.run()["steps"] == 5
 
@@ -199,11 +199,12 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(make_cfg, tmp_pa
     trainer = Trainer(make_cfg("train.max_steps=4", "checkpoint.interval=2", "checkpoint.keep_last=3"), tmp_path / "r",
                       solo, show_progress=False)
     trainer.run()
-    newest = trainer.checkpointer.complete()[-1][0]
+    store = CheckpointStore(str(tmp_path / "r" / "checkpoints"))
+    newest = store.complete()[-1][0]
     shard = next(p for p in (tmp_path / "r" / "checkpoints").glob("step_00000004/*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-7])  # truncated
     with caplog.at_level("WARNING", logger="rpt.checkpoint"):
-        assert trainer.checkpointer.latest().endswith("step_00000002")
+        assert store.latest().endswith("step_00000002")
     assert "step_00000004" in caplog.text and "bytes" in caplog.text
     assert newest.endswith("step_00000004")
 
@@ -232,13 +233,13 @@ def test_compiled_blocks_train_as_eager_ones(make_cfg, tmp_path, solo, cell, rec
                                    f"model.activation_checkpointing={str(recompute).lower()}"),
                           tmp_path / f"run-{backend or 'eager'}", solo, show_progress=False)
         batch = trainer.loader.batch(0)
-        trainer.losses = [trainer.train_step(batch)[0].item() for _ in range(3)]
+        trainer.losses = [trainer.train_step(batch).loss.item() for _ in range(3)]
         trainers.append(trainer)
     eager, compiled = trainers
-    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled.model.blocks.values())
-    assert list(eager.model.state_dict()) == list(compiled.model.state_dict())
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled.runner.model.blocks.values())
+    assert list(eager.runner.model.state_dict()) == list(compiled.runner.model.state_dict())
     torch.testing.assert_close(torch.tensor(compiled.losses), torch.tensor(eager.losses), rtol=1e-5, atol=0)
-    for (name, a), b in zip(eager.model.named_parameters(), compiled.model.parameters()):
+    for (name, a), b in zip(eager.runner.model.named_parameters(), compiled.runner.model.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-4, msg=name)  # Adam turns rounding into steps of up to lr
 
 
