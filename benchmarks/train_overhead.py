@@ -59,10 +59,11 @@ def minimal_loop(cfg: Config, steps: int, device: torch.device) -> float:
     return steps * B * T / (time.perf_counter() - t)
 
 
-def rpt_loop(cfg: Config, steps: int, device: torch.device) -> float:
+def rpt_loop(cfg: list[str], steps: int, device: torch.device) -> float:
+    """`cfg`: the overrides the run is loaded with."""
     with tempfile.TemporaryDirectory() as tmp:
-        cfg.train.max_steps = steps
-        trainer = Trainer(cfg, Path(tmp), Dist(0, 1, 0, device), show_progress=False)
+        trainer = Trainer(Config.load(None, [*cfg, f"train.max_steps={steps}"]), Path(tmp), Dist(0, 1, 0, device),
+                          show_progress=False)
         return trainer.run()["tokens_per_second"]
 
 
@@ -80,15 +81,12 @@ def main() -> None:
                  "train.batch_size=16", "train.seq_len=64", "train.eval_interval=0", "train.warmup_steps=0",
                  "train.schedule=constant", "monitor.log_interval=50", "data.reset_at_documents=false", *args.set]
     minimal, ours = [], []
-    warm = Config.load(None, overrides)  # a short round of each first: kernels, cuDNN plans, allocator pools
-    warm.model.vocab_size = PreparedData(args.data).vocab_size
-    minimal_loop(warm, 10, device)
-    rpt_loop(Config.load(None, overrides), 10, device)
+    vocab = f"model.vocab_size={PreparedData(args.data).vocab_size}"
+    minimal_loop(Config.load(None, [*overrides, vocab]), 10, device)  # a short round of each first: kernels,
+    rpt_loop(overrides, 10, device)                                    # cuDNN plans, allocator pools
     for _ in range(args.rounds):
-        cfg = Config.load(None, overrides)
-        cfg.model.vocab_size = PreparedData(args.data).vocab_size
-        minimal.append(minimal_loop(cfg, args.steps, device))
-        ours.append(rpt_loop(Config.load(None, overrides), args.steps, device))
+        minimal.append(minimal_loop(Config.load(None, [*overrides, vocab]), args.steps, device))
+        ours.append(rpt_loop(overrides, args.steps, device))
         print(f"minimal {minimal[-1]:,.0f} tokens/s   rpt {ours[-1]:,.0f} tokens/s")
     ratios = sorted(o / m for o, m in zip(ours, minimal))
     print(f"best rounds: minimal {max(minimal):,.0f}, rpt {max(ours):,.0f}, ratio {max(ours) / max(minimal):.3f}; "

@@ -258,7 +258,7 @@ def _cmd_train(args) -> None:
               "interval_minutes are 0): a restarted run starts again from step 0; set checkpoint.interval_minutes "
               "(e.g. 15) or checkpoint.interval", file=sys.stderr)
     if args.nproc > 1:
-        from rpt.parallel.pipeline import check_layout
+        from rpt.train.resolve import check_layout
 
         check_layout(cfg, args.nproc)  # before any worker starts
     # Under torchrun every rank runs this command: rank 0 alone judges the folder, before any rank writes
@@ -291,13 +291,15 @@ def _runs_nearby(run_dir: Path) -> str:
 
 
 def load_config(path: str | None, overrides: list[str]):
-    """The configuration every command uses: Config.load, then the model's cell and gate names against the
-    registry (with model.imports found in the working directory or beside the config file), so that
-    `rpt config` refuses what `rpt train` would."""
+    """The configuration every command uses: Config.load, the checks that span sections (rpt/train/resolve.py),
+    then the model's cell and gate names against the registry (with model.imports found in the working directory
+    or beside the config file), so that `rpt config` refuses what `rpt train` would."""
     from rpt.config import Config
     from rpt.models.registry import check_names
+    from rpt.train.resolve import check
 
     cfg = Config.load(path, overrides)
+    check(cfg)
     check_names(cfg.model, [Path(path).parent] if path else [])
     return cfg
 
@@ -365,12 +367,11 @@ def _cmd_plan(args) -> None:
     import json
 
     from rpt.parallel.plan import GiB, choose_plan, format_plan
-    from rpt.parallel.topology_command import resolve_vocab_size
+    from rpt.parallel.topology_command import with_data_vocabulary
 
     if args.world_size < 1:
         raise RptError(f"--world-size {args.world_size} must be at least 1", "e.g. --world-size 8")
-    cfg = load_config(args.config, args.overrides)
-    resolve_vocab_size(cfg)
+    cfg = with_data_vocabulary(load_config(args.config, args.overrides))
     plan = choose_plan(cfg, args.world_size, int(args.device_memory_gb * GiB))
     print(json.dumps(plan.as_dict(), indent=1) if args.json else format_plan(plan))
 

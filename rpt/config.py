@@ -31,8 +31,24 @@ else:  # pragma: no cover
 from rpt.errors import RptError
 
 
+class Frozen(RptError):
+    """A change to a configuration after it was resolved: nothing may change a run's settings from there on."""
+
+
+class _Section:
+    """A section that refuses changes once frozen (`Config.freeze`)."""
+    _frozen = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise Frozen(f"the configuration is frozen: {type(self).__name__}.{name} cannot change",
+                         "change it before the run resolves it (a --set, or Config.load's overrides), or resolve "
+                         "another configuration (rpt.train.resolve)")
+        super().__setattr__(name, value)
+
+
 @dataclass
-class DataConfig:
+class DataConfig(_Section):
     """Where the prepared tokens are (the folder `rpt prepare --out` wrote) and how they are read."""
 
     path: str = "data/stdlib"
@@ -58,7 +74,7 @@ class DataConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     """The recurrent language model (rpt/models). `vocab_size = 0` takes the vocabulary of the data."""
 
     cell: str = "lstm"  # lstm, gru, modlstm, mingru, minlstm, or one registered with register_cell
@@ -119,7 +135,7 @@ class ModelConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Section):
     """The optimisation loop. Budgets of 0 mean "no limit"; the first budget reached ends the run."""
 
     seed: int = 0
@@ -202,7 +218,7 @@ class TrainConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(_Section):
     """Layer pipeline parallelism and FSDP2 sharding; plain data parallelism (replicas) takes the remaining ranks."""
 
     pp: Union[int, Literal["auto"]] = 1   # pipeline stages; "auto": the fewest whose memory fits (rpt plan)
@@ -234,7 +250,7 @@ class ParallelConfig:
 
 
 @dataclass
-class CommConfig:
+class CommConfig(_Section):
     """Gradient synchronisation across data-parallel ranks."""
 
     mode: Literal["allreduce", "ps", "ps-sharded", "diloco", "auto"] = "allreduce"
@@ -289,7 +305,7 @@ class CommConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(_Section):
     """Sharded checkpoints: every `interval` steps and every `interval_minutes` of training (0 turns either
     off), and always at the end of the run."""
 
@@ -309,7 +325,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class MonitorConfig:
+class MonitorConfig(_Section):
     """Metrics written by rank 0 and read by `rpt monitor`."""
 
     log_interval: int = 10
@@ -330,10 +346,13 @@ BUDGETS = ("train.max_steps", "train.max_tokens", "train.max_time")
 
 
 @dataclass
-class Config:
+class Config(_Section):
+    """Every section of a run. `Config.load` gives the user's configuration (defaults, a file, --set), checked
+    section by section and frozen; rpt/train/resolve.py resolves a thawed copy against the data and the world
+    (the recipe, the vocabulary, what `auto` measures), checks what spans sections, and freezes that."""
     notes: typing.ClassVar[list[str]] = []  # what loading changed on its own, said to the user at start
     given: typing.ClassVar[frozenset[str]] = frozenset()  # the keys a file or --set gave (the recipe keeps off them)
-    recipe_seconds: typing.ClassVar[float] = 0.0  # what the default recipe took at start
+    origins: typing.ClassVar[dict[str, str]] = {}  # section.key -> where its value came from (absent: the default)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -345,8 +364,10 @@ class Config:
     # ----------------------------------------------------------------- building
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> "Config":
-        """Defaults, then the TOML file at `path`, then `section.key=value` overrides, then validation."""
+        """Defaults, then the TOML file at `path`, then `section.key=value` overrides, then each section's checks;
+        frozen (a thawed() copy may be changed)."""
         cfg = cls()
+        cfg.origins = {}
         in_file = []
         if path is not None:
             tree = read_toml(path)
@@ -361,7 +382,26 @@ class Config:
         cfg.given = frozenset(in_file + given)
         cfg.validate()
         cfg.notes += cfg._past_the_budget()
-        return cfg
+        return cfg.freeze()
+
+    def freeze(self) -> "Config":
+        """Refuse every later change of a value (section attributes; lists and tables are copied as tuples and
+        read-only views would break their users, so they stay lists: nothing in rpt changes them)."""
+        for section in (self, *(getattr(self, name) for name in _sections())):
+            object.__setattr__(section, "_frozen", True)
+        return self
+
+    def thawed(self) -> "Config":
+        """A copy that may be changed (its notes, given keys and origins copied too)."""
+        copy = dataclasses.replace(self, **{name: dataclasses.replace(getattr(self, name)) for name in _sections()})
+        for section in (copy, *(getattr(copy, name) for name in _sections())):
+            section.__dict__.pop("_frozen", None)
+        copy.notes, copy.given, copy.origins = list(self.notes), self.given, dict(self.origins)
+        return copy
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
 
     def _replace_budgets(self, given: list[str]) -> list[str]:
         """A budget given with --set replaces the budgets of the file and the defaults, so that a preset's
@@ -374,7 +414,7 @@ class Config:
             if key not in named and self.get(key):
                 notes.append(f"{key} = {self.get(key)} is off: a budget given with --set ({', '.join(named)}) "
                              "replaces the others (give both with --set to keep both)")
-                self.set(key, 0, origin="budgets")
+                self.set(key, 0, origin="off: a budget given with --set replaces it")
         return notes
 
     def _past_the_budget(self) -> list[str]:
@@ -407,6 +447,12 @@ class Config:
                                f"write it as a section:  [{section_name}]  followed by key = value lines")
             for key, value in section_values.items():
                 _set_field(section, section_name, key, value, origin)
+                self._origin(f"{section_name}.{key}", origin)
+
+    def _origin(self, key: str, origin: str) -> None:
+        if "origins" not in self.__dict__:  # a Config() built in code: its own table, not the class's
+            self.origins = {}
+        self.origins[key] = origin
 
     def set(self, dotted_key: str, value: Any, origin: str = "--set") -> None:
         """Set one `section.key`; `value` may be a typed value or a string from the command line."""
@@ -415,6 +461,7 @@ class Config:
                            f"for example: --set train.max_steps=100 (sections: {', '.join(_sections())})")
         section_name, key = dotted_key.split(".")
         _set_field(self._section(section_name, origin), section_name, key, value, origin)
+        self._origin(dotted_key, origin)
 
     def _section(self, name: str, origin: str):
         if name not in _sections():
@@ -428,63 +475,32 @@ class Config:
             del tree["data"]["path"]
         return tree
 
-    def to_toml(self) -> str:
-        return tomli_w.dumps(self.to_dict())
+    def to_toml(self, origins: bool = False) -> str:
+        """TOML that Config.load reads back; with `origins`, each value's line says where it came from (the
+        default, a file, --set, the recipe, the data, a measurement) in a comment."""
+        text = tomli_w.dumps(self.to_dict())
+        if not origins:
+            return text
+        lines, section = [], ""
+        for line in text.splitlines():
+            if line.startswith("["):
+                section = line.strip("[]")
+            elif " = " in line and section in _sections():
+                key = f"{section}.{line.split(' = ', 1)[0]}"
+                line = f"{line}  # {self.origins.get(key, 'default')}"
+            lines.append(line)
+        return "\n".join(lines) + "\n"
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_toml())
+    def save(self, path: str | Path, origins: bool = False) -> None:
+        Path(path).write_text(self.to_toml(origins))
 
     # ----------------------------------------------------------------- checks
     def validate(self) -> None:
-        """Refuse values and combinations that cannot work, naming the fix: each section checks its own values,
-        and the checks that span sections are here. (The names of cells and gates, and a cell's options, are the
-        registry's to check: rpt.models.registry.check_names, which every command runs after this.)"""
-        m, t, p, c = self.model, self.train, self.parallel, self.comm
-        for section in (self.data, m, t, p, c, self.checkpoint, self.monitor):
-            section.check()
-        if isinstance(p.pp, int) and p.pp > m.n_layers:
-            raise RptError(f"parallel.pp = {p.pp} is larger than model.n_layers = {m.n_layers}: "
-                           "a pipeline stage needs at least one block", f"use parallel.pp <= {m.n_layers}, or more layers")
-        if p.schedule == "interleaved" and p.pp * p.stages_per_rank > m.n_layers:
-            raise RptError(f"parallel.pp x stages_per_rank = {p.pp * p.stages_per_rank} virtual stages, but "
-                           f"model.n_layers = {m.n_layers}: each needs at least one block",
-                           "use fewer stages_per_rank, a smaller pp, or more layers")
-        if p.pp != 1:
-            if c.mode in ("ps", "ps-sharded", "diloco"):
-                raise RptError(f"comm.mode = '{c.mode}' with parallel.pp = {p.pp}: the parameter servers and DiLoCo do not run "
-                               "over a pipeline's data-parallel dimension yet",
-                               "use comm.mode = 'allreduce' (any compression, adaptive too) with a pipeline")
-            if t.precision == "fp16":
-                raise RptError(f"train.precision = 'fp16' with parallel.pp = {p.pp}: loss scaling across pipeline "
-                               "stages is not built", "use precision bf16 (no loss scaling needed) or fp32")
-            if t.grad_accum != 1:
-                raise RptError(f"train.grad_accum = {t.grad_accum} with parallel.pp = {p.pp}: the pipeline's "
-                               "micro-batches are its gradient accumulation",
-                               "set train.grad_accum = 1 and parallel.microbatches to the micro-batch count")
-        if p.fsdp != 1:
-            if c.mode not in ("allreduce", "auto") or c.compression != "none" or c.adaptive:
-                raise RptError(f"parallel.fsdp = {p.fsdp!r} with comm.mode = '{c.mode}', compression = "
-                               f"'{c.compression}'" + (", adaptive" if c.adaptive else "") + ": FSDP reduce-scatters "
-                               "the gradients itself (the parameter servers shard them another way; codecs and the "
-                               "adaptive schedule hook into DDP, which FSDP replaces)",
-                               "use comm.mode = 'allreduce' and compression 'none' with FSDP, or parallel.fsdp = 1")
-            if t.precision == "fp16":
-                raise RptError(f"train.precision = 'fp16' with parallel.fsdp = {p.fsdp!r}: loss scaling over "
-                               "sharded gradients is not built", "use precision bf16 (no loss scaling) or fp32")
-        if t.batch_size % p.microbatches:
-            raise RptError(f"train.batch_size = {t.batch_size} is not divisible by parallel.microbatches = "
-                           f"{p.microbatches}", "choose a micro-batch count that divides the batch size")
-        if c.mode == "diloco" and t.average:
-            raise RptError("train.average with comm.mode = 'diloco': DiLoCo's replicas differ between outer steps, "
-                           "so their averages would too", "set train.average = 0 with diloco")
-        if c.mode == "diloco" and t.eval_interval % c.diloco_steps:
-            raise RptError(f"train.eval_interval = {t.eval_interval} with comm.mode = 'diloco' and comm.diloco_steps = "
-                           f"{c.diloco_steps}: the replicas agree only at outer steps, where validation must fall",
-                           f"use a multiple of {c.diloco_steps} (or 0) for train.eval_interval")
-        if t.precision == "fp16" and c.mode in ("ps", "ps-sharded"):
-            raise RptError(f"train.precision = 'fp16' with comm.mode = '{c.mode}': the loss scaler's overflow check "
-                           "needs every gradient on every rank, which a parameter server does not keep",
-                           "use train.precision = 'bf16' (no loss scaling) or comm.mode = 'allreduce'")
+        """Refuse values that cannot work, naming the fix: each section checks its own. (What spans sections is
+        checked by rpt/train/resolve.py's `check`, which every command runs after loading, and the names of cells
+        and gates and a cell's options by rpt.models.registry.check_names.)"""
+        for name in _sections():
+            getattr(self, name).check()
 
     def get(self, dotted_key: str) -> Any:
         section_name, key = dotted_key.split(".")

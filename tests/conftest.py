@@ -15,6 +15,7 @@ import torch  # noqa: E402
 
 from rpt.config import Config  # noqa: E402
 from rpt.parallel.launch import Dist  # noqa: E402
+from rpt.train.resolve import check  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker a core: one thread each, children included
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -74,7 +75,9 @@ def make_cfg(tiny_data):
         base = [f"data.path={tiny_data}", "model.d_model=32", "model.n_layers=2", "train.batch_size=4",
                 "train.seq_len=16", "train.max_steps=6", "train.warmup_steps=2", "train.eval_interval=0",
                 "train.eval_tokens=2048", "monitor.log_interval=1", "monitor.tensorboard=false"]
-        return Config.load(None, base + list(overrides))
+        cfg = Config.load(None, base + list(overrides))
+        check(cfg)  # what spans sections, as every command checks it on loading (rpt.cli.load_config)
+        return cfg
     return make
 
 

@@ -10,12 +10,20 @@ import pytest
 
 from rpt.config import Config
 from rpt.errors import RptError
+from rpt.train.resolve import check
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+def load(path=None, overrides=()):
+    """What every command loads: Config.load, then the checks that span sections (rpt/train/resolve.py)."""
+    cfg = Config.load(path, overrides)
+    check(cfg)
+    return cfg
+
+
 def test_overrides_coerce_to_field_types():
-    cfg = Config.load(None, ["train.max_steps=1e3", "train.lr=0.01", "model.tie_embeddings=false",
+    cfg = load(None, ["train.max_steps=1e3", "train.lr=0.01", "model.tie_embeddings=false",
                              "train.betas=0.8,0.99", "parallel.pp=auto", "train.precision=bf16",
                              "data.path=123", "model.n_layers=4", "comm.bucket_mb=5"])
     assert cfg.train.max_steps == 1000 and isinstance(cfg.train.max_steps, int)
@@ -26,16 +34,16 @@ def test_overrides_coerce_to_field_types():
     assert cfg.train.precision == "bf16"
     assert cfg.data.path == "123"  # a string field keeps the text as written
     assert cfg.comm.bucket_mb == 5.0 and isinstance(cfg.comm.bucket_mb, float)
-    assert Config.load(None, ["train.betas=[0.5, 0.6]", "parallel.pp=2"]).parallel.pp == 2
+    assert load(None, ["train.betas=[0.5, 0.6]", "parallel.pp=2"]).parallel.pp == 2
 
 
 def test_toml_file_then_overrides_and_round_trip(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[model]\nd_model = 32\ncell = "gru"\n[train]\nmax_steps = 7\n')
-    cfg = Config.load(path, ["train.max_steps=9"])
+    cfg = load(path, ["train.max_steps=9"])
     assert (cfg.model.d_model, cfg.model.cell, cfg.train.max_steps) == (32, "gru", 9)
     cfg.save(tmp_path / "resolved.toml")
-    assert Config.load(tmp_path / "resolved.toml") == cfg
+    assert load(tmp_path / "resolved.toml") == cfg
 
 
 @pytest.mark.parametrize("override, message, fix", [
@@ -56,24 +64,24 @@ def test_toml_file_then_overrides_and_round_trip(tmp_path):
 ])
 def test_validation_messages_name_the_fix(override, message, fix):
     if message is None:
-        Config.load(None, [override])  # valid on its own
+        load(None, [override])  # valid on its own
         return
     with pytest.raises(RptError) as info:
-        Config.load(None, [override])
+        load(None, [override])
     assert message in info.value.message
     assert fix in (info.value.fix or "")
 
 
 def test_a_head_shortlist_needs_a_larger_vocabulary():
     with pytest.raises(RptError, match="not below the vocabulary") as info:
-        Config.load(None, ["model.vocab_size=512", "model.head_shortlist=512"])
+        load(None, ["model.vocab_size=512", "model.head_shortlist=512"])
     assert "or 0 for none" in info.value.fix
-    assert Config.load(None, ["model.head_shortlist=64", "parallel.pp=2"]).model.head_shortlist == 64  # a pipeline too
+    assert load(None, ["model.head_shortlist=64", "parallel.pp=2"]).model.head_shortlist == 64  # a pipeline too
 
 
 def test_impossible_combination_names_the_fix():
     with pytest.raises(RptError, match="does not do") as info:
-        Config.load(None, ["comm.compression=powersgd", "comm.mode=ps"])
+        load(None, ["comm.compression=powersgd", "comm.mode=ps"])
     assert "allreduce" in info.value.fix
 
 
@@ -85,9 +93,9 @@ def test_impossible_combination_names_the_fix():
     (["comm.mode=diloco", "parallel.pp=2"], "data-parallel dimension", "allreduce"),
 ])
 def test_diloco_settings_that_cannot_work_are_refused_with_the_fix(overrides, message, fix):
-    Config.load(None, ["comm.mode=diloco", "comm.compression=int8", "train.eval_interval=100"])  # a valid one
+    load(None, ["comm.mode=diloco", "comm.compression=int8", "train.eval_interval=100"])  # a valid one
     with pytest.raises(RptError) as info:
-        Config.load(None, overrides)
+        load(None, overrides)
     assert message in info.value.message and fix in info.value.fix
 
 
@@ -101,10 +109,10 @@ def test_diloco_settings_that_cannot_work_are_refused_with_the_fix(overrides, me
     (["parallel.fsdp=0"], "parallel.fsdp", ""),
 ])
 def test_fsdp_settings_that_cannot_work_are_refused_with_the_fix(overrides, message, fix):
-    Config.load(None, ["parallel.fsdp=2", "parallel.pp=2", "model.n_layers=4"])  # valid ones
-    Config.load(None, ["parallel.fsdp=auto", "train.precision=bf16"])
+    load(None, ["parallel.fsdp=2", "parallel.pp=2", "model.n_layers=4"])  # valid ones
+    load(None, ["parallel.fsdp=auto", "train.precision=bf16"])
     with pytest.raises(RptError) as info:
-        Config.load(None, ["parallel.fsdp=2", *overrides])
+        load(None, ["parallel.fsdp=2", *overrides])
     assert message in info.value.message and fix in info.value.fix
 
 
@@ -112,18 +120,18 @@ def test_malformed_toml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[model\ncell = lstm\n")
     with pytest.raises(RptError, match="not valid TOML"):
-        Config.load(bad)
+        load(bad)
     with pytest.raises(RptError, match="does not exist"):
-        Config.load(tmp_path / "none.toml")
+        load(tmp_path / "none.toml")
     wrong = tmp_path / "wrong.toml"
     wrong.write_text('[model]\nn_layers = "many"\n')
     with pytest.raises(RptError, match="model.n_layers = 'many' is not an integer"):
-        Config.load(wrong)
+        load(wrong)
 
 
 @pytest.mark.parametrize("preset", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_every_preset_loads(preset):
-    Config.load(preset)
+    load(preset)
 
 
 def test_cli_config_prints_resolved_toml():

@@ -279,18 +279,17 @@ def _tensors(out) -> list[torch.Tensor]:
 
 
 def build_sync(model: torch.nn.Module, cfg: CommConfig, *, rank: int, world_size: int, distributed: bool,
-               powersgd_start: int = 2, seed: int = 0, precision: str = "fp32", group=None,
-               parts: list[torch.nn.Module] | None = None) -> GradientSync:
+               powersgd_start: int = 2, seed: int = 0, group=None, parts: list[torch.nn.Module] | None = None,
+               predictions: dict | None = None) -> GradientSync:
     """The mode of `cfg` over `world_size` data-parallel ranks: every rank, or the ranks of `group` (the dp
     dimension of a pipeline mesh, where only all-reduce runs: config validation refuses the others).
-    `parts`: the pieces of `model` that run separately (AllReduceSync)."""
+    `parts`: the pieces of `model` that run separately (AllReduceSync); `predictions`: what comm.mode = "auto"
+    chose the mode by (choose_mode), for the run's reports."""
     if not distributed or world_size == 1:
         return GradientSync(model)
-    mode, predictions = cfg.mode, None
-    if mode == "auto" and group is not None:
-        mode = "allreduce"  # the links are measured over the whole world, not per dp group: not yet
+    mode = cfg.mode
     if mode == "auto":
-        mode, predictions = choose_mode(model, cfg, precision)
+        raise ValueError("comm.mode = 'auto' is resolved before the sync is built (choose_mode; rpt/train/resolve.py)")
     if mode == "diloco":
         sync = DiLoCoSync(model, cfg, world_size, group=group)
     elif mode == "allreduce":
@@ -308,14 +307,14 @@ HALF_WIDTH_SHARE = {"allreduce": 0.5, "ps": 0.75, "ps-sharded": 0.75}
 HALF_WIDTH_WORTH = 0.005  # seconds a step a half-width codec must save to be chosen
 
 
-def choose_mode(model: torch.nn.Module, cfg: CommConfig, precision: str) -> tuple[str, dict]:
+def choose_mode(grad_bytes: int, cfg: CommConfig, precision: str) -> tuple[str, str, dict]:
     """`comm.mode = "auto"`: measure the links and time each mode's traffic pattern (every rank gets the same
     numbers), and take the fastest mode the other settings allow (the servers take neither fp16 loss
     scaling nor powersgd/topk). With `comm.compression = "none"` it chooses the codec too, among those that
-    do not change what a step learns: bf16 gradients where they save at least HALF_WIDTH_WORTH a step (the
-    choice is written into `cfg.compression`). powersgd, topk and diloco stay the user's to choose."""
+    do not change what a step learns: bf16 gradients where they save at least HALF_WIDTH_WORTH a step.
+    powersgd, topk and diloco stay the user's to choose. `grad_bytes`: the model's fp32 gradient bytes.
+    Returns the mode, the codec, and the seconds per step they were chosen by."""
     topo = links.measure(message_mb=1.0, repeats=2)
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     predictions = links.predict(topo, grad_bytes)
     timed = links.time_modes(grad_bytes)
     allowed = ["allreduce"]
@@ -327,8 +326,8 @@ def choose_mode(model: torch.nn.Module, cfg: CommConfig, precision: str) -> tupl
         saved = timed[mode] - min(timed[m] * HALF_WIDTH_SHARE[m] for m in allowed)
         if saved >= HALF_WIDTH_WORTH:
             mode = links.choose({m: timed[m] * HALF_WIDTH_SHARE[m] for m in allowed})
-            codec = cfg.compression = "bf16"
+            codec = "bf16"
     log.info("comm.mode auto: model %s, timed %s (seconds per step); chose %s with compression %s\n%s", predictions,
              timed, mode, codec, links.format_table(topo, predictions, grad_bytes, timed))
-    return mode, {"model": predictions, "timed": timed, "compression": codec,
+    return mode, codec, {"model": predictions, "timed": timed, "compression": codec,
                   "predicted_seconds": timed[mode] * (HALF_WIDTH_SHARE[mode] if codec in ("fp16", "bf16") else 1)}

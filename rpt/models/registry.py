@@ -14,6 +14,7 @@ nothing in rpt needs to change. docs/cells.md walks through both with a worked e
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import sys
@@ -23,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from rpt.config import ModelConfig
 from rpt.errors import RptError
 from rpt.kernels.triton import GATE_FORMS
 
@@ -49,14 +51,16 @@ def check_names(cfg, search: list[Path] = ()) -> None:
         get_gate(cfg.gate)
 
 
-# Options of some cells, with the value that means "not used"; a cell that does not declare one refuses it set.
-CELL_OPTIONS = {"weight_drop": 0.0, "gate": "sigmoid", "gate_norm": False, "coupled_gates": False, "peepholes": False,
-                "heads": 1}
+def cell_options() -> dict[str, object]:
+    """The model options some registered cell declares (each cell's `options`), with ModelConfig's default for
+    each: the value that means "not used". A cell that does not declare one refuses it set."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    return {name: defaults[name] for cls in CELLS.values() for name in cls.options}
 
 
 def check_options(cfg, cls: type) -> None:
     """Refuse a model option set away from its default for a cell that does not take it."""
-    unused = [k for k, default in CELL_OPTIONS.items() if getattr(cfg, k) != default and k not in cls.options]
+    unused = [k for k, default in cell_options().items() if getattr(cfg, k) != default and k not in cls.options]
     if unused:
         keys = ", ".join(f"model.{k}" for k in unused)
         takers = sorted(name for name, c in CELLS.items() if set(unused) <= set(c.options))

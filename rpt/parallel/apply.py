@@ -4,7 +4,6 @@ mode of rpt.comm) and the pipeline's schedule around what it wrapped. The model 
 
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import torch
@@ -20,11 +19,13 @@ from rpt.parallel.pipeline_runner import PipelineRunner
 from rpt.parallel.runner import Runner
 
 
-def parallelize(cfg, rank: int, world_size: int, device: torch.device, distributed: bool) -> Runner:
-    """This rank's model, built and wrapped as the run asks, behind the one object the trainer calls
-    (rpt/parallel/runner.py)."""
+def parallelize(cfg, plan, rank: int, world_size: int, device: torch.device, distributed: bool,
+                comm_choice: dict | None = None) -> Runner:
+    """This rank's model, built and wrapped as the resolved run asks (`plan`: its pipeline / FSDP plan, from
+    choose_layout, or None; `comm_choice`: what comm.mode = "auto" measured), behind the one object the trainer
+    calls (rpt/parallel/runner.py)."""
     t = cfg.train
-    plan, mesh = layout_for(cfg, rank, world_size, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    mesh = Mesh(device, world_size, plan.pp, plan.fsdp) if plan is not None else None
     staged, sharded = plan is not None and plan.pp > 1, mesh is not None and mesh.fsdp > 1
     torch.manual_seed(t.seed)  # every rank the same initial values; a stage's parts the whole model's
     model = RecurrentLM(cfg.model, pipeline.parts_of(plan, mesh.pp_rank) if staged else None)
@@ -44,8 +45,8 @@ def parallelize(cfg, rank: int, world_size: int, device: torch.device, distribut
         sync = fsdp.FSDPSync(root, model, mesh, 1 if pipe else t.grad_accum, cfg.parallel.fsdp_reshard_microsteps)
     else:
         sync = build_sync(model, cfg.comm, rank=dp_rank, world_size=dp_size, distributed=distributed,
-                          powersgd_start=t.warmup_steps, seed=t.seed, precision=t.precision,
-                          group=mesh.dp_group if mesh else None, parts=pipe.stages if pipe else None)
+                          powersgd_start=t.warmup_steps, seed=t.seed, group=mesh.dp_group if mesh else None,
+                          parts=pipe.stages if pipe else None, predictions=comm_choice)
     if pipe:  # the schedule runs each stage as data parallelism wrapped it (one DDP each), or as it is
         pipe.build_schedule(sync.module if isinstance(sync.module, list) else pipe.stages)
     layout = {"pp": mesh.pp, "dp": mesh.replicas, "fsdp": mesh.fsdp} if mesh else {"pp": 1, "dp": dp_size, "fsdp": 1}
@@ -54,22 +55,19 @@ def parallelize(cfg, rank: int, world_size: int, device: torch.device, distribut
     return Runner(model, sync, t, device, dp_rank, dp_size, layout, probe=not sharded)
 
 
-def layout_for(cfg, rank: int, world_size: int, device: torch.device, local_world: int = 1):
-    """The plan for this job (printed by rank 0) and this rank's place in the mesh, when it has pipeline stages
-    or FSDP shards; (None, None) for plain data parallelism. Pipelines balance their stages by costs timed on
-    this device at start."""
+def choose_layout(cfg, rank: int, world_size: int, device: torch.device, local_world: int = 1):
+    """The plan for this job (printed by rank 0) when it has pipeline stages or FSDP shards; None for plain data
+    parallelism. Pipelines balance their stages by costs timed on this device at start (a collective)."""
     from rpt.parallel.plan import choose_plan, device_memory_bytes, format_plan
 
     p = cfg.parallel
     if p.pp == 1 and p.fsdp == 1:
-        return None, None
+        return None
     costs = pipeline.measure_costs(cfg, device) if p.pp != 1 else None
     plan = choose_plan(cfg, world_size, device_memory_bytes(device, local_world), costs)
     if rank == 0:
         print(format_plan(plan), flush=True)
-    if plan.pp == 1 and plan.fsdp == 1:
-        return None, None
-    return plan, Mesh(device, world_size, plan.pp, plan.fsdp)
+    return None if plan.pp == 1 and plan.fsdp == 1 else plan
 
 
 def checkpoint_blocks(model: nn.Module) -> None:

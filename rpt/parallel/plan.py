@@ -19,7 +19,7 @@ logits (and their softmax for the loss) are charged to the last stage.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -132,6 +132,11 @@ def _meta_model(cfg: Config):
         return RecurrentLM(cfg.model)
 
 
+def gradient_bytes(cfg: Config) -> int:
+    """fp32 gradient bytes of the configured model, counted on the meta device (nothing allocated)."""
+    return 4 * sum(p.numel() for p in _meta_model(cfg).parameters() if p.requires_grad)
+
+
 def activation_bytes_per_token(cfg: Config, block_index: int) -> float:
     """Bytes autograd saves for backward per token in one block (fp32), measured on narrow copies."""
     from rpt.models.lm import Block
@@ -140,10 +145,8 @@ def activation_bytes_per_token(cfg: Config, block_index: int) -> float:
     T = cfg.train.seq_len
     samples = []
     for width in (8 * heads, 16 * heads):
-        small = copy.copy(m)
-        small.d_model = width
-        small.d_hidden = m.d_hidden * width // m.d_model if m.d_hidden else 0
-        small.activation_checkpointing = False  # what the block saves when it runs in full
+        small = dataclasses.replace(m, d_model=width, d_hidden=m.d_hidden * width // m.d_model if m.d_hidden else 0,
+                                    activation_checkpointing=False)  # what the block saves when it runs in full
         block = Block(small, block_index)
         saved = []
         x = torch.randn(1, T, width, requires_grad=True)

@@ -15,27 +15,21 @@ from rpt.config import Config
 from rpt.errors import RptError
 from rpt.comm import links
 from rpt.parallel import launch
-from rpt.models.shapes import on_meta
+from rpt.parallel.plan import gradient_bytes
 
 
-def resolve_vocab_size(cfg: Config) -> None:
-    """model.vocab_size = 0 means the data's vocabulary: read it from data.path/meta.json."""
-    if cfg.model.vocab_size == 0:
-        meta = Path(next(iter(cfg.data.mix), cfg.data.path)) / "meta.json"  # a mixture's folders share one
-        if not meta.is_file():
-            raise RptError("model.vocab_size is 0 and data.path has no meta.json to take it from",
-                           "set model.vocab_size, or point data.path at a prepared dataset")
-        cfg.model.vocab_size = json.loads(meta.read_text())["vocab_size"]
-
-
-def gradient_bytes(cfg: Config) -> int:
-    """fp32 gradient bytes of the configured model, counted on the meta device (nothing allocated)."""
-    from rpt.models import RecurrentLM
-
-    resolve_vocab_size(cfg)
-    with on_meta():
-        model = RecurrentLM(cfg.model)
-    return 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+def with_data_vocabulary(cfg: Config) -> Config:
+    """`cfg` itself, or where model.vocab_size = 0 (the data's vocabulary) a frozen copy with the vocabulary of
+    data.path/meta.json: what `rpt topology` and `rpt plan` count the model with."""
+    if cfg.model.vocab_size:
+        return cfg
+    meta = Path(next(iter(cfg.data.mix), cfg.data.path)) / "meta.json"  # a mixture's folders share one
+    if not meta.is_file():
+        raise RptError("model.vocab_size is 0 and data.path has no meta.json to take it from",
+                       "set model.vocab_size, or point data.path at a prepared dataset")
+    copy = cfg.thawed()
+    copy.set("model.vocab_size", json.loads(meta.read_text())["vocab_size"], origin="the data (meta.json)")
+    return copy.freeze()
 
 
 def topology_worker(cfg: Config, message_mb: float, out: str | None) -> dict:
@@ -44,7 +38,7 @@ def topology_worker(cfg: Config, message_mb: float, out: str | None) -> dict:
         if not d.enabled:
             raise RptError("rpt topology needs several ranks", "run it under torchrun on every node, or with --nproc N")
         topo = links.measure(message_mb=message_mb)
-        n = gradient_bytes(cfg)
+        n = gradient_bytes(with_data_vocabulary(cfg))
         predictions = links.predict(topo, n)
         timed = links.time_modes(n)
         if d.is_main:

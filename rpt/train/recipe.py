@@ -21,6 +21,8 @@ The rules and the runs that set them: benchmarks/RESULTS.md, "Quality per second
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import os
 import time
@@ -30,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rpt.models.registry import CELL_OPTIONS, get_cell
+from rpt.models.registry import cell_options, get_cell
 from rpt.models.shapes import on_meta
 
 # width before depth: each size is (n_layers, d_model)
@@ -144,8 +146,8 @@ def shortlist_for(counts: np.ndarray) -> Choice:
 
 
 def head_choice(cfg, counts: np.ndarray) -> list[Choice]:
-    """The shortlist, unless given or the run is a pipeline (whose last stage computes its loss from logits)."""
-    if "model.head_shortlist" in cfg.given or cfg.parallel.pp != 1:
+    """The shortlist, unless given."""
+    if "model.head_shortlist" in cfg.given:
         return []
     return [shortlist_for(counts)]
 
@@ -262,7 +264,7 @@ class CoreUse:
 
 
 def sized(model_cfg, size):
-    return type(model_cfg)(**{**vars(model_cfg), "n_layers": size[0], "d_model": size[1]})
+    return dataclasses.replace(model_cfg, n_layers=size[0], d_model=size[1])
 
 
 def flops_of(model_cfg, size, counts: np.ndarray) -> int:
@@ -282,11 +284,11 @@ def budget_of(train) -> dict:
     return {"tokens": train.max_tokens} if train.max_tokens else {"steps": train.max_steps}
 
 
-def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, counts: np.ndarray) -> None:
-    """Apply the recipe to `cfg` alike on every rank: rank 0 measures and chooses, the others receive its
-    choices. `counts`: occurrences of each token id in (a sample of) the training split, its length the
-    vocabulary. The lines that say what was chosen and why join cfg.notes; the time it took comes off a time
-    budget."""
+def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, counts: np.ndarray) -> float:
+    """Apply the recipe to `cfg` (a thawed copy, being resolved: rpt/train/resolve.py) alike on every rank: rank 0
+    measures and chooses, the others receive its choices. `counts`: occurrences of each token id in (a sample of)
+    the training split, its length the vocabulary. The lines that say what was chosen and why join cfg.notes; the
+    time it took comes off a time budget, and is returned."""
     import torch._dynamo  # noqa: F401 (fused AdamW imports it, ~1 s: a cost of the run's start, not the recipe's)
     import torch.distributed as dist
 
@@ -296,7 +298,7 @@ def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, counts: np.ndarr
         choices, remarks = _choose_here(cfg, dist_info.device, train_tokens, val_tokens, counts,
                                         dist_info.world_size)
         takes = get_cell(cfg.model.cell).options  # the cell options this cell does not take are left out
-        choices = [c for c in choices if c.key.removeprefix("model.") not in CELL_OPTIONS or
+        choices = [c for c in choices if c.key.removeprefix("model.") not in cell_options() or
                    c.key.removeprefix("model.") in takes]
     if dist_info.world_size > 1:
         box = [(choices, remarks)]
@@ -305,14 +307,15 @@ def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, counts: np.ndarr
     for c in choices:
         cfg.set(c.key, c.value, origin="the default recipe")
     seconds = time.perf_counter() - began
-    cfg.recipe_seconds = seconds
     notes = [f"the default recipe ({seconds:.1f} s; --set any of these to choose it yourself):"]
     notes += [f"  {c.key} = {c.value}: {c.why}" for c in choices] + [f"  note: {r}" for r in remarks]
     if cfg.train.max_time:
-        cfg.train.max_time = round(max(1.0, cfg.train.max_time - seconds), 1)
+        cfg.set("train.max_time", round(max(1.0, cfg.train.max_time - seconds), 1),
+                origin=f"the budget less the default recipe's own time ({seconds:.1f} s)")
         notes.append(f"  train.max_time = {cfg.train.max_time:g}: the budget less the recipe's own time")
     cfg.notes = [*cfg.notes, *notes]
     cfg.validate()
+    return seconds
 
 
 def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.ndarray,
@@ -323,7 +326,7 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.nda
     measure = type(cfg)()  # the run's settings with the data's vocabulary, for timing
     head = head_choice(cfg, counts)
     given_attention = cfg.model.attention_every if "model.attention_every" in cfg.given else 0
-    measure.model = type(cfg.model)(**{**vars(cfg.model), "vocab_size": len(counts), "attention_every":
+    measure.model = dataclasses.replace(cfg.model, **{"vocab_size": len(counts), "attention_every":
                                        given_attention, **{"head_shortlist": c.value for c in head}})
     measure.train = cfg.train
     timing = Timing(cfg.train, measure, device, counts, began)
@@ -332,10 +335,10 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.nda
     family = family_choice(cfg, facts["passes"])
     batch = batch_choice(cfg, facts["passes"], train_tokens // world_size)
     if family and family[0].value:
-        measure.model = type(cfg.model)(**{**vars(measure.model), "attention_every": family[0].value})
+        measure.model = dataclasses.replace(measure.model, attention_every=family[0].value)
         sized = _sized(cfg, timing, train_tokens, val_tokens)
     elif batch and batch[0].value != cfg.train.batch_size:
-        measure.train = type(cfg.train)(**{**vars(cfg.train), "batch_size": batch[0].value})
+        measure.train = dataclasses.replace(cfg.train, batch_size=batch[0].value)
         timing.per_step = batch[0].value * cfg.train.seq_len
         sized = _sized(cfg, timing, train_tokens, val_tokens)
     choices = family + batch + head + sized

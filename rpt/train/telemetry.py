@@ -46,9 +46,11 @@ class Telemetry:
     def should_log(self, step: int) -> bool:
         return step % self.cfg.log_interval == 0
 
-    def open(self, params: int, step: int, spent: float, budget: str, lines: list[str]) -> None:
-        """After the run directory is written: the store, the sinks, the bar and the start lines (`budget`: what
-        ends the run; `lines`: what the other components say of themselves)."""
+    def open(self, params: int, step: int, spent: float, notes: tuple[str, ...], budget: str,
+             lines: list[str]) -> None:
+        """After the run directory is written: the store, the sinks, the bar and the start lines (`notes`: what
+        resolving the configuration chose or warns of; `budget`: what ends the run; `lines`: what the other
+        components say of themselves)."""
         cfg, t, runner = self.run_cfg, self.run_cfg.train, self.runner
         if self.d.is_main:
             self.store = MetricsWriter(self.run_dir)
@@ -65,7 +67,7 @@ class Telemetry:
         self.window = (step, time.perf_counter(), 0)  # first step, start time, tokens of this log interval
         start = f"training {params:,} parameters on {runner.device}, world size {self.d.world_size}"
         log.info(start)
-        self.say(start, *cfg.notes, *self._chosen_comm(), budget, *lines)
+        self.say(start, *notes, *self._chosen_comm(), budget, *lines)
         self.arm_probe(step)
 
     def _chosen_comm(self) -> list[str]:

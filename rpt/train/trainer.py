@@ -39,8 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rpt.config import Config
-from rpt.data.dataset import PreparedData, raise_bad_id
-from rpt.data.mixture import MixedData, open_dataset
+from rpt.data.dataset import raise_bad_id
 from rpt.data.stream import TokenStream
 from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
@@ -55,15 +54,15 @@ from rpt.parallel.runner import StepRecord
 from rpt.parallel import launch
 from rpt.parallel.launch import Dist, restart_count
 from rpt.runtime import keep_freed_memory
-from rpt.parallel.pipeline import check_layout
 from rpt.train import faults
 from rpt.train.averaging import WeightAverage
 from rpt.train.budget import Budget
 from rpt.train.checkpointing import Checkpointing, RandomState
 from rpt.train.evaluate import Evaluation
 from rpt.train.hooks import StepHooks
-from rpt.train.init_from import load_weights, read_weights, run_tokenizer_sha256
+from rpt.train.init_from import load_weights, read_weights
 from rpt.train.optim import build_optimizer
+from rpt.train.resolve import resolve
 from rpt.train.step_profiler import StepProfiler
 from rpt.train.run import setup_logging
 from rpt.train.telemetry import Telemetry
@@ -94,14 +93,7 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None,
     d = launch.setup(device)
     setup_logging(run_dir, d.rank)
     try:
-        restarted = launch.restart_count() > 0
-        if cfg.train.recipe == "auto" and not resume:
-            if restarted and (run_dir / "config.toml").is_file():  # the choices this run made at its start
-                cfg = Config.load(run_dir / "config.toml")
-            else:
-                apply_recipe(cfg, d)
-        trainer = Trainer(cfg, run_dir, d, resume=resume or restarted, show_progress=show_progress)
-        return trainer.run()
+        return Trainer(cfg, run_dir, d, resume=resume, show_progress=show_progress).run()
     except RptError as exc:
         if (run_dir / "config.toml").exists():  # a run that exists keeps the record; a refused new one leaves nothing
             logging.getLogger("rpt").error("%s", exc)
@@ -113,29 +105,21 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None,
         launch.teardown()
 
 
-def apply_recipe(cfg: Config, d) -> None:
-    """The default recipe, from the prepared data's token counts (rpt/train/recipe.py)."""
-    from rpt.train.recipe import resolve
-
-    data = open_dataset(cfg.data)
-    train_tokens, val_tokens = data.tokens("train"), data.tokens("val")
-    counts = token_counts(train_tokens, cfg.model.vocab_size or data.vocab_size)
-    resolve(cfg, d, len(train_tokens), len(val_tokens), counts)
-
-
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, dist_info: Dist, resume: bool = False,
                  show_progress: bool = True):
-        self.cfg, self.run_dir, self.d = cfg, Path(run_dir), dist_info
-        self.device = dist_info.device
-        t = cfg.train
+        """`cfg`: the user's configuration, resolved here (rpt/train/resolve.py) into `self.resolved`, whose frozen
+        `cfg` everything after reads. `resume`: --resume (an elastic restart resumes too)."""
+        self.run_dir, self.d, self.device = Path(run_dir), dist_info, dist_info.device
         sinks.require(cfg.monitor)  # on every rank, so that all of them stop, not rank 0 alone
-        check_layout(cfg, dist_info.world_size)
-        check_mixed_devices(cfg, dist_info)
-        self.data = open_data(cfg, self.run_dir if resume else None)
+        restarted = restart_count() > 0
+        self.resolved, self.data = resolve(cfg, dist_info, self.run_dir, resume, restarted)
+        self.cfg = cfg = self.resolved.cfg
+        resume, t = resume or restarted, cfg.train
         with on_meta():  # shapes only: what the run counts
             shape = RecurrentLM(cfg.model)
-        self.runner = runner = parallelize(cfg, dist_info.rank, dist_info.world_size, self.device, dist_info.enabled)
+        self.runner = runner = parallelize(cfg, self.resolved.plan, dist_info.rank, dist_info.world_size,
+                                           self.device, dist_info.enabled, self.resolved.comm_choice)
         if cfg.model.head_shortlist:  # the two-level softmax's shortlist: this corpus's most frequent tokens
             counts = token_counts(self.data.tokens("train"), cfg.model.vocab_size)
             for model in (shape, runner.model):  # (a resumed run then loads the order it trained with)
@@ -230,7 +214,7 @@ class Trainer:
     def run(self) -> dict:
         tel = self.telemetry
         self.started = time.perf_counter()
-        tel.open(self.params, self.step, self.spent(), self.budget.describe(),
+        tel.open(self.params, self.step, self.spent(), self.resolved.notes, self.budget.describe(),
                  [self.checkpoints.describe(), *[line for line in [self.averaging.describe()] if line]])
         with StopRequest(in_worker="TORCHELASTIC_RUN_ID" in os.environ) as stop, closing(tel.bar):
             while True:
@@ -385,7 +369,7 @@ class Trainer:
 
     def _run_figures(self, wall: float, profile: list[dict] | None, selected: dict) -> dict:
         """What the run's summary says of the run itself (telemetry adds the losses and the communication)."""
-        ev, recipe = self.evaluation, self.cfg.recipe_seconds
+        ev, recipe = self.evaluation, self.resolved.recipe_seconds
         return {"steps": self.step, "tokens": self.tokens, "wall_seconds": round(wall, 3),
                 "tokens_per_second": self.tokens / max(self.elapsed(), 1e-9), "params": self.params,
                 "flops_per_token": self.flops_per_token, "ended_by": self.ended_by,
@@ -471,7 +455,7 @@ class Trainer:
         if not self.d.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.cfg.save(self.run_dir / "config.toml")
+        (self.run_dir / "config.toml").write_text(self.resolved.to_toml())
         for name in ("meta.json", "tokenizer.json"):  # the run directory stands on its own
             shutil.copyfile(self.data.path / name, self.run_dir / name)
 
@@ -529,28 +513,6 @@ def step_hooks(cfg: Config, d: Dist, run_dir: Path) -> list[StepHooks]:
     return hooks
 
 
-def open_data(cfg: Config, resumed: Path | None = None) -> PreparedData | MixedData:
-    """The prepared data of data.path (or the mixture of data.mix), its vocabulary given to the model
-    (model.vocab_size = 0) or checked against it, and every token id of both splits checked to fit; for a
-    `resumed` run, its tokenizer checked to be the one the run trained with."""
-    data = open_dataset(cfg.data)
-    theirs, ours = (run_tokenizer_sha256(resumed) if resumed else ""), data.meta.get("tokenizer_sha256", "")
-    if theirs and ours and theirs != ours:
-        raise RptError(f"{cfg.data.path if not cfg.data.mix else 'data.mix'} was prepared with another tokenizer "
-                       f"than the one the run {resumed} trained with: its token ids mean other text",
-                       f"resume on data prepared with the run's tokenizer (rpt prepare --input ... --out DIR "
-                       f"--tokenizer {resumed}/tokenizer.json), or start a new run from its weights with "
-                       f"train.init_from = {resumed}")
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = data.vocab_size
-    elif cfg.model.vocab_size < data.vocab_size:
-        raise RptError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the data's vocabulary "
-                       f"({data.vocab_size})", "set model.vocab_size = 0 to take it from the data")
-    for split in ("train", "val"):
-        data.check_ids(split, cfg.model.vocab_size)
-    return data
-
-
 def param_digest(model: torch.nn.Module) -> str:
     """sha256 over every parameter's bytes, in order: equal digests mean bit-identical replicas."""
     import hashlib
@@ -561,21 +523,3 @@ def param_digest(model: torch.nn.Module) -> str:
         full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()  # FSDP: the whole parameter
         h.update(full.cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def check_mixed_devices(cfg: Config, dist_info: Dist) -> None:
-    """A job of CPU and GPU ranks runs on gloo, whose CUDA support is all-reduce and broadcast: the modes that
-    send, all-gather or pipeline CUDA tensors need ranks of one kind, and comm.mode "auto" resolves to
-    all-reduce here (the only choice left) rather than measuring the links."""
-    if not dist_info.mixed_devices:
-        return
-    if cfg.comm.mode == "auto":  # the servers' sends are not among gloo's CUDA collectives: all-reduce is the choice
-        cfg.comm.mode = "allreduce"
-    uses = [what for what, on in (("comm.mode = " + repr(cfg.comm.mode), cfg.comm.mode in ("ps", "ps-sharded")),
-                                  ("comm.compression = 'int8'", cfg.comm.compression == "int8"),
-                                  ("comm.compression = 'topk'", cfg.comm.compression == "topk"),
-                                  (f"parallel.pp = {cfg.parallel.pp}", cfg.parallel.pp != 1)) if on]
-    if uses:
-        raise RptError(f"this job mixes CPU and GPU ranks (gloo for all), which cannot carry {', '.join(uses)}",
-                       "run every rank on one kind of device (--device cpu on all, or GPUs on all), or use "
-                       "comm.mode = 'allreduce' with compression none, fp16, bf16 or powersgd and parallel.pp = 1")

@@ -48,7 +48,9 @@ def train_variants(data: str, out_dir: str, variants: list[tuple[str, list[str]]
 
 def build_auto_with_timings(timed: dict) -> dict:
     """comm.mode = auto with the pattern timings replaced by `timed`: which sync it built, what this rank owns."""
-    from rpt.comm.sync import build_sync
+    import dataclasses
+
+    from rpt.comm.sync import build_sync, choose_mode
     from rpt.config import CommConfig
     from rpt.comm import links
     from rpt.parallel import launch
@@ -58,7 +60,10 @@ def build_auto_with_timings(timed: dict) -> dict:
         links.time_modes = lambda grad_bytes, **_: dict(timed)
         model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
         cfg = CommConfig(mode="auto", bucket_mb=0.0005)
-        sync = build_sync(model, cfg, rank=d.rank, world_size=d.world_size, distributed=True)
+        grad_bytes = sum(4 * p.numel() for p in model.parameters())
+        mode, codec, choice = choose_mode(grad_bytes, cfg, "fp32")  # what resolving a run does with "auto"
+        cfg = dataclasses.replace(cfg, mode=mode, compression=codec)
+        sync = build_sync(model, cfg, rank=d.rank, world_size=d.world_size, distributed=True, predictions=choice)
         return {"mode": sync.mode, "owned": sum(p.numel() for p in sync.owned),
                 "total": sum(p.numel() for p in model.parameters()), "compression": cfg.compression,
                 "wire": str(getattr(sync, "wire_dtype", None)),

@@ -3,6 +3,8 @@ log-probabilities (values and gradients), the shortlist it assigns, and the mode
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -105,7 +107,7 @@ def test_a_run_with_a_shortlist_learns_and_resumes_with_its_order(make_cfg, tmp_
     cfg = make_cfg("model.head_shortlist=32", "train.max_steps=30", "train.lr=1e-2")
     summary = Trainer(cfg, tmp_path / "r", solo, show_progress=False).run()
     counts = token_counts(PreparedData(cfg.data.path).tokens("train"), 300)
-    model = RecurrentLM(ModelConfig(**{**vars(cfg.model), "vocab_size": 300}))
+    model = RecurrentLM(dataclasses.replace(cfg.model, vocab_size=300))
     checkpoints = CheckpointStore(str(tmp_path / "r" / "checkpoints"))
     checkpoints.load(checkpoints.resolve("latest", str(tmp_path / "r")), model)
     assert set(model.head.order[:32].tolist()) == set(np.argsort(-counts, kind="stable")[:32].tolist())

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from rpt.errors import RptError
 from rpt.parallel.launch import Dist, device_kinds
-from rpt.train.trainer import Trainer, check_mixed_devices
+from rpt.train.resolve import check_world, resolve_comm
+from rpt.train.trainer import Trainer
 
 
 @pytest.mark.parametrize("devices, expected", [(["cpu", "cpu"], {"cpu"}), (["cuda", "cuda", "cuda"], {"cuda"}),
@@ -37,7 +38,8 @@ def test_a_mixed_job_refuses_what_gloo_cannot_carry_for_cuda_tensors(make_cfg, t
     with pytest.raises(RptError, match="mixes CPU and GPU ranks") as info:
         Trainer(make_cfg(setting), tmp_path / "r", mixed, show_progress=False)
     assert setting.split("=")[0] in info.value.message and not (tmp_path / "r").exists()
-    check_mixed_devices(make_cfg("comm.compression=powersgd"), mixed)  # all-reduce based: allowed
-    auto = make_cfg("comm.mode=auto")
-    check_mixed_devices(auto, mixed)
+    check_world(make_cfg("comm.compression=powersgd"), mixed)  # all-reduce based: allowed
+    auto = make_cfg("comm.mode=auto").thawed()
+    resolve_comm(auto, mixed, None)
     assert auto.comm.mode == "allreduce"  # the only mode a mixed job can run
+    assert "CPU and GPU" in auto.origins["comm.mode"]

@@ -10,6 +10,7 @@ import pytest
 from rpt.config import Config
 from rpt.errors import RptError
 from rpt.parallel.plan import balance, choose_plan, make_plan
+from rpt.train.resolve import check
 
 GiB = 2**30
 
@@ -140,8 +141,8 @@ def test_interleaved_plan_gives_each_rank_every_pp_th_stage_and_sums_its_memory(
 ])
 def test_interleaved_settings_that_cannot_work_are_refused(overrides, message):
     with pytest.raises(RptError, match=message):
-        Config.load(None, ["model.n_layers=4", "parallel.pp=2", "parallel.schedule=interleaved",
-                           "parallel.microbatches=2", *overrides])
+        check(Config.load(None, ["model.n_layers=4", "parallel.pp=2", "parallel.schedule=interleaved",
+                                 "parallel.microbatches=2", *overrides]))
 
 
 def test_fsdp_divides_weights_gradients_and_optimiser_state_and_counts_its_traffic():

@@ -3,6 +3,8 @@ one too), and takes no weight decay; AdamW decays only the matrices."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,9 +17,8 @@ from rpt.parallel.runner import step_unless
 
 def model_and_grads(cfg: Config, seed: int = 0):
     torch.manual_seed(seed)
-    cfg.model.vocab_size = 300
-    model = RecurrentLM(cfg.model)
-    x = torch.randint(0, cfg.model.vocab_size, (2, 9))
+    model = RecurrentLM(dataclasses.replace(cfg.model, vocab_size=300))
+    x = torch.randint(0, 300, (2, 9))
     logits, _ = model(x[:, :-1])
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
     return model

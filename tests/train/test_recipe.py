@@ -85,6 +85,7 @@ def test_a_cell_without_weight_drop_is_regularised_without_it(make_cfg):
 
     for cell, expected in (("lstm", True), ("gru", False)):
         cfg = make_cfg(f"model.cell={cell}", "train.max_steps=2000", "train.recipe=auto")
+        cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
         cfg.given = frozenset()
         recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 50_000, 10_000, np.ones(512))
         assert cfg.model.embed_dropout > 0 and (cfg.model.weight_drop > 0) == expected
@@ -97,6 +98,7 @@ def test_with_diloco_validations_fall_on_outer_steps(make_cfg):
     for every in (1, 7, 64):
         cfg = make_cfg("train.max_steps=2000", "train.recipe=auto", "comm.mode=diloco", f"comm.diloco_steps={every}",
                        "train.eval_interval=0")
+        cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
         cfg.given = frozenset({"comm.mode", "comm.diloco_steps"})
         recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 50_000, 10_000, np.ones(512))
         plain = recipe.choose(50_000, 10_000, {"steps": 2000}, dict.fromkeys(recipe.LADDER, 1.0),
@@ -135,7 +137,7 @@ def test_the_head_gets_a_shortlist_where_it_halves_the_softmax(make_cfg):
     assert recipe.shortlist_for(zipf[:300]).value == 0  # too small a vocabulary for one
     assert recipe.head_choice(make_cfg(), zipf)[0].value == S
     assert recipe.head_choice(make_cfg("model.head_shortlist=0"), zipf) == []  # given: left alone
-    assert recipe.head_choice(make_cfg("parallel.pp=2"), zipf) == []  # a pipeline's last stage needs logits
+    assert recipe.head_choice(make_cfg("parallel.pp=2"), zipf)[0].value == S  # a pipeline's last stage takes it too
 
 
 def test_attention_joins_the_stack_only_where_the_data_not_the_compute_limits_the_run(make_cfg):
@@ -143,6 +145,7 @@ def test_attention_joins_the_stack_only_where_the_data_not_the_compute_limits_th
 
     def resolved(*sets, given=(), train_tokens=50_000):
         cfg = make_cfg("train.max_steps=2000", "train.recipe=auto", *sets)
+        cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
         cfg.given = frozenset(given)
         recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), train_tokens, 10_000, np.ones(512))
         return cfg
@@ -171,6 +174,7 @@ def test_larger_batches_only_where_the_compute_not_the_data_limits_the_run(make_
     def resolved(*sets, given=(), train_tokens=50_000):
         cfg = make_cfg("train.max_steps=0", "train.max_tokens=400000", "train.recipe=auto", "train.batch_size=4",
                        "train.seq_len=16", "model.attention_every=0", *sets)
+        cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
         cfg.given = frozenset(given)
         recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), train_tokens, 10_000, np.ones(512))
         return cfg
@@ -187,6 +191,7 @@ def test_larger_batches_only_where_the_compute_not_the_data_limits_the_run(make_
     # too few tokens for 64 streams of two windows: kept (a budget of under two passes over 2,048 tokens)
     assert resolved("train.max_tokens=2000", train_tokens=2048).train.batch_size == 4
     steps = make_cfg("train.max_steps=2000", "train.recipe=auto", "train.batch_size=4")
+    steps = steps.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
     steps.given = frozenset({"train.max_steps"})
     assert recipe.batch_choice(steps, 0.1, 10**9) == []  # a step budget: the steps' size goes with it
 
@@ -203,6 +208,7 @@ def test_under_a_time_budget_the_sizes_are_timed_again_at_the_larger_batch(make_
     monkeypatch.setattr(recipe, "measure_speed", measure_speed)
     cfg = make_cfg("train.max_steps=0", "train.max_time=60", "train.recipe=auto", "train.batch_size=4",
                    "train.seq_len=16", "model.attention_every=0")
+    cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
     cfg.given = frozenset()
     recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 10**12, 10_000, np.ones(512))
     assert cfg.train.batch_size == 64 and timed[0] == 4 and timed[-1] == 64

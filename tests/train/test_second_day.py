@@ -136,10 +136,10 @@ def test_the_recipe_measures_within_its_share_of_the_budget(make_cfg, monkeypatc
         time.sleep(0.02 * x.shape[1])
         return forward(self, x, *args, **kwargs)
     monkeypatch.setattr(RecurrentLM, "forward", slow)
-    cfg = make_cfg("train.recipe=auto", "train.max_time=20", "train.seq_len=64", "train.max_steps=0")
-    recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu")), 50_000, 10_000,
-                   np.ones(300))
-    assert cfg.recipe_seconds < 2.0  # two whole-window steps alone would take 2.6 s
+    cfg = make_cfg("train.recipe=auto", "train.max_time=20", "train.seq_len=64", "train.max_steps=0").thawed()
+    seconds = recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu")), 50_000, 10_000,
+                             np.ones(300))
+    assert seconds < 2.0  # two whole-window steps alone would take 2.6 s
     assert any("measuring stopped at the recipe's share of the budget" in n for n in cfg.notes)
     assert cfg.train.max_time == round(cfg.train.max_time, 1)  # config.toml says 19.3, not 19.30548671300005
 
