@@ -33,7 +33,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rpt.comm.gradient_sync import clip_global_norm
-from rpt.errors import RptError
 from rpt.models.lm import cat_rows, detach_state, next_token_loss, rows
 from rpt.parallel.fsdp import LocalGrad, gathered, local
 from rpt.parallel.mesh import Mesh
@@ -221,15 +220,6 @@ class PipelineEval(nn.Module):
         if not pipe.last:
             return None, new
         return out, new
-
-
-def check_layout(cfg, world_size: int) -> None:
-    """Refuse, before anything is built or written, a pipeline degree the ranks cannot form."""
-    pp = cfg.parallel.pp
-    if pp != "auto" and world_size % int(pp):
-        raise RptError(f"world size {world_size} is not divisible by parallel.pp = {pp}",
-                       f"run a multiple of {pp} ranks (e.g. --nproc {pp * max(1, world_size // int(pp))}), "
-                       "or choose a parallel.pp that divides the world size")
 
 
 def measure_costs(cfg, device: torch.device, repeats: int = 3):
