@@ -19,8 +19,9 @@ import torch
 from torch.nn.utils import parametrize
 
 from rpt.errors import RptError
+from rpt.ops.modlstm.spec import GATES as SPEC_GATES
 
-GATES = ("sigmoid", "hard_sigmoid", "exp")
+GATES = (*SPEC_GATES, "exp")  # the gates the exported spec knows (a registered gate of a user's is not in it)
 
 
 def require_transformers():

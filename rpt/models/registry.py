@@ -26,6 +26,7 @@ import torch
 
 from rpt.config import ModelConfig
 from rpt.errors import RptError
+from rpt.ops.modlstm.spec import GATES as BUILT_IN_GATES
 from rpt.kernels.triton import GATE_FORMS
 
 CELLS: dict[str, type] = {}
@@ -152,6 +153,5 @@ def get_gate(name: str) -> GateFunction | None:
     return GATES[name]
 
 
-register_gate("sigmoid", torch.sigmoid, lambda x, y: y * (1 - y))
-register_gate("hard_sigmoid", lambda x: torch.clamp(x / 6 + 0.5, 0.0, 1.0),
-              lambda x, y: ((x > -3) & (x < 3)).to(x.dtype) / 6)
+for _name, (_fn, _grad) in BUILT_IN_GATES.items():  # the spec's (rpt/ops/modlstm/spec.py), which export ships
+    register_gate(_name, _fn, _grad)

@@ -4,6 +4,8 @@ loads back into rpt (train.init_from) with the same logits."""
 
 from __future__ import annotations
 
+import ast
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,6 +19,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import rpt  # noqa: E402
 from rpt.errors import RptError
 from rpt.export.hf_export import export_model, export_run
 from rpt.models import RecurrentLM
@@ -65,6 +68,25 @@ def tokens(model, eot: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
+def assert_steps_are_the_specs(folder: Path) -> None:
+    """The exported step forms are rpt's spec files byte for byte (rpt/ops/CELL/spec.py, which rpt's cells run),
+    each importing torch alone; modeling_rpt.py writes no gate function of its own (they come from the specs)."""
+    ops = Path(rpt.__file__).parent / "ops"
+    specs = sorted(ops.glob("*/spec.py"))
+    assert {p.parent.name for p in specs} == {"lstm", "gru", "modlstm", "minrnn"}
+    for spec in specs:
+        shipped = folder / f"spec_{spec.parent.name}.py"
+        assert shipped.read_bytes() == spec.read_bytes(), shipped
+        tree = ast.parse(spec.read_text())
+        imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        imported |= {(node.module or ".").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert imported == {"torch"}, (spec, imported)
+    modeling = (folder / "modeling_rpt.py").read_text()
+    assert "from .spec_lstm import lstm_step" in modeling
+    assert not any(f in modeling for f in ("torch.sigmoid", "torch.tanh", "torch.exp(", "torch.clamp(")), \
+        "a gate or step written in modeling_rpt.py instead of taken from the spec"
+
+
 def hf_model(folder: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
 
@@ -78,6 +100,7 @@ def test_export_round_trip_gives_rpt_logits(runs, name):
             "configuration_rpt.py"} <= files
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_rpt.RptForCausalLM"
+    assert_steps_are_the_specs(folder)
     cfg, model, tokenizer, *_ = load_run(run, "best", "cpu")
     eot = tokenizer.token_to_id("<|endoftext|>")
     x = tokens(model, eot)

@@ -5,7 +5,9 @@
     model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 
 builds the model without rpt installed. The cells run their reference forms: the step of each recurrence in
-plain torch ops (F.linear and pointwise), in a Python loop over time. That is exact and runs on any device, but
+plain torch ops (F.linear and pointwise), in a Python loop over time. Each step is rpt's own spec, the file
+rpt/ops/CELL/spec.py that rpt's cells run, shipped beside this one as spec_CELL.py and imported relatively
+(transformers copies such files with the module), so the exported model cannot drift from rpt's. That is exact and runs on any device, but
 it is much slower than rpt's fused kernels: train and evaluate at scale with rpt, use this for interchange.
 
 Parameter names are rpt's own (`blocks.3.cell.w_hh`), so the weights load both ways unchanged. The recurrent
@@ -20,7 +22,6 @@ resets at each end-of-text token inside a row when `config.reset_at_eot`, as in 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +31,10 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .configuration_rpt import RptConfig
-
-LN_EPS = 1e-5
-GATES = {"sigmoid": torch.sigmoid, "hard_sigmoid": lambda x: torch.clamp(x / 6 + 0.5, 0.0, 1.0)}
+from .spec_gru import gru_step
+from .spec_lstm import lstm_step
+from .spec_minrnn import COEFFICIENTS, min_step
+from .spec_modlstm import GATES, gate_groups, modlstm_step
 
 
 # ---------------------------------------------------------------------------------------------- cells (one step)
@@ -80,23 +82,16 @@ class LSTM(_Gated):
     n_gates, n_state = 4, 2
 
     def step(self, x, state):
-        h, c = state
-        i, f, g, o = (F.linear(x, self.w_ih, self.b_ih) + F.linear(h, self.recurrent(), self.b_hh)).chunk(4, dim=-1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        h = torch.sigmoid(o) * torch.tanh(c)
-        return self.out(h), (h, c)
+        h, state = lstm_step(x, state, self.w_ih, self.recurrent(), self.b_ih, self.b_hh)
+        return self.out(h), state
 
 
 class GRU(_Gated):
     n_gates = 3
 
     def step(self, x, state):
-        (h,) = state
-        xr, xz, xn = F.linear(x, self.w_ih, self.b_ih).chunk(3, dim=-1)
-        hr, hz, hn = F.linear(h, self.recurrent(), self.b_hh).chunk(3, dim=-1)
-        r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
-        h = (1 - z) * torch.tanh(xn + r * hn) + z * h
-        return self.out(h), (h,)
+        h, state = gru_step(x, state, self.w_ih, self.recurrent(), self.b_ih, self.b_hh)
+        return self.out(h), state
 
 
 class ModLSTM(_Cell):
@@ -107,8 +102,8 @@ class ModLSTM(_Cell):
         super().__init__(cfg.d_model, cfg.d_hidden)
         H, D = cfg.d_hidden, cfg.d_model
         self.exp, self.coupled, self.gate_norm, self.peepholes = cfg.gate == "exp", cfg.coupled_gates, cfg.gate_norm, cfg.peepholes
-        self.gate_fn = None if self.exp else GATES[cfg.gate]
-        self.groups = ("f", "z", "o") if self.coupled else ("i", "f", "z", "o")
+        self.gate_fn = None if self.exp else GATES[cfg.gate][0]
+        self.groups = gate_groups(self.coupled)
         G = len(self.groups)
         self.n_state = 4 if self.exp else 2
         self.heads = cfg.heads
@@ -121,34 +116,10 @@ class ModLSTM(_Cell):
         self.peep = nn.Parameter(torch.zeros(G - 1, H)) if self.peepholes else None
 
     def step(self, x, state):
-        H, G = self.d_hidden, len(self.groups)
-        P = F.linear(x, self.w_x) + F.linear(state[0], block_diagonal(self.w_h, G, self.heads))
-        if self.bias is not None:
-            P = P + self.bias
-        P = P.view(-1, G, H)
-        if self.gate_norm:
-            P = F.layer_norm(P, (H,), eps=LN_EPS) * self.ln_weight + self.ln_bias
-        g = dict(zip(self.groups, P.unbind(1)))
-        if self.exp:  # m: the log-space stabiliser; h does not depend on it
-            h, c, n, m = state
-            m_prev = torch.where(n > 0, m, torch.full_like(m, -math.inf))
-            m = torch.maximum(g["f"] + m_prev, g["i"])
-            i, f = torch.exp(g["i"] - m), torch.exp(g["f"] + m_prev - m)
-            c = f * c + i * torch.tanh(g["z"])
-            n = f * n + i
-            h = torch.sigmoid(g["o"]) * c / n
-            return self.out(h), (h, c, n, m)
-        h, c = state
-        p_f, p_o = g["f"], g["o"]
-        if self.peepholes:
-            p_f = p_f + self.peep[-2] * c
-        f = self.gate_fn(p_f)
-        i = 1 - f if self.coupled else self.gate_fn(g["i"] + self.peep[0] * c if self.peepholes else g["i"])
-        c = f * c + i * torch.tanh(g["z"])
-        if self.peepholes:
-            p_o = p_o + self.peep[-1] * c
-        h = torch.sigmoid(p_o) * torch.tanh(c)
-        return self.out(h), (h, c)
+        w_h = block_diagonal(self.w_h, len(self.groups), self.heads)
+        ln_w, ln_b = (self.ln_weight, self.ln_bias) if self.gate_norm else (None, None)
+        h, state = modlstm_step(x, state, self.w_x, w_h, self.bias, ln_w, ln_b, self.peep, self.gate_fn, self.coupled)
+        return self.out(h), state
 
 
 class MinRNN(_Cell):
@@ -162,18 +133,8 @@ class MinRNN(_Cell):
         self.out_proj = nn.Linear(cfg.d_hidden, cfg.d_model, bias=False)
 
     def step(self, x, state):
-        (h,) = state
-        u = self.in_proj(x)
-        if self.kind == "mingru":
-            z_pre, h_tilde = u.chunk(2, dim=-1)
-            z = torch.sigmoid(z_pre)
-            a, b = 1 - z, z * h_tilde
-        else:
-            f_pre, i_pre, h_tilde = u.chunk(3, dim=-1)
-            f, i = torch.sigmoid(f_pre), torch.sigmoid(i_pre)
-            a, b = f / (f + i), i / (f + i) * h_tilde
-        h = a * h + b
-        return self.out_proj(h), (h,)
+        h, state = min_step(self.in_proj(x), state, COEFFICIENTS[self.kind])
+        return self.out_proj(h), state
 
 
 CELLS = {"lstm": LSTM, "gru": GRU, "modlstm": ModLSTM, "mingru": MinRNN, "minlstm": MinRNN}

@@ -13,7 +13,6 @@ not depend on the recurrence for all steps at once instead).
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from rpt import kernels
@@ -21,6 +20,7 @@ from rpt.kernels.cpu.products import PackedLinear, matmul
 from rpt.kernels.triton import on_chip
 from rpt.models.cells.base import GatedRNNCell, as_fp32, full_precision, over_segments
 from rpt.models.registry import register_cell
+from rpt.ops.gru.spec import gru_step
 
 
 @register_cell("gru")
@@ -67,18 +67,6 @@ class GRU(GatedRNNCell):
             return y, (h[0],)
 
         return over_segments(run, x, state, reset)
-
-
-def gru_step(x_t, state, w_ih, w_hh, b_ih, b_hh, linear=F.linear):
-    """One step, the spec: returns h_t and the new state (h_t,)."""
-    (h,) = state
-    xr, xz, xn = linear(x_t, w_ih, b_ih).chunk(3, dim=-1)
-    hr, hz, hn = linear(h, w_hh, b_hh).chunk(3, dim=-1)
-    r = torch.sigmoid(xr + hr)
-    z = torch.sigmoid(xz + hz)
-    n = torch.tanh(xn + r * hn)
-    h = (1 - z) * n + z * h
-    return h, (h,)
 
 
 # The kernel as a pair of torch custom operators (forward; backward, registered as its gradient): opaque to

@@ -8,11 +8,11 @@ cell's own parameters so that regularisers such as weight normalisation work on 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from rpt.kernels.triton import on_chip
 from rpt.models.cells.base import GatedRNNCell, as_fp32, full_precision, over_segments
 from rpt.models.registry import register_cell
+from rpt.ops.lstm.spec import lstm_step
 
 
 @register_cell("lstm")
@@ -59,11 +59,3 @@ class LSTM(GatedRNNCell):
                 y, state = over_segments(run, as_fp32(x), state, reset)
         return self._out(y), state
 
-
-def lstm_step(x_t, state, w_ih, w_hh, b_ih, b_hh, linear=F.linear):
-    """One step, the spec: returns h_t and the new state (h_t, c_t)."""
-    h, c = state
-    i, f, g, o = (linear(x_t, w_ih, b_ih) + linear(h, w_hh, b_hh)).chunk(4, dim=-1)
-    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    h = torch.sigmoid(o) * torch.tanh(c)
-    return h, (h, c)

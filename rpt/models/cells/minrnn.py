@@ -1,7 +1,7 @@
 """minGRU and minLSTM (Feng et al. 2024, "Were RNNs All We Needed?").
 
 Their gates read the input only, so the recurrence is linear in h,
-    h_t = a_t * h_{t-1} + b_t,
+    h_t = a_t * h_{t-1} + b_t (the spec: rpt/ops/minrnn/spec.py),
 and the whole sequence runs as one parallel scan (rpt.models.scan) after one input projection:
     minGRU:  z = sigmoid(W_z x),  h~ = W_h x,                 a = 1 - z,         b = z * h~
     minLSTM: f = sigmoid(W_f x),  i = sigmoid(W_i x), h~ = W_h x,  a = f / (f + i),  b = i / (f + i) * h~
@@ -26,6 +26,7 @@ from rpt.kernels.triton import available as triton_available
 from rpt.models.cells.base import Cell, as_fp32, full_precision
 from rpt.models.registry import register_cell
 from rpt.models.scan import linear_scan
+from rpt.ops.minrnn.spec import min_step, minlstm_coefficients, mingru_coefficients
 
 
 class _MinRNN(Cell):
@@ -44,10 +45,8 @@ class _MinRNN(Cell):
         raise NotImplementedError
 
     def step(self, x_t, state):
-        (h,) = state
-        a, b = self.coefficients(self.in_proj(x_t))
-        h = a * h + b
-        return self.out_proj(h), (h,)
+        h, state = min_step(self.in_proj(x_t), state, self.coefficients)
+        return self.out_proj(h), state
 
     def forward(self, x, state=None, reset=None):
         (h0,) = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
@@ -82,9 +81,7 @@ class MinGRU(_MinRNN):
     n_proj = 2
 
     def coefficients(self, u):
-        z_pre, h_tilde = u.chunk(2, dim=-1)
-        z = torch.sigmoid(z_pre)
-        return 1 - z, z * h_tilde
+        return mingru_coefficients(u)
 
 
 @register_cell("minlstm")
@@ -92,10 +89,7 @@ class MinLSTM(_MinRNN):
     n_proj = 3
 
     def coefficients(self, u):
-        f_pre, i_pre, h_tilde = u.chunk(3, dim=-1)
-        f, i = torch.sigmoid(f_pre), torch.sigmoid(i_pre)
-        total = f + i
-        return f / total, i / total * h_tilde
+        return minlstm_coefficients(u)
 
 
 def triton_scan(u: torch.Tensor, kind: int | None) -> bool:

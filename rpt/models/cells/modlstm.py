@@ -1,6 +1,6 @@
 """The modified LSTM: gate functions chosen by name, optional gate layer norm, coupled gates, peepholes.
 
-One step (the spec; `modlstm_step` below is this, line by line):
+One step (the spec, rpt/ops/modlstm/spec.py: `modlstm_step` is this, line by line):
 
     P = W_x x_t + b + W_h h_{t-1}                     pre-activations, gate groups (i, f, z, o)
     P = LayerNorm_g(P) * gamma_g + beta_g             if gate_norm (per gate group g)
@@ -46,8 +46,8 @@ from rpt.kernels.cpu.products import PackedLinear, matmul
 from rpt.kernels.triton import available as triton_available, on_chip
 from rpt.models.cells.base import Cell, as_fp32, block_diagonal, full_precision, head_width
 from rpt.models.registry import GateFunction, default_forget_bias, get_gate, register_cell
+from rpt.ops.modlstm.spec import LN_EPS, gate_groups, modlstm_step
 
-LN_EPS = 1e-5
 # The gates the native loops know; a user-registered gate runs the Python loops.
 NATIVE_GATES = ((get_gate("sigmoid"), Gate.SIGMOID), (get_gate("hard_sigmoid"), Gate.HARD_SIGMOID))
 
@@ -76,8 +76,7 @@ class Variant(NamedTuple):
 
     @property
     def groups(self) -> tuple[str, ...]:
-        """Gate groups in memory order: the ones driven by dc first, the output gate last."""
-        return ("f", "z", "o") if self.coupled else ("i", "f", "z", "o")
+        return gate_groups(self.coupled)
 
 
 @register_cell("modlstm")
@@ -129,8 +128,9 @@ class ModLSTM(Cell):
         return [H, H, H, H] if self.exp else [H, H]
 
     def step(self, x_t, state):
-        h, state = modlstm_step(self.variant, x_t, state, self.w_x, self.recurrent_weight(), self.bias, self.ln_weight,
-                                self.ln_bias, self.peep, self.linear)
+        gate = None if self.exp else self.gate_fn.fn
+        h, state = modlstm_step(x_t, state, self.w_x, self.recurrent_weight(), self.bias, self.ln_weight, self.ln_bias,
+                                self.peep, gate, self.coupled, self.linear)
         return self._out(h), state
 
     def recurrent_weight(self) -> Tensor:
@@ -176,43 +176,6 @@ class ModLSTM(Cell):
     def flops_per_token(self):
         H, D, G = self.d_hidden, self.d_model, len(self.groups)
         return 2 * G * H * (D + H // self.heads) + (2 * H * D if self.proj is not None else 0)
-
-
-def modlstm_step(v: Variant, x_t: Tensor, state: tuple, w_x: Tensor, w_h: Tensor, bias: Optional[Tensor],
-                 ln_w: Optional[Tensor], ln_b: Optional[Tensor], peep: Optional[Tensor],
-                 linear=F.linear) -> tuple[Tensor, tuple]:
-    """One step of the recurrence, the spec of the module docstring line by line: returns h_t and the new state."""
-    H, G = w_h.shape[1], len(v.groups)
-    P = linear(x_t, w_x) + linear(state[0], w_h)
-    if bias is not None:
-        P = P + bias
-    P = P.view(-1, G, H)
-    if v.gate_norm:
-        P = F.layer_norm(P, (H,), eps=LN_EPS) * ln_w + ln_b
-    gates = dict(zip(v.groups, P.unbind(1)))
-    if v.exp:
-        h, c, n, m = state
-        m_prev = torch.where(n > 0, m.detach(), torch.full_like(m, -math.inf))
-        m = torch.maximum(gates["f"] + m_prev, gates["i"]).detach()
-        i, f = torch.exp(gates["i"] - m), torch.exp(gates["f"] + m_prev - m)
-        c = f * c + i * torch.tanh(gates["z"])
-        n = f * n + i
-        h = torch.sigmoid(gates["o"]) * c / n
-        return h, (h, c, n, m)
-    h, c = state
-    P_f, P_o = gates["f"], gates["o"]
-    if v.peepholes:
-        P_f = P_f + peep[-2] * c
-    f = v.gate_fn.fn(P_f)
-    if v.coupled:
-        i = 1 - f
-    else:
-        i = v.gate_fn.fn(gates["i"] + peep[0] * c if v.peepholes else gates["i"])
-    c = f * c + i * torch.tanh(gates["z"])
-    if v.peepholes:
-        P_o = P_o + peep[-1] * c
-    h = torch.sigmoid(P_o) * torch.tanh(c)
-    return h, (h, c)
 
 
 # The fused sequence kernel as a pair of torch custom operators (forward; backward, registered as its gradient):

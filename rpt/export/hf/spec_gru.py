@@ -1,0 +1,1 @@
+../../ops/gru/spec.py

@@ -1,0 +1,1 @@
+../../ops/lstm/spec.py

@@ -1,0 +1,1 @@
+../../ops/minrnn/spec.py

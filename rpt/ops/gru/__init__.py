@@ -1,0 +1,1 @@
+"""The gru recurrence: spec.py (its step in plain torch)."""

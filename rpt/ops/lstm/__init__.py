@@ -1,0 +1,1 @@
+"""The lstm recurrence: spec.py (its step in plain torch)."""

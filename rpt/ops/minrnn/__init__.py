@@ -1,0 +1,1 @@
+"""The minrnn recurrence: spec.py (its step in plain torch)."""

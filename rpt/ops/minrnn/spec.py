@@ -1,0 +1,31 @@
+"""minGRU and minLSTM (Feng et al. 2024): gates from the input only, so the recurrence is linear in h,
+h_t = a_t * h_{t-1} + b_t. The coefficients from the projected input u, and the step: the spec rpt's cells and the
+exported modeling_rpt.py both run. Plain torch only: `rpt export` copies this file."""
+
+import torch
+
+
+def mingru_coefficients(u):
+    """u = [z_pre, h~] (the input projection): a = 1 - z, b = z * h~ with z = sigmoid(z_pre)."""
+    z_pre, h_tilde = u.chunk(2, dim=-1)
+    z = torch.sigmoid(z_pre)
+    return 1 - z, z * h_tilde
+
+
+def minlstm_coefficients(u):
+    """u = [f_pre, i_pre, h~]: a = f / (f + i), b = i / (f + i) * h~ with f, i the sigmoids."""
+    f_pre, i_pre, h_tilde = u.chunk(3, dim=-1)
+    f, i = torch.sigmoid(f_pre), torch.sigmoid(i_pre)
+    total = f + i
+    return f / total, i / total * h_tilde
+
+
+COEFFICIENTS = {"mingru": mingru_coefficients, "minlstm": minlstm_coefficients}
+
+
+def min_step(u_t, state, coefficients):
+    """One step from the projected input u_t [B, n H]: returns h_t and (h_t,)."""
+    (h,) = state
+    a, b = coefficients(u_t)
+    h = a * h + b
+    return h, (h,)

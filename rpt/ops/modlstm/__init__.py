@@ -1,0 +1,1 @@
+"""The modlstm recurrence: spec.py (its step in plain torch)."""
