@@ -162,7 +162,7 @@ def row(cell_name: str, cell, kind: str, hidden: int, heads: int, B: int, T: int
     if args.quick and kind == "graph":  # the CPU would take its own loops: the GPU's choice, run as it is
         from rpt.models.cells import modlstm
 
-        modlstm.fused_steps = lambda x, v: True
+        modlstm.triton_steps = lambda x, v: True
         ours = fwd_bwd(cell, x)
     elif args.quick:  # the CPU takes its own loops: call the Triton loop itself
         from rpt.kernels.triton.gru import gru_sequence

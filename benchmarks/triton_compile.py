@@ -130,15 +130,15 @@ def head_wise(cell: str, D: int, heads: int, **options):
 def stepped(H: int, **options):
     """The wide modlstm's step kernels (float32, as the cell runs them), forward and backward."""
     def drive():
-        chosen = modlstm_cell.fused_steps
-        modlstm_cell.fused_steps = lambda x, v: True
+        chosen = modlstm_cell.triton_steps
+        modlstm_cell.triton_steps = lambda x, v: True
         try:
             module = build_cell(ModelConfig(cell="modlstm", d_model=H, **options))
             reset = torch.zeros(16, 3, dtype=torch.bool)
             reset[0, 1] = True
             module(torch.randn(16, 3, H, requires_grad=True), None, reset)[0].sum().backward()
         finally:
-            modlstm_cell.fused_steps = chosen
+            modlstm_cell.triton_steps = chosen
     return drive
 
 

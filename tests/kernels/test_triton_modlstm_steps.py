@@ -41,7 +41,7 @@ def test_modlstm_step_kernels_equal_the_float64_reference(name, monkeypatch):
     from rpt.kernels.triton import modlstm_steps
 
     options, H, heads, block = VARIANTS[name]
-    monkeypatch.setattr(modlstm_module, "fused_steps", lambda x, v: True)  # the GPU's choice, on the CPU
+    monkeypatch.setattr(modlstm_module, "triton_steps", lambda x, v: True)  # the GPU's choice, on the CPU
     monkeypatch.setattr(modlstm_steps, "MAX_BLOCK", block)
     torch.manual_seed(0)
     B, T, D = 3, 5, 16
@@ -83,13 +83,13 @@ def test_wide_modlstm_cells_take_the_step_kernels_on_a_gpu():
     """The one-kernel loop takes heads of 16-64 units; every other built-in or Triton-formed gate takes the step
     kernels on a GPU (a CPU tensor never does); a registered gate without a Triton form takes neither."""
     v = lambda **kw: build_cell(ModelConfig(cell="modlstm", d_model=32, **kw)).variant  # noqa: E731
-    assert not modlstm_module.fused_steps(torch.empty(0), v())
+    assert not modlstm_module.triton_steps(torch.empty(0), v())
     monkey = SimpleNamespace(is_cuda=True)  # what the cell's operator asks of x
-    assert modlstm_module.fused_steps(monkey, v(gate="exp")) and modlstm_module.fused_steps(monkey, v(gate_norm=True))
-    assert modlstm_module.fused_steps(monkey, v(gate=SOFTSIGN))
+    assert modlstm_module.triton_steps(monkey, v(gate="exp")) and modlstm_module.triton_steps(monkey, v(gate_norm=True))
+    assert modlstm_module.triton_steps(monkey, v(gate=SOFTSIGN))
     register_gate("softsign-steps-no-triton", lambda x: 0.5 + 0.5 * x / (1 + x.abs()),
                   lambda x, y: 0.5 / (1 + x.abs()) ** 2)
-    assert not modlstm_module.fused_steps(monkey, v(gate="softsign-steps-no-triton"))
+    assert not modlstm_module.triton_steps(monkey, v(gate="softsign-steps-no-triton"))
 
 
 class ReplayedGraph:
@@ -121,7 +121,7 @@ def test_graph_replays_copy_inputs_in_and_outputs_out(monkeypatch):
         captures.append(loop.__name__)
         return ReplayedGraph(loop, flags, static_in, static_out, results), static_in, static_out, results
 
-    monkeypatch.setattr(modlstm_module, "fused_steps", lambda x, v: True)
+    monkeypatch.setattr(modlstm_module, "triton_steps", lambda x, v: True)
     cell = build_cell(ModelConfig(cell="modlstm", d_model=16, d_hidden=20, gate="exp", gate_norm=True))
     reset = torch.zeros(2, 4, dtype=torch.bool)
     reset[1, 2] = True

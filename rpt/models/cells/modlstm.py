@@ -28,7 +28,7 @@ where rpt.kernels.cpu's loops could be built, which halves their dispatch cost a
 on the CPU there each step's elementwise part is one vector pass, the backward's deriving its
 factors in that pass. On a GPU the loops are rpt.kernels.triton's: the whole sequence in one kernel for heads
 of 16-64 units (`triton_loop`), else a cuBLAS product and one fused Triton kernel a step, replayed as one
-CUDA graph (`fused_steps`).
+CUDA graph (`triton_steps`).
 """
 
 import math
@@ -148,7 +148,7 @@ class ModLSTM(Cell):
                             self.gate, self.coupled, self.heads)
             return self._out(y.to(x.dtype)), tuple(s.to(state[0].dtype) for s in final)
         w_x, bias = self.w_x, self.bias
-        if fused_steps(x, self.variant):  # a GPU: the input projection in the autocast dtype, the loop in float32
+        if triton_steps(x, self.variant):  # a GPU: the input projection in the autocast dtype, the loop in float32
             x, w_x, bias = F.linear(x, w_x, bias), None, None
         with full_precision(x):
             x = as_fp32(x)
@@ -161,7 +161,7 @@ class ModLSTM(Cell):
     def triton_loop(self) -> bool:
         """Whether rpt.kernels.triton's one-kernel loop runs this cell on a GPU: a built-in gate (or a registered one
         with its Triton form), a head of 16-64 units, and the gate norm only with one head of 16, 32 or 64 (it
-        normalises a group's H units together, unpadded). A wider cell takes modlstm_steps (`fused_steps`)."""
+        normalises a group's H units together, unpadded). A wider cell takes modlstm_steps (`triton_steps`)."""
         if not has_triton_form(self.gate):
             warnings.warn(f"model.gate = '{self.gate}' has no Triton form: the modlstm runs its Python step loop on "
                           "the GPU (about ten kernel launches a step, several times slower than rpt's Triton loops); "
@@ -208,7 +208,7 @@ def modlstm_sequence(x: Tensor, w_x: Optional[Tensor], w_h: Tensor, bias: Option
     buffers = (acts, pre, cs, hs, ns, ln_in, ln_stats)
     state = (h0, c0, n0, m0) if v.exp else (h0, c0)
     native = backend.loops() if v.native_gate is not None else None
-    if fused_steps(x, v):  # a GPU: a product and one Triton kernel a step, the loop one CUDA graph
+    if triton_steps(x, v):  # a GPU: a product and one Triton kernel a step, the loop one CUDA graph
         from rpt.kernels.triton import modlstm_steps
 
         final = modlstm_steps.forward_steps(gate, coupled, XP, w_h, keep, state, *buffers, ln_w, ln_b, peep)
@@ -249,7 +249,7 @@ def modlstm_sequence_backward(
     state = (h0, c0, n0) if v.exp else (h0, c0)
     h_prev = previous(hs, h0, keep3)
     backend = kernels.current()
-    on_gpu = fused_steps(x, v)
+    on_gpu = triton_steps(x, v)
     WT = None if on_gpu else PackedLinear(w_h.T.contiguous(), B, backend)  # dh_prev = dP_raw @ W_h
     dP = torch.empty_like(acts)  # gradient at the gate inputs (after layer norm)
     dP_raw = torch.empty_like(acts) if v.gate_norm else dP
@@ -313,7 +313,7 @@ def _(grad_y, dh, dc, dn, x, w_x, w_h, ln_w, peep, h0, c0, n0, keep, acts, pre, 
             torch.empty_like(c0), like(n0))
 
 
-def fused_steps(x: Tensor, v: Variant) -> bool:
+def triton_steps(x: Tensor, v: Variant) -> bool:
     """Whether the kernel's loops run rpt.kernels.triton.modlstm_steps: on a GPU with triton, for a built-in gate or
     a registered one with its Triton form."""
     return x.is_cuda and has_triton_form(v.gate) and triton_available()
