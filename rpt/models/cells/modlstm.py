@@ -1,21 +1,8 @@
 """The modified LSTM: gate functions chosen by name, optional gate layer norm, coupled gates, peepholes.
 
-One step (the spec, rpt/ops/modlstm/spec.py: `modlstm_step` is this, line by line):
-
-    P = W_x x_t + b + W_h h_{t-1}                     pre-activations, gate groups (i, f, z, o)
-    P = LayerNorm_g(P) * gamma_g + beta_g             if gate_norm (per gate group g)
-    P_i += p_i * c_{t-1};  P_f += p_f * c_{t-1}       if peepholes
-    sigmoid-family gates (sigmoid, hard_sigmoid, or one registered with register_gate):
-        f = gate(P_f);  i = 1 - f if coupled_gates else gate(P_i)
-        z = tanh(P_z);  c_t = f * c_{t-1} + i * z
-        P_o += p_o * c_t                              if peepholes
-        h_t = sigmoid(P_o) * tanh(c_t)
-    gate = "exp" (xLSTM's sLSTM gating, with its log-space stabiliser m):
-        m_t = max(P_f + m_{t-1}, P_i)                 (m_{t-1} = -inf for a fresh state)
-        i = exp(P_i - m_t);  f = exp(P_f + m_{t-1} - m_t)
-        c_t = f * c_{t-1} + i * z;  n_t = f * n_{t-1} + i;  h_t = sigmoid(P_o) * c_t / n_t
-      m is a constant to differentiation (the state, initial m included, is read at fixed m): h
-      does not depend on the choice of m, since c and n carry the same factor exp(-m).
+One step is the spec, `modlstm_step` in rpt/ops/modlstm/spec.py (its docstring writes the recurrence out): the
+sigmoid-family gates (sigmoid, hard_sigmoid, or one registered with register_gate) and the stabilised exponential
+gate of xLSTM's sLSTM, with gate layer norm, coupled gates and peepholes as options.
 
 The fast path (`modlstm_sequence`) is a fused sequence kernel with a hand-written backward:
 the input projection for all steps is one GEMM, the loop does only what depends on h_{t-1}
