@@ -98,7 +98,7 @@ BIGSET=(--set "$BIG" --set model.n_layers=4 --set train.batch_size=64 --set trai
 part big-lstm 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set train.max_steps=80 --run-dir "$RUNS/big-lstm"
 part big-mingru 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set model.cell=mingru --set train.max_steps=80 \
     --run-dir "$RUNS/big-mingru"
-# the modlstm with 16 heads of 64 units: its time loop in rpt/kernels/triton (issue 27)
+# the modlstm with 16 heads of 64 units: its time loop in rpt/ops/modlstm/triton.py (issue 27)
 part big-modlstm-heads 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set model.cell=modlstm \
     --set model.heads=16 --set train.max_steps=80 --run-dir "$RUNS/big-modlstm-heads"
 # the dense modlstm (one head of 1024 units): a product and one Triton kernel a step, each loop one CUDA graph

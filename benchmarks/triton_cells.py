@@ -92,8 +92,10 @@ def main() -> None:
 
 
 def tuned_warps() -> None:
-    """The warp count the autotuner chose for each loop kernel and key (rpt.kernels.triton.lstm.tuned)."""
-    from rpt.kernels.triton import gru, lstm, modlstm
+    """The warp count the autotuner chose for each loop kernel and key (rpt.kernels.triton.common.tuned)."""
+    from rpt.ops.gru import triton as gru
+    from rpt.ops.lstm import triton as lstm
+    from rpt.ops.modlstm import triton as modlstm
 
     for kernel in (lstm.lstm_forward_kernel, lstm.lstm_backward_kernel, gru.gru_forward_kernel,
                    gru.gru_backward_kernel, modlstm.modlstm_forward_kernel, modlstm.modlstm_backward_kernel):
@@ -165,9 +167,9 @@ def row(cell_name: str, cell, kind: str, hidden: int, heads: int, B: int, T: int
         modlstm.triton_steps = lambda x, v: True
         ours = fwd_bwd(cell, x)
     elif args.quick:  # the CPU takes its own loops: call the Triton loop itself
-        from rpt.kernels.triton.gru import gru_sequence
-        from rpt.kernels.triton.lstm import lstm_sequence
-        from rpt.kernels.triton.modlstm import modlstm_sequence
+        from rpt.ops.gru.triton import gru_sequence
+        from rpt.ops.lstm.triton import lstm_sequence
+        from rpt.ops.modlstm.triton import modlstm_sequence
 
         state = cell.init_state(B, device)
 

@@ -36,7 +36,11 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from rpt import kernels  # noqa: E402
 from rpt.config import ModelConfig  # noqa: E402
-from rpt.kernels.triton import gru, lstm, min_scan, modlstm, modlstm_steps  # noqa: E402
+from rpt.ops.gru import triton as gru  # noqa: E402
+from rpt.ops.lstm import triton as lstm  # noqa: E402
+from rpt.ops.minrnn import triton as min_scan  # noqa: E402
+from rpt.ops.modlstm import triton as modlstm  # noqa: E402
+from rpt.ops.modlstm import triton_steps as modlstm_steps  # noqa: E402
 from rpt.models.lm import build_cell  # noqa: E402
 from rpt.models.cells import modlstm as modlstm_cell  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The Triton lstm and gru loops (rpt/kernels/triton/lstm.py, gru.py) on the CPU through Triton's interpreter, in
+"""The Triton lstm and gru loops (rpt/ops/lstm/triton.py, gru.py) on the CPU through Triton's interpreter, in
 float32, against the float64 reference of the head-wise cell: outputs, final state, and every gradient (x, W_ih,
 the recurrent blocks, both biases, the initial state), with resets inside rows and a batch that does not fill a
 program."""
@@ -15,8 +15,8 @@ from rpt.models.lm import build_cell
 
 
 def reference_and_kernel(cell_name: str, heads: int, B: int, T: int, resets: bool, width: int = 16):
-    from rpt.kernels.triton.gru import gru_sequence
-    from rpt.kernels.triton.lstm import lstm_sequence
+    from rpt.ops.gru.triton import gru_sequence
+    from rpt.ops.lstm.triton import lstm_sequence
 
     torch.manual_seed(0)
     D = H = width * heads  # no projection: the loop's output is the cell's
@@ -69,9 +69,9 @@ def test_triton_loop_equals_the_float64_reference(cell, heads, B, T, resets, wid
 def test_torch_compile_traces_each_triton_loop_in_one_graph(cell):
     """The loops are custom operators with fake forms: torch.compile traces through them without a graph break
     (fullgraph), and the compiled function's outputs and gradients are the eager ones."""
-    from rpt.kernels.triton.gru import gru_sequence
-    from rpt.kernels.triton.lstm import lstm_sequence
-    from rpt.kernels.triton.modlstm import modlstm_sequence
+    from rpt.ops.gru.triton import gru_sequence
+    from rpt.ops.lstm.triton import lstm_sequence
+    from rpt.ops.modlstm.triton import modlstm_sequence
 
     torch.manual_seed(0)
     heads, H, B, T = 2, 32, 3, 4
@@ -109,9 +109,9 @@ def test_triton_loops_read_bfloat16_pre_activations_and_keep_float32_state(cell)
     """Under autocast the input projection hands the loops bf16 pre-activations: the loop reads them into its
     float32 state and products, so it gives exactly what it gives for the same values in float32, and returns
     their gradient in bf16 (the same values rounded)."""
-    from rpt.kernels.triton.gru import gru_loop
-    from rpt.kernels.triton.lstm import lstm_loop
-    from rpt.kernels.triton.modlstm import modlstm_loop
+    from rpt.ops.gru.triton import gru_loop
+    from rpt.ops.lstm.triton import lstm_loop
+    from rpt.ops.modlstm.triton import modlstm_loop
 
     torch.manual_seed(0)
     heads, d, B, T = 2, 16, 3, 5

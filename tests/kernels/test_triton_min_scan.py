@@ -1,4 +1,4 @@
-"""minGRU's and minLSTM's Triton scan (rpt/kernels/triton/min_scan.py) on the CPU through Triton's interpreter,
+"""minGRU's and minLSTM's Triton scan (rpt/ops/minrnn/triton.py) on the CPU through Triton's interpreter,
 against the cells' float64 reference loops: outputs, final state, and the gradients of x, every parameter and the
 initial state, with resets inside rows, at lengths that are and are not a multiple of the kernel's time tile and
 widths that are not a multiple of its unit block; and in bfloat16, u read in the autocast dtype."""
@@ -17,7 +17,7 @@ from rpt.models.cells import minrnn  # noqa: E402
 
 def gpu_path(monkeypatch):
     """The cell's GPU branch on CPU tensors; returns the kinds the Triton scan was called with."""
-    from rpt.kernels.triton import min_scan
+    from rpt.ops.minrnn import triton as min_scan
 
     calls, scan = [], min_scan.min_scan
 
@@ -49,7 +49,7 @@ def test_triton_min_scan_equals_the_float64_reference(cell_name, T, H, dtype, mo
     fast = build_cell(ModelConfig(cell=cell_name, d_model=D, d_hidden=H)).to(dtype)
     fast.load_state_dict(cell.state_dict())
     xf, h0f = x.detach().to(dtype).requires_grad_(), h0.detach().to(dtype).requires_grad_()
-    from rpt.kernels.triton.min_scan import MINGRU, MINLSTM
+    from rpt.ops.minrnn.triton import MINGRU, MINLSTM
 
     calls = gpu_path(monkeypatch)
     y, (h,) = fast(xf, (h0f,), reset)
@@ -66,7 +66,7 @@ def test_triton_min_scan_equals_the_float64_reference(cell_name, T, H, dtype, mo
 
 
 def test_triton_min_scan_reads_bfloat16_and_returns_its_gradient_in_it(monkeypatch):
-    from rpt.kernels.triton.min_scan import MINLSTM, min_scan
+    from rpt.ops.minrnn.triton import MINLSTM, min_scan
 
     torch.manual_seed(1)
     B, T, H = 2, 20, 16
@@ -89,7 +89,7 @@ def test_triton_min_scan_reads_bfloat16_and_returns_its_gradient_in_it(monkeypat
 def test_torch_compile_traces_the_triton_scan_in_one_graph():
     """The scan is a custom operator with fake forms: torch.compile traces through it without a graph break
     (fullgraph), and the compiled function's outputs and gradients are the eager ones."""
-    from rpt.kernels.triton.min_scan import MINGRU, min_scan
+    from rpt.ops.minrnn.triton import MINGRU, min_scan
 
     torch.manual_seed(0)
     u = torch.randn(2, 19, 2 * 20, requires_grad=True)

@@ -1,4 +1,4 @@
-"""The Triton modlstm loop (rpt/kernels/triton/modlstm.py) on the CPU through Triton's interpreter, in float32,
+"""The Triton modlstm loop (rpt/ops/modlstm/triton.py) on the CPU through Triton's interpreter, in float32,
 against the float64 reference of the head-wise modlstm cell, for every gate rpt ships and the gate layer norm,
 peepholes and coupled gates: outputs, final state, and every gradient (x, W_x, the recurrent blocks, the bias or
 the layer norm's scale and shift, the peepholes, the initial state), with resets inside rows."""
@@ -32,7 +32,7 @@ VARIANTS = {  # name: (modlstm options, heads, a head's width)
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_triton_modlstm_loop_equals_the_float64_reference(name):
-    from rpt.kernels.triton.modlstm import modlstm_sequence
+    from rpt.ops.modlstm.triton import modlstm_sequence
 
     options, heads, width = VARIANTS[name]
     torch.manual_seed(0)

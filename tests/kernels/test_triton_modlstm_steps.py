@@ -1,4 +1,4 @@
-"""The wide modlstm's GPU loops (rpt/kernels/triton/modlstm_steps.py: a product and one Triton kernel a step) on the
+"""The wide modlstm's GPU loops (rpt/ops/modlstm/triton_steps.py: a product and one Triton kernel a step) on the
 CPU through Triton's interpreter, in float32 (and in float64, as the model tests run them on a GPU), against the
 float64 reference of the cell: outputs, final state and every gradient, with resets inside rows, for each gate rpt
 ships, a registered gate's Triton form, peepholes, coupled gates, and the gate norm with several heads and with a
@@ -38,7 +38,7 @@ VARIANTS = {  # name: (modlstm options, hidden size, heads, units a program take
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_modlstm_step_kernels_equal_the_float64_reference(name, monkeypatch):
-    from rpt.kernels.triton import modlstm_steps
+    from rpt.ops.modlstm import triton_steps as modlstm_steps
 
     options, H, heads, block = VARIANTS[name]
     monkeypatch.setattr(modlstm_module, "triton_steps", lambda x, v: True)  # the GPU's choice, on the CPU

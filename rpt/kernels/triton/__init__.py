@@ -1,8 +1,10 @@
-"""The GPU backend: the recurrent time loops as Triton kernels. lstm.py, gru.py, modlstm.py: a program per (head,
-batch block) holding its head's recurrent blocks on chip for the whole sequence (FlashRNN's layout);
-modlstm_steps.py: the wider modlstm, a product and one kernel a step, replayed as a CUDA graph (graphs.py);
-min_scan.py: minGRU's and minLSTM's scan. Every kernel here also runs on the CPU under TRITON_INTERPRET=1, where
-the tests hold it to the float64 reference; on a GPU it compiles.
+"""The GPU backend's shared pieces: which gates have a Triton form (GATE_FORMS), whether triton is installed and a
+head fits on chip, what the loop kernels share (common.py), and CUDA-graph replay (graphs.py). The kernels
+themselves are the recurrences' own, in rpt/ops/CELL/triton.py (lstm, gru, modlstm: a program per (head, batch
+block) holding its head's recurrent blocks on chip for the whole sequence, FlashRNN's layout;
+modlstm/triton_steps.py: the wider modlstm, a product and one kernel a step, replayed as a CUDA graph;
+minrnn: minGRU's and minLSTM's scan). Every kernel also runs on the CPU under TRITON_INTERPRET=1, where the tests
+hold it to the float64 reference; on a GPU it compiles.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Classic GRU (Cho et al. 2014), PyTorch's formulation and gate layout (r, z, n).
 
-Fast paths: on GPU, torch's fused GRU (cuDNN; a head-wise GRU there runs rpt.kernels.triton's loop). On
+Fast paths: on GPU, torch's fused GRU (cuDNN; a head-wise GRU there runs its Triton loop, rpt/ops/gru/triton.py). On
 CPU torch's GRU has no oneDNN kernel (only its LSTM has one) and runs a small-batch GEMM per step, about
 0.2 of the matmul peak at B=2;
 there `gru_sequence` runs instead: a fused sequence kernel with a hand-written backward, like
@@ -41,7 +41,7 @@ class GRU(GatedRNNCell):
     def forward(self, x, state=None, reset=None):
         state = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
         if x.is_cuda and self.heads > 1 and on_chip(self.d_hidden, self.heads):  # a program per head, blocks on chip
-            from rpt.kernels.triton.gru import gru_sequence as loop
+            from rpt.ops.gru.triton import gru_sequence as loop
 
             keep = None if reset is None else (~reset).float().t().contiguous()
             y, new = loop(x, self.w_ih, self.w_hh, self.b_ih, self.b_hh, state[0], keep, self.heads)

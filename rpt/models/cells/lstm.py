@@ -2,7 +2,7 @@
 
 The fast path is torch's fused LSTM kernel (cuDNN on GPU, oneDNN on CPU), called with this
 cell's own parameters so that regularisers such as weight normalisation work on them. A head-wise cell
-(`heads`) on a GPU runs rpt.kernels.triton's loop instead, a program per head with its blocks on chip.
+(`heads`) on a GPU runs its Triton loop instead (rpt/ops/lstm/triton.py), a program per head with its blocks on chip.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class LSTM(GatedRNNCell):
             return y, (h[0], c[0])
 
         if x.is_cuda and self.heads > 1 and on_chip(self.d_hidden, self.heads):  # a program per head, blocks on chip
-            from rpt.kernels.triton.lstm import lstm_sequence
+            from rpt.ops.lstm.triton import lstm_sequence
 
             keep = None if reset is None else (~reset).float().t().contiguous()
             y, new = lstm_sequence(x, self.w_ih, self.recurrent_blocks(), self.b_ih, self.b_hh, state[0], state[1], keep,

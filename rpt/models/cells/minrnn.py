@@ -10,7 +10,7 @@ down, as in the paper's expansion. A reset sets a_t = 0: the carry is dropped at
 
 On the CPU, where rpt.kernels.cpu's loops are built, the two cells' recurrence runs as one C++ pass each way
 (rpt/kernels/cpu/min_scan.cpp: the scan with the coefficients folded in, from the sigmoid gates); on a GPU with
-triton, one Triton kernel each way (rpt/kernels/triton/min_scan.py, the same fold); elsewhere, and for a subclass
+triton, one Triton kernel each way (rpt/ops/minrnn/triton.py, the same fold); elsewhere, and for a subclass
 with its own `coefficients`, the coefficients and the chunked scan below run as ATen ops.
 """
 
@@ -53,7 +53,7 @@ class _MinRNN(Cell):
         u = linear(x, self.in_proj.weight, self.in_proj.bias)
         kind = _NATIVE_KIND.get(type(self).coefficients)
         if triton_scan(u, kind):  # one Triton kernel each way, u read in its own dtype
-            from rpt.kernels.triton.min_scan import min_scan
+            from rpt.ops.minrnn.triton import min_scan
 
             keep = None if reset is None else (~reset).float().contiguous()
             h = min_scan(u, h0, keep, kind)
@@ -93,7 +93,7 @@ class MinLSTM(_MinRNN):
 
 
 def triton_scan(u: torch.Tensor, kind: int | None) -> bool:
-    """Whether the recurrence runs rpt.kernels.triton.min_scan: a built-in cell's (`kind`), on a GPU with triton."""
+    """Whether the recurrence runs rpt.ops.minrnn.triton: a built-in cell's (`kind`), on a GPU with triton."""
     return u.is_cuda and kind is not None and triton_available()
 
 

@@ -13,7 +13,7 @@ unroll the time loop, and a Python loop through autograd records every op of eve
 The two time loops (`forward_steps`, `backward_steps`, at the end of this file) run in C++
 where rpt.kernels.cpu's loops could be built, which halves their dispatch cost at small batch;
 on the CPU there each step's elementwise part is one vector pass, the backward's deriving its
-factors in that pass. On a GPU the loops are rpt.kernels.triton's: the whole sequence in one kernel for heads
+factors in that pass. On a GPU the loops are its Triton forms (rpt/ops/modlstm/): the whole sequence in one kernel for heads
 of 16-64 units (`triton_loop`), else a cuBLAS product and one fused Triton kernel a step, replayed as one
 CUDA graph (`triton_steps`).
 """
@@ -128,7 +128,7 @@ class ModLSTM(Cell):
     def forward(self, x, state=None, reset=None):
         state = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
         if x.is_cuda and self.triton_loop():  # the whole time loop in one kernel, a program per head
-            from rpt.kernels.triton.modlstm import modlstm_sequence as loop
+            from rpt.ops.modlstm.triton import modlstm_sequence as loop
 
             keep = None if reset is None else (~reset).float().t().contiguous()
             y, final = loop(x, self.w_x, self.w_h, self.bias, self.ln_weight, self.ln_bias, self.peep, state, keep,
@@ -146,7 +146,7 @@ class ModLSTM(Cell):
         return self._out(y), tuple(final if self.exp else final[:2])
 
     def triton_loop(self) -> bool:
-        """Whether rpt.kernels.triton's one-kernel loop runs this cell on a GPU: a built-in gate (or a registered one
+        """Whether the one-kernel Triton loop (rpt/ops/modlstm/triton.py) runs this cell on a GPU: a built-in gate (or a registered one
         with its Triton form), a head of 16-64 units, and the gate norm only with one head of 16, 32 or 64 (it
         normalises a group's H units together, unpadded). A wider cell takes modlstm_steps (`triton_steps`)."""
         if not has_triton_form(self.gate):
@@ -196,7 +196,7 @@ def modlstm_sequence(x: Tensor, w_x: Optional[Tensor], w_h: Tensor, bias: Option
     state = (h0, c0, n0, m0) if v.exp else (h0, c0)
     native = backend.loops() if v.native_gate is not None else None
     if triton_steps(x, v):  # a GPU: a product and one Triton kernel a step, the loop one CUDA graph
-        from rpt.kernels.triton import modlstm_steps
+        from rpt.ops.modlstm import triton_steps as modlstm_steps
 
         final = modlstm_steps.forward_steps(gate, coupled, XP, w_h, keep, state, *buffers, ln_w, ln_b, peep)
     elif native is not None:
@@ -243,7 +243,7 @@ def modlstm_sequence_backward(
     native = backend.loops() if v.native_gate is not None else None
     summed = None  # the gradients of ln_w, ln_b and peep, where the loop sums them
     if on_gpu:
-        from rpt.kernels.triton import modlstm_steps
+        from rpt.ops.modlstm import triton_steps as modlstm_steps
 
         factors = backward_factors(v, acts, pre, cs, ns, keep3, state, peep)
         grad_state = modlstm_steps.backward_steps(grad_y, *factors, dP, dP_raw, keep, w_h, dh, dc, dn, ln_w, ln_in,
@@ -301,7 +301,7 @@ def _(grad_y, dh, dc, dn, x, w_x, w_h, ln_w, peep, h0, c0, n0, keep, acts, pre, 
 
 
 def triton_steps(x: Tensor, v: Variant) -> bool:
-    """Whether the kernel's loops run rpt.kernels.triton.modlstm_steps: on a GPU with triton, for a built-in gate or
+    """Whether the kernel's loops run rpt.ops.modlstm.triton_steps: on a GPU with triton, for a built-in gate or
     a registered one with its Triton form."""
     return x.is_cuda and has_triton_form(v.gate) and triton_available()
 

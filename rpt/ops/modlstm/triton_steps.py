@@ -22,8 +22,8 @@ from torch import Tensor
 
 from rpt.kernels.triton import GATE_FORMS
 from rpt.kernels.triton.graphs import replay
-from rpt.kernels.triton.lstm import _tanh
-from rpt.kernels.triton.modlstm import GATES, REGISTERED, _exp_step, _sigmoid_step
+from rpt.kernels.triton.common import _tanh
+from rpt.ops.modlstm.triton import GATES, REGISTERED, _exp_step, _sigmoid_step
 
 MAX_BLOCK = 256  # units of a row one program takes when the gate norm does not need them all
 

@@ -1,4 +1,4 @@
-"""The head-wise GRU's time loop in two Triton kernels, a program per (head, 16 rows), as rpt/kernels/triton/lstm.py
+"""The head-wise GRU's time loop in two Triton kernels, a program per (head, 16 rows), as rpt/ops/lstm/triton.py
 runs the lstm (its blocks and its rows' state on chip for the whole sequence). PyTorch's formulation:
 
     r = sigmoid(GX_r + h R_r^T),  z = sigmoid(GX_z + h R_z^T)      GX = x W_ih^T + b_ih (+ b_hh's r, z parts)
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded, recurrent_grad, tuned
+from rpt.kernels.triton.common import BLOCK_B, _block, _precision, _program, _tanh, padded, recurrent_grad, tuned
 
 
 @triton.jit

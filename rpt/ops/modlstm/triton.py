@@ -1,4 +1,4 @@
-"""The modified LSTM's time loop in two Triton kernels, a program per (head, 16 rows), as rpt/kernels/triton/lstm.py
+"""The modified LSTM's time loop in two Triton kernels, a program per (head, 16 rows), as rpt/ops/lstm/triton.py
 runs the lstm: the head's recurrent blocks and its rows' state on chip for the whole sequence.
 
 The step is rpt.models.cells.modlstm's spec: pre-activations P = GX_t + h_{t-1} R^T (GX = x W_x^T + b for all
@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from rpt.kernels.triton import GATE_FORMS
-from rpt.kernels.triton.lstm import BLOCK_B, _block, _precision, _program, _tanh, padded, recurrent_grad, tuned
+from rpt.kernels.triton.common import BLOCK_B, _block, _precision, _program, _tanh, padded, recurrent_grad, tuned
 
 GATES = {"sigmoid": 0, "hard_sigmoid": 1, "exp": 2}  # any other: a registered gate's own Triton form (3)
 REGISTERED = 3
