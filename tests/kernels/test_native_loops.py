@@ -123,7 +123,7 @@ def test_native_loops_as_accurate_as_python_loops_in_float32(name, fused, produc
 
 @pytest.mark.parametrize("name", ["mingru", "minlstm"])
 def test_min_scan_splits_channels_across_threads(name):
-    """min_scan.cpp gives each thread a block of channels when there are more threads than batch rows: with
+    """rpt/ops/minrnn/minrnn_cpu.cpp gives each thread a block of channels when there are more threads than batch rows: with
     one row and 4 threads, 100 channels run as blocks of 32, 32, 32 and 4. Each block carries its own state;
     together they must equal the scan in float64 (the block edges are where an index error would show)."""
     if kernels.current().loops() is None:

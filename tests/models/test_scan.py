@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rpt.models.scan import linear_scan, linear_scan_reference
+from rpt.ops.minrnn.scan import linear_scan, linear_scan_reference
 
 
 @pytest.mark.parametrize("T", [1, 2, 7, 64, 100])

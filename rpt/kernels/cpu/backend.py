@@ -14,7 +14,7 @@ class Gate(IntEnum):
 
 
 class MinScan(IntEnum):
-    """The linear recurrences of native/min_scan.cpp, by the code it takes."""
+    """The linear recurrences of rpt/ops/minrnn/minrnn_cpu.cpp, by the code it takes."""
     MINGRU = 0
     MINLSTM = 1
 

@@ -6,7 +6,8 @@ the T steps of the loop (and TorchScript is deprecated), and no library offers t
 benchmarks/RESULTS.md). `recurrent_loops.cpp` is the Python loops of modlstm.py and gru.py step for step on the
 same buffers (each step's elementwise part one pass of the same arithmetic on the CPU: `step_passes.h`; at few
 rows the whole loop in one parallel region: `threaded_loops.h`); `small_batch_product.cpp` the per-step product
-for few rows; `min_scan.cpp` minGRU's and minLSTM's linear recurrence in one pass each way.
+for few rows; rpt/ops/minrnn/minrnn_cpu.cpp minGRU's and minLSTM's linear recurrence in one pass each way (a
+recurrence's own C++ lives in its folder of rpt/ops, and is listed here).
 
 It is built with torch's JIT extension builder (g++ and ninja) into ~/.cache/rpt/native/ (RPT_NATIVE_DIR
 overrides), one folder per torch version, source and compile flags, by one process at a time (the others wait
@@ -30,8 +31,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("recurrent_loops.cpp", "small_batch_product.cpp", "min_scan.cpp")]
+OPS = Path(__file__).parents[2] / "ops"  # the recurrences' own C++ (rpt/ops/CELL/CELL_cpu.cpp)
+SOURCES = [Path(__file__).with_name(name) for name in ("recurrent_loops.cpp", "small_batch_product.cpp")] + \
+    [OPS / "minrnn" / "minrnn_cpu.cpp"]
 HEADERS = [Path(__file__).with_name(name) for name in ("step_passes.h", "threaded_loops.h")]  # in the build's key
 NAME = "rpt_recurrent_loops"
 STAMP = "built.json"  # written once the loops of a build folder have been built and loaded: then they only load

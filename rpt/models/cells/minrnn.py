@@ -2,14 +2,14 @@
 
 Their gates read the input only, so the recurrence is linear in h,
     h_t = a_t * h_{t-1} + b_t (the spec: rpt/ops/minrnn/spec.py),
-and the whole sequence runs as one parallel scan (rpt.models.scan) after one input projection:
+and the whole sequence runs as one parallel scan (rpt/ops/minrnn/scan.py) after one input projection:
     minGRU:  z = sigmoid(W_z x),  h~ = W_h x,                 a = 1 - z,         b = z * h~
     minLSTM: f = sigmoid(W_f x),  i = sigmoid(W_i x), h~ = W_h x,  a = f / (f + i),  b = i / (f + i) * h~
 The hidden state is wider than the model (d_hidden, default 2 * d_model) and projected back
 down, as in the paper's expansion. A reset sets a_t = 0: the carry is dropped at that step.
 
 On the CPU, where rpt.kernels.cpu's loops are built, the two cells' recurrence runs as one C++ pass each way
-(rpt/kernels/cpu/min_scan.cpp: the scan with the coefficients folded in, from the sigmoid gates); on a GPU with
+(rpt/ops/minrnn/minrnn_cpu.cpp: the scan with the coefficients folded in, from the sigmoid gates); on a GPU with
 triton, one Triton kernel each way (rpt/ops/minrnn/triton.py, the same fold); elsewhere, and for a subclass
 with its own `coefficients`, the coefficients and the chunked scan below run as ATen ops.
 """
@@ -25,7 +25,7 @@ from rpt.kernels.cpu.products import linear
 from rpt.kernels.triton import available as triton_available
 from rpt.models.cells.base import Cell, as_fp32, full_precision
 from rpt.models.registry import register_cell
-from rpt.models.scan import linear_scan
+from rpt.ops.minrnn.scan import linear_scan
 from rpt.ops.minrnn.spec import min_step, minlstm_coefficients, mingru_coefficients
 
 
@@ -101,7 +101,7 @@ _NATIVE_KIND = {MinGRU.coefficients: int(MinScan.MINGRU), MinLSTM.coefficients: 
 
 
 class _NativeMinScan(torch.autograd.Function):
-    """The recurrence from the projected input u to h, through rpt/kernels/cpu/min_scan.cpp. The gates' sigmoid stays
+    """The recurrence from the projected input u to h, through rpt/ops/minrnn/minrnn_cpu.cpp. The gates' sigmoid stays
     in ATen (vectorised); the backward reads the saved gates and returns the gradient of u whole."""
 
     @staticmethod

@@ -1,1 +1,1 @@
-"""The gru recurrence: spec.py (its step in plain torch)."""
+"""The gru recurrence: spec.py (the step), triton.py (the head-wise GPU loop)."""

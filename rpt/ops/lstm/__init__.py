@@ -1,1 +1,1 @@
-"""The lstm recurrence: spec.py (its step in plain torch)."""
+"""The lstm recurrence: spec.py (the step), triton.py (the head-wise GPU loop)."""

@@ -1,1 +1,1 @@
-"""The minrnn recurrence: spec.py (its step in plain torch)."""
+"""The minGRU / minLSTM recurrence: spec.py (the step), scan.py (the chunked scan), minrnn_cpu.cpp, triton.py."""

@@ -8,7 +8,7 @@ A program takes one row and a block of units and walks time in tiles of CT steps
 the autocast dtype), forms a and b, scans the tile with tl.associative_scan and carries the last h into the next
 tile, so the whole recurrence is one read of u and one write of h. The backward walks the tiles in reverse, scans
 g_t = dL/dh_t + keep_{t+1} a_{t+1} g_{t+1} the same way (reading a_{t+1} from the next step's u), and writes dL/du
-whole, the gates' derivatives included. The ATen form (rpt.models.scan.linear_scan after the cell's
+whole, the gates' derivatives included. The ATen form (rpt.ops.minrnn.scan.linear_scan after the cell's
 `coefficients`) issues some forty kernels a layer and step of the chunk loops and keeps a, b and their
 intermediates; this keeps only h.
 """
