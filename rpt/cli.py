@@ -386,8 +386,8 @@ def _cmd_config(args) -> None:
     cfg = load_config(args.config, args.overrides if args.config else ["train.recipe=auto", *args.overrides])
     for note in cfg.notes:  # what loading changed or warns of, as `rpt train` says it at start
         print(f"# {note}", file=sys.stderr)
-    if args.config is not None:
-        print(cfg.to_toml(), end="")
+    if args.config is not None:  # each value with where it came from (the file, --set, the default)
+        print(cfg.to_toml(origins=True), end="")
         return
     from rpt.train.recipe import CHOOSES
 

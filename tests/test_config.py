@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -138,4 +139,7 @@ def test_cli_config_prints_resolved_toml():
     proc = subprocess.run([sys.executable, "-m", "rpt", "config", "--config", str(REPO / "configs/tiny-cpu.toml"),
                            "--set", "train.seed=5"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "seed = 5" in proc.stdout and "d_model = 64" in proc.stdout
+    assert "seed = 5  # --set" in proc.stdout and "d_model = 64  # " in proc.stdout  # each value's origin
+    assert "tiny-cpu.toml" in next(line for line in proc.stdout.splitlines() if line.startswith("d_model"))
+    assert "weight_decay = 0.1  # default" in proc.stdout
+    assert tomllib.loads(proc.stdout)["train"]["seed"] == 5  # still TOML that loads
