@@ -6,8 +6,8 @@ so a TOML file and the command line accept and refuse the same things. Mistakes 
 with one message that names the fix: an unknown key names the closest valid one, a wrong type
 names the expected type, an impossible combination says what to change.
 
-The resolved configuration is written into the run directory (`Config.save`), so every run
-can be reproduced from its own folder with `--config RUN_DIR/config.toml`.
+The resolved configuration is written into the run directory (rpt/train/resolve.py: each value's origin in a
+comment), so every run can be reproduced from its own folder with `--config RUN_DIR/config.toml`.
 """
 
 from __future__ import annotations
@@ -385,8 +385,8 @@ class Config(_Section):
         return cfg.freeze()
 
     def freeze(self) -> "Config":
-        """Refuse every later change of a value (section attributes; lists and tables are copied as tuples and
-        read-only views would break their users, so they stay lists: nothing in rpt changes them)."""
+        """Refuse every later assignment to a value. (Lists and tables stay lists and dicts, not read-only copies:
+        nothing in rpt changes them in place.)"""
         for section in (self, *(getattr(self, name) for name in _sections())):
             object.__setattr__(section, "_frozen", True)
         return self
@@ -491,8 +491,8 @@ class Config(_Section):
             lines.append(line)
         return "\n".join(lines) + "\n"
 
-    def save(self, path: str | Path, origins: bool = False) -> None:
-        Path(path).write_text(self.to_toml(origins))
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_toml())
 
     # ----------------------------------------------------------------- checks
     def validate(self) -> None:

@@ -23,7 +23,7 @@ def test_a_run_completes_on_a_frozen_configuration_and_records_each_origin(make_
         run.set("model.d_model", 8)
     assert trainer.run()["steps"] == 3  # every module read the frozen configuration: none wrote to it
     assert user.to_dict() == before and user.model.vocab_size == 0  # the user's, as loaded
-    assert run.model.vocab_size == 300 and run.to_dict() == trainer.cfg.to_dict()
+    assert run.model.vocab_size == 300
 
     text = (tmp_path / "r" / "config.toml").read_text()
     line = {ln.split(" = ")[0]: ln for ln in text.splitlines() if " = " in ln}

@@ -7,8 +7,9 @@
 builds the model without rpt installed. The cells run their reference forms: the step of each recurrence in
 plain torch ops (F.linear and pointwise), in a Python loop over time. Each step is rpt's own spec, the file
 rpt/ops/CELL/spec.py that rpt's cells run, shipped beside this one as spec_CELL.py and imported relatively
-(transformers copies such files with the module), so the exported model cannot drift from rpt's. That is exact and runs on any device, but
-it is much slower than rpt's fused kernels: train and evaluate at scale with rpt, use this for interchange.
+(transformers copies such files with the module), so the exported model cannot drift from rpt's. That is exact
+and runs on any device, but it is much slower than rpt's fused kernels: train and evaluate at scale with rpt, use
+this for interchange.
 
 Parameter names are rpt's own (`blocks.3.cell.w_hh`), so the weights load both ways unchanged. The recurrent
 state is the generation cache (`RptState`): one token at a time, memory constant in the length.

@@ -13,9 +13,9 @@ unroll the time loop, and a Python loop through autograd records every op of eve
 The two time loops (`forward_steps`, `backward_steps`, at the end of this file) run in C++
 where rpt.kernels.cpu's loops could be built, which halves their dispatch cost at small batch;
 on the CPU there each step's elementwise part is one vector pass, the backward's deriving its
-factors in that pass. On a GPU the loops are its Triton forms (rpt/ops/modlstm/): the whole sequence in one kernel for heads
-of 16-64 units (`triton_loop`), else a cuBLAS product and one fused Triton kernel a step, replayed as one
-CUDA graph (`triton_steps`).
+factors in that pass. On a GPU the loops are its Triton forms (rpt/ops/modlstm/): the whole sequence in one
+kernel for heads of 16-64 units (`triton_loop`), else a cuBLAS product and one fused Triton kernel a step,
+replayed as one CUDA graph (`triton_steps`).
 """
 
 import math
@@ -146,8 +146,8 @@ class ModLSTM(Cell):
         return self._out(y), tuple(final if self.exp else final[:2])
 
     def triton_loop(self) -> bool:
-        """Whether the one-kernel Triton loop (rpt/ops/modlstm/triton.py) runs this cell on a GPU: a built-in gate (or a registered one
-        with its Triton form), a head of 16-64 units, and the gate norm only with one head of 16, 32 or 64 (it
+        """Whether the one-kernel Triton loop (rpt/ops/modlstm/triton.py) runs this cell on a GPU: a built-in gate
+        (or a registered one with its Triton form), a head of 16-64 units, and the gate norm only with one head of 16, 32 or 64 (it
         normalises a group's H units together, unpadded). A wider cell takes modlstm_steps (`triton_steps`)."""
         if not has_triton_form(self.gate):
             warnings.warn(f"model.gate = '{self.gate}' has no Triton form: the modlstm runs its Python step loop on "
