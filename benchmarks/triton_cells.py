@@ -21,9 +21,12 @@ import time
 
 import torch
 
+from rpt import kernels
 from rpt.config import ModelConfig
+from rpt.kernels import Form
 from rpt.kernels.triton import on_chip
 from rpt.models.lm import build_cell
+from rpt.ops.modlstm.sequence import forms as modlstm_forms
 
 
 def timed(fn, device, repeats: int) -> float:
@@ -106,12 +109,9 @@ def tuned_warps() -> None:
 def scans(args, device) -> None:
     """minGRU and minLSTM (d_model 1024, d_hidden 2048) with their Triton scan against the ATen chunked scan it
     replaced (the cell's own fallback), forward + backward under bf16 autocast, and the two outputs' difference."""
-    from rpt.models.cells import minrnn
-
     print("\n| cell | B x T | Triton scan tokens/s | ATen scan tokens/s | speed-up | max abs. difference of y |")
     print("|---|---|---|---|---|---|")
     shapes = [(32, 2, 8)] if args.quick else [(1024, 64, 256), (1024, 16, 1024)]
-    chosen = minrnn.triton_scan
     for cell_name in ("mingru", "minlstm"):
         if cell_name not in args.cells.split(","):
             continue
@@ -120,19 +120,19 @@ def scans(args, device) -> None:
             cell = build_cell(ModelConfig(cell=cell_name, d_model=d)).to(device)
             x = torch.randn(B, T, d, device=device, requires_grad=True)
             times, outputs = [], []
-            for use in ((lambda u, kind: kind is not None), (lambda u, kind: False)):
-                minrnn.triton_scan = use
-                times.append(timed(fwd_bwd(cell, x), device, args.repeats))
-                with torch.no_grad():
-                    outputs.append(cell(x)[0].float())
-            minrnn.triton_scan = chosen
+            for backend in (dict(force=Form.TRITON_LOOP), dict(triton=False)):
+                with kernels.use(**backend):
+                    times.append(timed(fwd_bwd(cell, x), device, args.repeats))
+                    with torch.no_grad():
+                        outputs.append(cell(x)[0].float())
             tok = B * T
             print(f"| {cell_name} | {B} x {T} | {tok / times[0]:,.0f} | {tok / times[1]:,.0f} | "
                   f"{times[1] / times[0]:.2f}x | {(outputs[0] - outputs[1]).abs().max().item():.1e} |", flush=True)
 
 
 def path(cell, hidden: int, heads: int) -> str:
-    if on_chip(hidden, heads) and (cell.name != "modlstm" or cell.triton_loop()):
+    if on_chip(hidden, heads) and (cell.name != "modlstm" or
+                                   Form.TRITON_LOOP in modlstm_forms(cell.variant, hidden, heads, on_gpu=True)):
         return "kernel"
     return "graph" if cell.name == "modlstm" else "cuDNN"
 
@@ -162,10 +162,11 @@ def row(cell_name: str, cell, kind: str, hidden: int, heads: int, B: int, T: int
     torch.manual_seed(0)
     x = torch.randn(B, T, hidden, device=device, requires_grad=True)
     if args.quick and kind == "graph":  # the CPU would take its own loops: the GPU's choice, run as it is
-        from rpt.models.cells import modlstm
+        stepped = fwd_bwd(cell, x)
 
-        modlstm.triton_steps = lambda x, v: True
-        ours = fwd_bwd(cell, x)
+        def ours():
+            with kernels.use(force=Form.TRITON_STEPS):
+                stepped()
     elif args.quick:  # the CPU takes its own loops: call the Triton loop itself
         from rpt.ops.gru.triton import gru_sequence
         from rpt.ops.lstm.triton import lstm_sequence

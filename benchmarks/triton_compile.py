@@ -41,8 +41,8 @@ from rpt.ops.lstm import triton as lstm  # noqa: E402
 from rpt.ops.minrnn import triton as min_scan  # noqa: E402
 from rpt.ops.modlstm import triton as modlstm  # noqa: E402
 from rpt.ops.modlstm import triton_steps as modlstm_steps  # noqa: E402
+from rpt.kernels import Form  # noqa: E402
 from rpt.models.lm import build_cell  # noqa: E402
-from rpt.models.cells import modlstm as modlstm_cell  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 KERNELS = {lstm: ("lstm_forward_kernel", "lstm_backward_kernel"), gru: ("gru_forward_kernel", "gru_backward_kernel"),
@@ -134,15 +134,11 @@ def head_wise(cell: str, D: int, heads: int, **options):
 def stepped(H: int, **options):
     """The wide modlstm's step kernels (float32, as the cell runs them), forward and backward."""
     def drive():
-        chosen = modlstm_cell.triton_steps
-        modlstm_cell.triton_steps = lambda x, v: True
-        try:
+        with kernels.use(force=Form.TRITON_STEPS):
             module = build_cell(ModelConfig(cell="modlstm", d_model=H, **options))
             reset = torch.zeros(16, 3, dtype=torch.bool)
             reset[0, 1] = True
             module(torch.randn(16, 3, H, requires_grad=True), None, reset)[0].sum().backward()
-        finally:
-            modlstm_cell.triton_steps = chosen
     return drive
 
 

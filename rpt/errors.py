@@ -5,6 +5,8 @@ prints it as one clear message without a traceback (`--debug` shows the tracebac
 Programming errors stay ordinary exceptions so that they are never mistaken for user errors.
 """
 
+import difflib
+
 
 class RptError(Exception):
     def __init__(self, message: str, fix: str | None = None):
@@ -14,3 +16,9 @@ class RptError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.fix else f"{self.message}\n  fix: {self.fix}"
+
+
+def did_you_mean(name: str, valid: list[str]) -> str:
+    """"did you mean 'x'? " for the valid name closest to a mistyped one, or nothing."""
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    return f"did you mean '{close[0]}'? " if close else ""

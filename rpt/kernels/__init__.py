@@ -1,9 +1,10 @@
 """The cells' fast paths, by backend. `cpu/` holds rpt's own C++ time loops (built on first use) and the matrix
 products the CPU runs fastest; a GPU backend is another folder beside it.
 
-What a fast path may use is one object, `current()`: a cell's kernel asks for it once per call and passes it
-down to the products and loops it runs. Tests and benchmarks that compare forms choose another for a block
-(`with use(native=False): ...`): there are no switches elsewhere.
+What a fast path may use is one object, `current()` (rpt/kernels/backend.py): a recurrence asks it once per call
+which form runs, and passes it down to the products and loops it runs. Tests and benchmarks that compare forms
+choose another for a block (`with use(native=False): ...`, `use(force=Form.TRITON_STEPS)`): there are no switches
+elsewhere.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from rpt.kernels.cpu.backend import CPUBackend
+from rpt.kernels.backend import Backend, Form
 
-_current = CPUBackend()
+__all__ = ["Backend", "Form", "current", "use"]
+
+_current = Backend()
 
 
-def current() -> CPUBackend:
+def current() -> Backend:
     """The backend in force."""
     return _current
 

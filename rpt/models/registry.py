@@ -1,4 +1,5 @@
-"""Registries of recurrent cells and gate functions, so users add their own by name.
+"""Registries of recurrent cells and gate functions, so users add their own by name (the gates are modlstm's:
+rpt/ops/modlstm/gates.py keeps them, and this module gives them out beside the cells).
 
     from rpt.models import register_cell, register_gate
 
@@ -15,22 +16,15 @@ nothing in rpt needs to change. docs/cells.md walks through both with a worked e
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
-import torch
 
 from rpt.config import ModelConfig
-from rpt.errors import RptError
-from rpt.ops.modlstm.spec import GATES as BUILT_IN_GATES
-from rpt.kernels.triton import GATE_FORMS
+from rpt.errors import RptError, did_you_mean
+from rpt.ops.modlstm.gates import GATES, GateFunction, default_forget_bias, get_gate, register_gate  # noqa: F401
 
 CELLS: dict[str, type] = {}
-GATES: dict[str, "GateFunction"] = {}
 
 
 def register_cell(name: str):
@@ -71,14 +65,9 @@ def check_options(cfg, cls: type) -> None:
                        f"leave {keys} at the default")
 
 
-def _did_you_mean(name: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
-    return f"did you mean '{close[0]}'? " if close else ""
-
-
 def get_cell(name: str) -> type:
     if name not in CELLS:
-        raise RptError(f"unknown cell '{name}'", _did_you_mean(name, list(CELLS)) +
+        raise RptError(f"unknown cell '{name}'", did_you_mean(name, list(CELLS)) +
                        f"model.cell must be one of {', '.join(sorted(CELLS))}, or a cell of your own registered with "
                        "register_cell in a module named in model.imports (docs/cells.md)")
     return CELLS[name]
@@ -100,58 +89,3 @@ def import_user_modules(modules: list[str], search: list[Path] = ()) -> None:
                            "or add its folder to PYTHONPATH") from None
 
 
-@dataclass(frozen=True)
-class GateFunction:
-    """A gate nonlinearity for the modified LSTM.
-
-    `fn(x)` maps a pre-activation to the gate value; `grad(x, y)` is dy/dx given x and y = fn(x),
-    used by the fused kernel's hand-written backward. Gates should map into [0, 1]. `forget_bias` is the
-    forget gate's initial bias that suits this gate (`model.forget_bias = "auto"` takes it). `triton`: the same
-    two as `triton.jit` functions of Triton blocks, (fn, grad), for the GPU's one-kernel loop (without them a
-    head-wise modlstm on a GPU runs its step loop instead, and says so).
-    """
-
-    name: str
-    fn: Callable[[torch.Tensor], torch.Tensor]
-    grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    forget_bias: float = 1.0
-    triton: tuple | None = None
-
-
-# The exponential gate's forget bias: f = exp(P_f) weighs the carried average against each new input, so
-# a positive bias (f > 1) makes the normalised state hold on to the first tokens and ignore new ones: with
-# the sigmoid's +1 the model did not learn (validation rose at every evaluation); from -1 to -3 it learned
-# as well as or better than the sigmoid gate (benchmarks/RESULTS.md). At -1 the state keeps 1/e of its past
-# per step at the start, as xLSTM's sLSTM starts its forget gate well below saturation.
-EXP_FORGET_BIAS = -1.0
-
-
-def register_gate(name: str, fn: Callable, grad: Callable, forget_bias: float = 1.0,
-                  triton: tuple | None = None) -> GateFunction:
-    if name == "exp":
-        raise RptError("'exp' is the built-in stabilised exponential gate", "register your gate under another name")
-    gate = GateFunction(name, fn, grad, forget_bias, triton)
-    GATES[name] = gate
-    if triton is not None:
-        GATE_FORMS[name] = triton
-    return gate
-
-
-def default_forget_bias(gate: str) -> float:
-    """The forget gate's initial bias for a gate function by name (what model.forget_bias = "auto" means)."""
-    return EXP_FORGET_BIAS if gate == "exp" else get_gate(gate).forget_bias
-
-
-def get_gate(name: str) -> GateFunction | None:
-    """The gate function by name; None for 'exp', which the modified LSTM handles as a stabilised special case."""
-    if name == "exp":
-        return None
-    if name not in GATES:
-        raise RptError(f"unknown gate function '{name}'", _did_you_mean(name, ["exp", *GATES]) +
-                       f"model.gate must be one of exp, {', '.join(sorted(GATES))}, or a gate of your own registered "
-                       "with register_gate in a module named in model.imports (docs/cells.md)")
-    return GATES[name]
-
-
-for _name, (_fn, _grad) in BUILT_IN_GATES.items():  # the spec's (rpt/ops/modlstm/spec.py), which export ships
-    register_gate(_name, _fn, _grad)

@@ -49,10 +49,11 @@ def test_built_wherever_a_compiler_is():
 
 
 def test_the_build_key_covers_every_header(tmp_path, monkeypatch):
-    """recurrent_loops.cpp includes the headers beside it: a changed header must give a new build folder, or every
-    machine would go on loading the library built from the old one; and a header left out of HEADERS would."""
-    folder = Path(build.__file__).parent
-    assert {p.name for p in build.HEADERS} == {p.name for p in folder.glob("*.h")}
+    """The loops include headers (rpt/kernels/cpu, rpt/ops/CELL): a changed header must give a new build folder, or
+    every machine would go on loading the library built from the old one; and a header left out of HEADERS would."""
+    folders = [Path(build.__file__).parent, *build.OPS.iterdir()]
+    assert set(build.HEADERS) == {p for folder in folders for p in folder.glob("*.h")}
+    assert set(build.SOURCES) == {p for folder in folders for p in folder.glob("*.cpp")}
     header = tmp_path / "passes.h"
     header.write_text("// one")
     monkeypatch.setattr(build, "HEADERS", [header])
@@ -104,7 +105,7 @@ def test_native_loops_as_accurate_as_python_loops_in_float32(name, fused, produc
     w = torch.randn(B, T, 16)
     with contextlib.ExitStack() as forms:
         if not fused:
-            forms.enter_context(kernels.use(fused_steps=False))
+            forms.enter_context(kernels.use(one_pass=False))
         if product == "onednn":
             forms.enter_context(kernels.use(small_batch=False))
         got = run(cell, x, state, reset, w)
@@ -149,7 +150,7 @@ def test_min_scan_splits_channels_across_threads(name):
 @pytest.mark.parametrize("name", ["modlstm-peep-norm", "modlstm-exp-norm", "modlstm-hard-peep", "modlstm-coupled-odd",
                                   "gru-odd"])
 def test_the_loops_at_few_rows_give_the_same_numbers_on_any_thread_count(name):
-    """At few rows the loops run in one parallel region (recurrent_loops.cpp): each thread takes its share of every
+    """At few rows the loops run in one parallel region (modlstm_cpu.cpp, gru_cpu.cpp): each thread takes its share of every
     step's product, of the columns of its elementwise part and of the gates of its norm, between barriers. Every
     number comes out of the same arithmetic whatever the split, so 1, 2 and 3 threads (one more than a share has
     vectors: empty and uneven shares) must agree; a missing barrier or an overlapping share would not."""

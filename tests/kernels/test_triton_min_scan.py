@@ -5,6 +5,8 @@ widths that are not a multiple of its unit block; and in bfloat16, u read in the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,7 +14,8 @@ pytest.importorskip("triton")
 
 from rpt.config import ModelConfig  # noqa: E402
 from rpt.models.lm import build_cell  # noqa: E402
-from rpt.models.cells import minrnn  # noqa: E402
+from rpt import kernels  # noqa: E402
+from rpt.kernels import Form  # noqa: E402
 
 
 def gpu_path(monkeypatch):
@@ -25,7 +28,7 @@ def gpu_path(monkeypatch):
         calls.append(kind)
         return scan(u, h0, keep, kind)
 
-    monkeypatch.setattr(minrnn, "triton_scan", lambda u, kind: kind is not None)
+    monkeypatch.setattr(kernels, "_current", dataclasses.replace(kernels.current(), force=Form.TRITON_LOOP))
     monkeypatch.setattr(min_scan, "min_scan", counted)
     return calls
 

@@ -11,8 +11,10 @@ import torch
 triton = pytest.importorskip("triton")
 
 from rpt.config import ModelConfig  # noqa: E402
+from rpt.kernels import Form  # noqa: E402
 from rpt.models import register_gate  # noqa: E402
 from rpt.models.lm import build_cell  # noqa: E402
+from rpt.ops.modlstm.sequence import forms  # noqa: E402
 from triton_cases import SOFTSIGN, float64_case  # noqa: E402  (SOFTSIGN: a registered gate with its Triton form)
 
 
@@ -74,7 +76,10 @@ def test_triton_modlstm_loop_equals_the_float64_reference(name):
 def test_which_modlstm_cells_the_triton_loop_takes():
     """On a GPU: heads of 16-64 units with a built-in gate or a registered one with its Triton form; the gate norm
     with one head only; a registered gate without a Triton form takes the step loop, and says what that costs."""
-    takes = lambda **kw: build_cell(ModelConfig(cell="modlstm", **kw)).triton_loop()  # noqa: E731
+    def takes(**kw):
+        cell = build_cell(ModelConfig(cell="modlstm", **kw))
+        return Form.TRITON_LOOP in forms(cell.variant, cell.d_hidden, cell.heads, on_gpu=True)
+
     assert takes(d_model=64, heads=4) and takes(d_model=64, heads=2, gate="exp") and takes(d_model=32, gate_norm=True)
     assert takes(d_model=96, heads=2) and not takes(d_model=96, heads=8)  # heads of 48 units (padded), of 12
     assert not takes(d_model=64, heads=4, gate_norm=True) and not takes(d_model=128)  # 128 units in one program

@@ -7,6 +7,7 @@ here they run as they are."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -17,8 +18,15 @@ triton = pytest.importorskip("triton")
 from rpt.config import ModelConfig  # noqa: E402
 from rpt.models import register_gate  # noqa: E402
 from rpt.models.lm import build_cell  # noqa: E402
-from rpt.models.cells import modlstm as modlstm_module  # noqa: E402
+from rpt import kernels  # noqa: E402
+from rpt.kernels import Form  # noqa: E402
+from rpt.ops.modlstm.sequence import forms  # noqa: E402
 from triton_cases import SOFTSIGN, float64_case  # noqa: E402  (SOFTSIGN: a registered gate with its Triton form)
+
+
+def force_steps(monkeypatch):
+    """The step kernels wherever a cell offers them (the GPU's choice), on CPU tensors."""
+    monkeypatch.setattr(kernels, "_current", dataclasses.replace(kernels.current(), force=Form.TRITON_STEPS))
 
 
 VARIANTS = {  # name: (modlstm options, hidden size, heads, units a program takes when the norm is off)
@@ -41,7 +49,7 @@ def test_modlstm_step_kernels_equal_the_float64_reference(name, monkeypatch):
     from rpt.ops.modlstm import triton_steps as modlstm_steps
 
     options, H, heads, block = VARIANTS[name]
-    monkeypatch.setattr(modlstm_module, "triton_steps", lambda x, v: True)  # the GPU's choice, on the CPU
+    force_steps(monkeypatch)  # the GPU's choice, on the CPU
     monkeypatch.setattr(modlstm_steps, "MAX_BLOCK", block)
     torch.manual_seed(0)
     B, T, D = 3, 5, 16
@@ -82,14 +90,18 @@ def test_modlstm_step_kernels_equal_the_float64_reference(name, monkeypatch):
 def test_wide_modlstm_cells_take_the_step_kernels_on_a_gpu():
     """The one-kernel loop takes heads of 16-64 units; every other built-in or Triton-formed gate takes the step
     kernels on a GPU (a CPU tensor never does); a registered gate without a Triton form takes neither."""
-    v = lambda **kw: build_cell(ModelConfig(cell="modlstm", d_model=32, **kw)).variant  # noqa: E731
-    assert not modlstm_module.triton_steps(torch.empty(0), v())
-    monkey = SimpleNamespace(is_cuda=True)  # what the cell's operator asks of x
-    assert modlstm_module.triton_steps(monkey, v(gate="exp")) and modlstm_module.triton_steps(monkey, v(gate_norm=True))
-    assert modlstm_module.triton_steps(monkey, v(gate=SOFTSIGN))
+    def form(x, d_model=128, **kw):  # 128 units: more than the one-kernel loop takes
+        cell = build_cell(ModelConfig(cell="modlstm", d_model=d_model, **kw))
+        return kernels.current().form(x, forms(cell.variant, cell.d_hidden, cell.heads, x.is_cuda))
+
+    assert form(torch.empty(0)) is Form.NATIVE_ONE_PASS or kernels.current().loops() is None
+    gpu = SimpleNamespace(is_cuda=True)  # what the backend asks of x
+    assert form(gpu, gate="exp") is form(gpu, gate_norm=True) is form(gpu, gate=SOFTSIGN) is Form.TRITON_STEPS
+    assert form(gpu, d_model=32, heads=2) is Form.TRITON_LOOP
     register_gate("softsign-steps-no-triton", lambda x: 0.5 + 0.5 * x / (1 + x.abs()),
                   lambda x, y: 0.5 / (1 + x.abs()) ** 2)
-    assert not modlstm_module.triton_steps(monkey, v(gate="softsign-steps-no-triton"))
+    with pytest.warns(UserWarning, match="has no Triton form"):
+        assert form(gpu, gate="softsign-steps-no-triton") is Form.ATEN
 
 
 class ReplayedGraph:
@@ -121,7 +133,7 @@ def test_graph_replays_copy_inputs_in_and_outputs_out(monkeypatch):
         captures.append(loop.__name__)
         return ReplayedGraph(loop, flags, static_in, static_out, results), static_in, static_out, results
 
-    monkeypatch.setattr(modlstm_module, "triton_steps", lambda x, v: True)
+    force_steps(monkeypatch)
     cell = build_cell(ModelConfig(cell="modlstm", d_model=16, d_hidden=20, gate="exp", gate_norm=True))
     reset = torch.zeros(2, 4, dtype=torch.bool)
     reset[1, 2] = True

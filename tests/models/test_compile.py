@@ -102,8 +102,10 @@ def test_fused_kernels_are_well_formed_custom_operators(name):
     """torch.library.opcheck of gru's and modlstm's operators, forward and backward: their schema (no input
     mutated, no output aliasing an input or another output), the gradient registration, and the shape rules
     against the kernels, strides included (inductor asserts those when it runs; aot_eager does not)."""
-    from rpt.models.cells.gru import gru_sequence, gru_sequence_backward
-    from rpt.models.cells.modlstm import _some, modlstm_sequence, modlstm_sequence_backward
+    from rpt.ops.gru import sequence as gru
+    from rpt.ops.gru.sequence import gru_sequence, gru_sequence_backward
+    from rpt.ops.modlstm import sequence as modlstm
+    from rpt.ops.modlstm.sequence import _some, modlstm_sequence, modlstm_sequence_backward
 
     torch.manual_seed(0)
     cell = build_cell(ModelConfig(d_model=8, **CELLS[name]))
@@ -113,23 +115,25 @@ def test_fused_kernels_are_well_formed_custom_operators(name):
     keep[3, 1] = 0
     state = [torch.randn(B, n) for n in cell.state_sizes()]
     if name == "gru":
-        args = (x, cell.w_ih, cell.w_hh, cell.b_ih, cell.b_hh, state[0], keep)
+        form = kernels.current().form(x, gru.forms(cell.d_hidden, cell.heads, on_gpu=False)).value
+        args = (x, cell.w_ih, cell.w_hh, cell.b_ih, cell.b_hh, state[0], keep, form)
         with torch.no_grad():  # the backward's inputs: what the forward saved, no graph behind them
             y, h, *buffers = gru_sequence(*args)
         grad_args = (torch.randn_like(y), torch.randn_like(h), x.detach(), cell.w_ih.detach(), cell.w_hh.detach(),
-                     state[0], keep, *buffers)
+                     state[0], keep, *buffers, form)
         forward, backward = gru_sequence, gru_sequence_backward
     else:
         n0, m0 = (state[2].abs() + 0.5, state[3] * 0.1) if cell.exp else (None, None)
+        form = kernels.current().form(x, modlstm.forms(cell.variant, cell.d_hidden, cell.heads, on_gpu=False)).value
         detached = [p.detach() if p is not None else None for p in (cell.w_x, cell.w_h, cell.ln_weight, cell.peep)]
         args = (x, cell.w_x, cell.w_h, cell.bias, cell.ln_weight, cell.ln_bias, cell.peep, state[0], state[1], n0, m0,
-                keep, cell.gate, cell.coupled)
+                keep, cell.gate, cell.coupled, form)
         with torch.no_grad():
             y, h, c, n, m, acts, pre, cs, hs, ns, ln_in, ln_stats = modlstm_sequence(*args)
         grad_args = (torch.randn_like(y), torch.randn_like(h), torch.randn_like(c),
                      torch.randn_like(n) if cell.exp else None, x.detach(), *detached[:3], detached[3], state[0],
                      state[1], n0, keep, acts, _some(pre), cs, hs, _some(ns), _some(ln_in), _some(ln_stats),
-                     cell.gate, cell.coupled, cell.bias is not None)
+                     cell.gate, cell.coupled, cell.bias is not None, form)
         forward, backward = modlstm_sequence, modlstm_sequence_backward
     for op, op_args in ((forward, args), (backward, grad_args)):
         torch.library.opcheck(op, op_args)  # raises on a failed check

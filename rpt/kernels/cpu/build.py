@@ -3,11 +3,12 @@
 Why our own C++: at small batch each step of the recurrent loops is one small matrix product and 6-10 small
 elementwise ops, and from Python each op costs several times its dispatch from C++; torch.compile would unroll
 the T steps of the loop (and TorchScript is deprecated), and no library offers these cells' loops (figures:
-benchmarks/RESULTS.md). `recurrent_loops.cpp` is the Python loops of modlstm.py and gru.py step for step on the
-same buffers (each step's elementwise part one pass of the same arithmetic on the CPU: `step_passes.h`; at few
-rows the whole loop in one parallel region: `threaded_loops.h`); `small_batch_product.cpp` the per-step product
-for few rows; rpt/ops/minrnn/minrnn_cpu.cpp minGRU's and minLSTM's linear recurrence in one pass each way (a
-recurrence's own C++ lives in its folder of rpt/ops, and is listed here).
+benchmarks/RESULTS.md). Each recurrence's C++ lives in its folder of rpt/ops, listed here: modlstm_cpu.cpp
+and gru_cpu.cpp are the Python loops of their loops.py step for step on the same buffers (each step's elementwise
+part one pass of the same arithmetic on the CPU: CELL_steps.h, on step_passes.h's vector helpers; at few rows the
+whole loop in one parallel region: `threaded_loops.h`), minrnn_cpu.cpp minGRU's and minLSTM's linear recurrence
+in one pass each way; beside this file, what they share: the per-step product (`project.h`, and for few rows
+`small_batch_product.cpp`). They build into one library whose operators are torch.ops.rpt_loops.
 
 It is built with torch's JIT extension builder (g++ and ninja) into ~/.cache/rpt/native/ (RPT_NATIVE_DIR
 overrides), one folder per torch version, source and compile flags, by one process at a time (the others wait
@@ -31,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-OPS = Path(__file__).parents[2] / "ops"  # the recurrences' own C++ (rpt/ops/CELL/CELL_cpu.cpp)
-SOURCES = [Path(__file__).with_name(name) for name in ("recurrent_loops.cpp", "small_batch_product.cpp")] + \
-    [OPS / "minrnn" / "minrnn_cpu.cpp"]
-HEADERS = [Path(__file__).with_name(name) for name in ("step_passes.h", "threaded_loops.h")]  # in the build's key
+OPS = Path(__file__).parents[2] / "ops"  # the recurrences' own C++ (rpt/ops/CELL/CELL_cpu.cpp, CELL_steps.h)
+SOURCES = [Path(__file__).with_name("small_batch_product.cpp")] + \
+    [OPS / cell / f"{cell}_cpu.cpp" for cell in ("modlstm", "gru", "minrnn")]
+HEADERS = [Path(__file__).with_name(name) for name in ("project.h", "step_passes.h", "threaded_loops.h")] + \
+    [OPS / cell / f"{cell}_steps.h" for cell in ("modlstm", "gru")]  # in the build's key
 NAME = "rpt_recurrent_loops"
 STAMP = "built.json"  # written once the loops of a build folder have been built and loaded: then they only load
 CHECKS: list = []  # run once on the loaded loops before any cell uses them (on_load)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rpt.kernels.cpu.backend import CPUBackend
+from rpt.kernels.backend import Backend
 
 MIN_ROWS = 1024  # below this many rows packing the weight at each call costs more than it saves
 
@@ -53,7 +53,7 @@ class PackedLinear:
     """h @ W.T (+ add) in the layout that suits `batch` rows on `backend`. `operand` is (packed weight, layout
     code), what the native loops take."""
 
-    def __init__(self, weight: torch.Tensor, batch: int, backend: CPUBackend):
+    def __init__(self, weight: torch.Tensor, batch: int, backend: Backend):
         self.weight, self.operand = weight, (weight, int(Layout.PLAIN))
         self.ops = None
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
@@ -132,7 +132,7 @@ def row_products(model: nn.Module, products: RowProducts):
             delattr(module, name)
 
 
-def generating(model: nn.Module, tokens: Iterator[int], backend: CPUBackend) -> Iterator[int]:
+def generating(model: nn.Module, tokens: Iterator[int], backend: Backend) -> Iterator[int]:
     """`tokens = model.generate(...)` with its one-row products on RowProducts (the first `next` builds the native
     code, before any token is out) until it ends; then the products are F.linear again and the packings go, so no
     copy of the weights outlives it. (While it is suspended the model computes the same: a call that wants

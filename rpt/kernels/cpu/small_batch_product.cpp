@@ -135,7 +135,7 @@ Tensor small_batch_product(const Tensor& x_in, const Tensor& P, int64_t N, const
 
 }  // namespace rpt_native
 
-TORCH_LIBRARY_FRAGMENT(rpt_loops, m) {
+TORCH_LIBRARY(rpt_loops, m) {  // the one definition of the namespace; each recurrence adds its fragment
   m.def("pack_for_small_batch", &rpt_native::pack_for_small_batch);
   m.def("small_batch_product", &rpt_native::small_batch_product);
 }

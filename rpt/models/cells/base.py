@@ -16,18 +16,15 @@ flash-linear-attention keeps for its ops, and the tests hold them equal, gradien
 
 from __future__ import annotations
 
-import functools
 import math
-import sys
 import warnings
-import weakref
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rpt.errors import RptError
+from rpt.ops.segments import reset_rows
 
 
 State = tuple[torch.Tensor, ...]
@@ -134,83 +131,7 @@ def block_diagonal(w: torch.Tensor, groups: int, heads: int) -> torch.Tensor:
     return torch.cat([torch.block_diag(*blocks[g].unbind(0)) for g in range(groups)])
 
 
-def reset_rows(state: State, mask: torch.Tensor) -> State:
-    """Zero the rows of every state tensor where mask (bool [B]) is set."""
-    keep = (~mask).to(state[0].dtype)[:, None]
-    return tuple(s * keep for s in state)
-
-
 # The cuDNN cells (lstm, gru) keep their four weights as separate parameters, so that weight norm and
 # DropConnect act on them; cuDNN copies them into one buffer per call (at no measurable cost next to nn.LSTM's
 # flattened weights: benchmarks/RESULTS.md) and warns once per process.
 warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous chunk")
-
-
-_last_mask: tuple = (lambda: None, [])
-
-
-def reset_columns(reset: torch.Tensor | None) -> list[int]:
-    """The columns where some row resets. Every block of a forward is handed the same mask, and on a GPU
-    reading it is a host synchronisation: it is read once per mask (the last one is remembered)."""
-    global _last_mask
-    if reset is None:
-        return []
-    if _last_mask[0]() is not reset:
-        _last_mask = (weakref.ref(reset), torch.nonzero(reset.any(dim=0)).flatten().tolist())
-    return _last_mask[1]
-
-
-def eager_under_compile(fn):
-    """`torch.compiler.disable(fn)`, made at the first call once torch._dynamo is loaded: the decorator itself
-    imports torch._dynamo, two seconds of every process's start, which only a compiled model needs (and nothing
-    is compiled before torch._dynamo is loaded)."""
-    disabled = []
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        if "torch._dynamo" not in sys.modules:
-            return fn(*args, **kwargs)
-        if not disabled:
-            disabled.append(torch.compiler.disable(fn))
-        return disabled[0](*args, **kwargs)
-    return call
-
-
-@eager_under_compile
-def over_segments(run, x: torch.Tensor, state: State, reset: torch.Tensor | None):
-    """Run a whole-sequence kernel that cannot reset mid-sequence (nn.LSTM, nn.GRU) between reset columns.
-
-    The sequence is cut at every column where some row resets; documents are long next to a
-    training window, so most batches are one or two segments.
-
-    Inside a compiled model this runs eagerly (a graph break): traced, torch's LSTM for training becomes
-    per-step products in place of oneDNN's kernel (the shakespeare model's step took twice as long), and the
-    cut would be read from the mask's values, which a graph cannot hold (the remembered columns of the last
-    mask became constants of the graph: a new mask ran with the old cut).
-    """
-    cols = reset_columns(reset)
-    if not cols:
-        return run(x, state)
-    bounds = sorted(set([0, *cols, x.shape[1]]))
-    ys = []
-    for a, b in zip(bounds, bounds[1:]):
-        state = reset_rows(state, reset[:, a])
-        y, state = run(x[:, a:b], state)
-        ys.append(y)
-    return torch.cat(ys, dim=1), state
-
-
-@contextmanager
-def full_precision(x: torch.Tensor):
-    """Run a recurrence in float32 under mixed precision: autocast off inside, inputs cast by the caller.
-
-    Long recurrences accumulate rounding step after step, oneDNN has no fp16 LSTM on CPU, and the
-    fused kernels are written for one dtype; the projections around a cell still run in the
-    autocast dtype.
-    """
-    with torch.autocast(x.device.type, enabled=False):
-        yield
-
-
-def as_fp32(x: torch.Tensor) -> torch.Tensor:
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x

@@ -1,1 +1,2 @@
-"""The gru recurrence: spec.py (the step), triton.py (the head-wise GPU loop)."""
+"""The gru recurrence: spec.py (the step), sequence.py (forms, dispatch, the CPU kernel), loops.py, gru_cpu.cpp and
+gru_steps.h, triton.py."""

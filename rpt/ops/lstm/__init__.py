@@ -1,1 +1,2 @@
-"""The lstm recurrence: spec.py (the step), triton.py (the head-wise GPU loop)."""
+"""The lstm recurrence: spec.py (the step), sequence.py (forms: torch's fused LSTM, or triton.py's head-wise GPU
+loop)."""

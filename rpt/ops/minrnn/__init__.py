@@ -1,1 +1,2 @@
-"""The minGRU / minLSTM recurrence: spec.py (the step), scan.py (the chunked scan), minrnn_cpu.cpp, triton.py."""
+"""The minGRU / minLSTM recurrence: spec.py (the step), sequence.py (forms, dispatch), scan.py, minrnn_cpu.cpp,
+triton.py."""

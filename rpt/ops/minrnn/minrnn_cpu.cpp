@@ -1,4 +1,4 @@
-// The minGRU / minLSTM recurrence on the CPU in one pass over time each way (rpt/models/cells/minrnn.py).
+// The minGRU / minLSTM recurrence on the CPU in one pass over time each way (sequence.py beside this file).
 //
 // The Python form builds the scan's coefficients a, b with a handful of elementwise ops, runs the chunked
 // scan of rpt/models/scan.py (about five passes over [B, T, H] forward and eight backward, plus the

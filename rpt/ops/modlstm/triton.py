@@ -1,7 +1,7 @@
 """The modified LSTM's time loop in two Triton kernels, a program per (head, 16 rows), as rpt/ops/lstm/triton.py
 runs the lstm: the head's recurrent blocks and its rows' state on chip for the whole sequence.
 
-The step is rpt.models.cells.modlstm's spec: pre-activations P = GX_t + h_{t-1} R^T (GX = x W_x^T + b for all
+The step is modlstm's spec (spec.py): pre-activations P = GX_t + h_{t-1} R^T (GX = x W_x^T + b for all
 steps, one GEMM outside), the gate layer norm over each group (heads = 1 only: a head holds all H units), peepholes,
 coupled gates, the sigmoid and hard-sigmoid gates, and the exponential gate with its stabiliser m (a constant to
 differentiation, as in the spec). The forward keeps what the backward reads: gate values, the gate inputs,

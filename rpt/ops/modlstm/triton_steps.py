@@ -2,7 +2,7 @@
 heads wider than 64, the gate norm with several heads): each step a cuBLAS product and one fused Triton kernel
 for everything pointwise, and the whole loop replayed as one CUDA graph (rpt.kernels.triton.graphs).
 
-They fill the same buffers as the Python loops in rpt.models.cells.modlstm (`forward_steps`, `backward_steps`),
+They fill the same buffers as the Python loops in rpt/ops/modlstm/loops.py (`forward_steps`, `backward_steps`),
 step for step, so the cell's operator and its backward are unchanged around them: the forward step kernel applies
 the reset, the gate layer norm over each group's H units (so a program holds a row's whole group when the norm is
 on), the peepholes and the gate functions (built-in, or a registered gate's Triton form), and writes the next
@@ -178,7 +178,7 @@ def forward_steps(gate: str, coupled: bool, XP: Tensor, w_h: Tensor, keep: Optio
                   acts: Tensor, pre: Optional[Tensor], cs: Tensor, hs: Tensor, ns: Optional[Tensor],
                   ln_in: Optional[Tensor], ln_stats: Optional[Tensor], ln_w: Optional[Tensor], ln_b: Optional[Tensor],
                   peep: Optional[Tensor]) -> tuple:
-    """rpt.models.cells.modlstm.forward_steps on a GPU: fills the same buffers, returns the final state; w_h is the
+    """loops.forward_steps on a GPU: fills the same buffers, returns the final state; w_h is the
     dense recurrent matrix [G*H, H]. On a GPU the loop is one CUDA graph's replay."""
     exp = gate == "exp"
     n0, m0 = (state[2], state[3]) if exp else (None, None)
@@ -221,7 +221,7 @@ def backward_steps(grad_y: Tensor, K_c: Tensor, K_o: Tensor, K_dc: Tensor, K_cc:
                    K_dn: Optional[Tensor], dP: Tensor, dP_raw: Tensor, keep: Optional[Tensor], w_h: Tensor,
                    dh: Tensor, dc: Tensor, dn: Optional[Tensor], ln_w: Optional[Tensor], ln_in: Optional[Tensor],
                    ln_stats: Optional[Tensor]) -> tuple:
-    """rpt.models.cells.modlstm.backward_steps on a GPU (keep [T, B] here): fills dP and dP_raw, returns the initial
+    """loops.backward_steps on a GPU (keep [T, B] here): fills dP and dP_raw, returns the initial
     state's gradient. w_h is the dense recurrent matrix [G*H, H]."""
     inputs = [grad_y.contiguous(), K_c, K_o, K_dc, K_cc, K_n, K_dn, keep, w_h, dh, dc, dn, ln_w, ln_in, ln_stats]
     outputs = [dP, dP_raw if ln_w is not None else None]
