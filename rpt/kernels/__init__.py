@@ -1,5 +1,6 @@
-"""The cells' fast paths, by backend. `cpu/` holds rpt's own C++ time loops (built on first use) and the matrix
-products the CPU runs fastest; a GPU backend is another folder beside it.
+"""What the recurrences' fast forms run on: `cpu/` builds their C++ loops (rpt/ops/CELL/CELL_cpu.cpp, with the
+per-step product they share) and holds the matrix products the CPU runs fastest; `triton/` what their Triton
+forms share.
 
 What a fast path may use is one object, `current()` (rpt/kernels/backend.py): a recurrence asks it once per call
 which form runs, and passes it down to the products and loops it runs. Tests and benchmarks that compare forms
