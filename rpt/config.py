@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -110,7 +111,26 @@ class ModelConfig(_Section):
     # lstm, gru, modlstm: a block-diagonal recurrent matrix of this many heads (xLSTM's sLSTM layout): each head's
     # d_hidden / heads state units read only their own head's state; fewer parameters and FLOPs
     heads: int = 1
+    # Depth recurrence (rpt/models/loop.py): blocks [0, loop_prelude) run once, the next loop_core blocks (the core)
+    # run r times with the prelude's output injected at each iteration, the remaining blocks (the coda) once. r is
+    # drawn per training step from (train.seed, step), the same on every rank; only the last loop_backprop
+    # iterations keep gradients. At evaluation and generation r is the test-time depth (loop_mean unless given).
+    loop_prelude: int = 0
+    loop_core: int = 0  # 0: no loop (the model is what it was without these keys)
+    loop_mean: float = 4.0  # the mean r drawn in training (with loop_sampler "fixed": r itself)
+    loop_backprop: int = 2  # k: iterations that keep gradients (the first r - k run without)
+    loop_max: int = 0  # a cap on the drawn r, and the iterations whose state training carries; 0: 4 x loop_mean
+    loop_sampler: Literal["poisson-lognormal", "fixed", "uniform"] = "poisson-lognormal"
+    loop_inject: Literal["linear", "add"] = "linear"  # the prelude's output into each iteration: adapter(cat(h, e))
+    # The iterations' first state: zero (validation deterministic, every layout equal to one process), or random
+    # (truncated normal, std 0.63, drawn at each forward, as Huginn trains)
+    loop_init: Literal["zero", "random"] = "zero"
     imports: list[str] = field(default_factory=list)  # modules to import first (they may register cells and gates)
+
+    @property
+    def loop_cap(self) -> int:
+        """The most iterations a training step draws (loop_max, or 4 x loop_mean where it is 0)."""
+        return self.loop_max or max(1, math.ceil(4 * self.loop_mean))
 
     def check(self) -> None:
         """This section's own values (the cell's options are the registry's: rpt.models.registry.check_names)."""
@@ -132,6 +152,26 @@ class ModelConfig(_Section):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise RptError(f"model.{name} = {getattr(self, name)} is outside [0, 1)",
                                "use a value such as 0.1, or 0 for none")
+        if self.loop_core:
+            self._check_loop()
+
+    def _check_loop(self) -> None:
+        for name in ("loop_prelude", "loop_core", "loop_max"):
+            _non_negative(f"model.{name}", getattr(self, name))
+        _positive("model.loop_backprop", self.loop_backprop)
+        if self.loop_prelude + self.loop_core > self.n_layers:
+            raise RptError(f"model.loop_prelude + loop_core = {self.loop_prelude + self.loop_core} is more than "
+                           f"model.n_layers = {self.n_layers} (the coda is the blocks after them)",
+                           f"use loop_prelude + loop_core <= {self.n_layers}, or more layers")
+        low = 1.0 if self.loop_sampler != "poisson-lognormal" else 1.0 + 1e-6
+        if not low <= self.loop_mean <= self.loop_cap:
+            raise RptError(f"model.loop_mean = {self.loop_mean} is outside [{1 if low == 1 else '1 (exclusive)'}, "
+                           f"loop_max = {self.loop_cap}]" + (": the Poisson-lognormal draw is 1 + Poisson(l) with a "
+                                                             "mean l = loop_mean - 1 > 0" if low > 1 else ""),
+                           "use a mean such as 4, or loop_sampler = 'fixed' for one depth")
+        if self.loop_backprop > self.loop_cap:
+            raise RptError(f"model.loop_backprop = {self.loop_backprop} is above the cap on the depth "
+                           f"(loop_max = {self.loop_cap})", f"use loop_backprop <= {self.loop_cap}, or a larger loop_max")
 
 
 @dataclass

@@ -28,13 +28,14 @@ from rpt.config import ModelConfig
 from rpt.errors import RptError
 from rpt.models.attention import SlidingWindowAttention
 from rpt.models.cells.base import Cell
+from rpt.models.loop import DepthLoop, mean_depths
 from rpt.models.registry import get_cell, import_user_modules
 from rpt.models.sampling import sample_next
 from rpt.models.shapes import on_meta
 
 def part_names(cfg: ModelConfig) -> list[str]:
     """Every part of the whole model, in the order their seeds are numbered."""
-    return ["embed", *(f"blocks.{i}" for i in range(cfg.n_layers)), "norm", "head"]
+    return ["embed", *(f"blocks.{i}" for i in range(cfg.n_layers)), "norm", "head", *(["loop"] if cfg.loop_core else [])]
 
 
 @contextlib.contextmanager
@@ -72,6 +73,10 @@ class RecurrentLM(nn.Module):
         if "head" in keep:
             with own_seed(base, cfg.n_layers + 2):  # tied: the embedding's matrix (on a stage without it, its copy)
                 self.head = _head(cfg, embed.weight if cfg.tie_embeddings else None)
+        self.loop = None  # depth recurrence (model.loop_core; rpt/models/loop.py)
+        if "loop" in keep:
+            with own_seed(base, cfg.n_layers + 3):
+                self.loop = DepthLoop(cfg, make_norm)
 
     def view(self, parts: Collection[str]) -> "RecurrentLM":
         """A RecurrentLM of some of this one's parts, sharing their modules (a virtual pipeline stage)."""
@@ -82,6 +87,7 @@ class RecurrentLM(nn.Module):
         view.blocks = nn.ModuleDict({k: b for k, b in self.blocks.items() if f"blocks.{k}" in parts})
         view.norm = self.norm if "norm" in parts else None
         view.head = self.head if "head" in parts else None
+        view.loop = self.loop if "loop" in parts else None
         return view
 
     def order_head(self, counts: np.ndarray) -> None:
@@ -91,20 +97,20 @@ class RecurrentLM(nn.Module):
             self.head.assign(counts)
 
     def init_state(self, batch: int, device=None, dtype=None) -> list:
+        if self.loop is not None:
+            return self.loop.init_state(list(self.blocks.values()), batch, device, dtype)
         return [b.init_state(batch, device, dtype) for b in self.blocks.values()]
 
     def forward(self, x: torch.Tensor, state: list | None = None, reset_mask: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None):
+                targets: torch.Tensor | None = None, depth: int | None = None):
         """x: [B, T] int64 tokens (activations [B, T, D] where the embedding is not built);
         reset_mask: [B, T] bool (reset the state before reading that token); targets: [B, T] next tokens, to
-        return each one's loss in nats (float32) in place of the logits (the head's cheaper form)."""
+        return each one's loss in nats (float32) in place of the logits (the head's cheaper form); depth: the
+        loop's iterations (a looped model's; model.loop_mean by default)."""
         if self.embed is not None:
             x = self.embed_dropout(self.embed(x))
         state = state if state is not None else self.init_state(x.shape[0], x.device)
-        new_state = []
-        for block, s in zip(self.blocks.values(), state):
-            x, s = block(x, s, reset_mask)
-            new_state.append(s)
+        x, new_state = self.run_blocks(x, state, reset_mask, depth)
         if self.norm is not None:
             x = self.norm(x)
         if self.head is None:
@@ -112,14 +118,11 @@ class RecurrentLM(nn.Module):
         x = self.embed_dropout(x)
         return owned(self.head(x) if targets is None else self.head.nats(x, targets)), new_state
 
-    def step(self, token: torch.Tensor, state: list | None = None):
+    def step(self, token: torch.Tensor, state: list | None = None, depth: int | None = None):
         """token: [B] int64. The single-step forms of every cell: what generation runs."""
         x = self.embed(token) if self.embed is not None else token
         state = state if state is not None else self.init_state(x.shape[0], x.device)
-        new_state = []
-        for block, s in zip(self.blocks.values(), state):
-            x, s = block(x, s, step=True)
-            new_state.append(s)
+        x, new_state = self.run_blocks(x, state, None, depth, step=True)
         if self.norm is not None:
             x = self.norm(x)
         return (self.head(x) if self.head is not None else x), new_state
@@ -146,6 +149,16 @@ class RecurrentLM(nn.Module):
         finally:
             self.train(was_training)
 
+    def run_blocks(self, x, state: list, reset, depth: int | None, step: bool = False):
+        """Every block in order, each with its state (with a loop, the core's blocks once per iteration)."""
+        if self.loop is not None:
+            return self.loop(list(self.blocks.values()), x, state, reset, depth, step)
+        new_state = []
+        for block, s in zip(self.blocks.values(), state):
+            x, s = block(x, s, reset, step)
+            new_state.append(s)
+        return x, new_state
+
     def num_params(self, embeddings: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n if embeddings or self.embed is None else n - self.embed.weight.numel()
@@ -153,9 +166,16 @@ class RecurrentLM(nn.Module):
     def flops_per_token(self, training: bool = True) -> int:
         """Matrix-product FLOPs per token: every block's cell (recurrent products included), attention,
         MLP and the output head; x3 for forward + backward when training. The embedding lookup is free."""
-        forward = sum(b.flops_per_token() for b in self.blocks.values())
-        forward += self.head.flops_per_token() if self.head is not None else 0
-        return 3 * forward if training else forward
+        blocks = {int(k): b.flops_per_token() for k, b in self.blocks.items()}
+        forward = sum(blocks.values()) + (self.head.flops_per_token() if self.head is not None else 0)
+        if self.loop is None:
+            return 3 * forward if training else forward
+        # the core (and the adapter) run r times forward, and backward only in the last k iterations
+        core = sum(f for k, f in blocks.items() if self.loop.prelude <= k < self.loop.prelude + self.loop.core)
+        core += self.loop.flops_per_token(self.cfg.d_model)
+        runs, kept = mean_depths(self.cfg) if training else (self.loop.default_depth, 0)
+        once = forward - core + self.loop.flops_per_token(self.cfg.d_model)
+        return int(3 * once + core * (runs + 2 * kept)) if training else once + core * runs
 
 
 def _embedding(cfg: ModelConfig) -> nn.Embedding:

@@ -21,7 +21,7 @@ class PipelineRunner(Runner):
         self.pipe = pipe
         self.pp, self.stage_index = pipe.plan.pp, pipe.index
 
-    def _forward_backward(self, x, y, reset, state, clock, in_forward):
+    def _forward_backward(self, x, y, reset, state, depth, clock, in_forward):
         """Every micro-batch through the schedule; its compute split into forward and backward for the clock."""
         pipe = self.pipe
         pipe.state = state

@@ -28,6 +28,7 @@ import torch
 from rpt.config import Config
 from rpt.errors import RptError
 from rpt.comm.accounting import allreduce_wire_bytes, fsdp_wire_bytes
+from rpt.models.loop import mean_depths
 from rpt.models.shapes import on_meta
 
 GiB = 2**30
@@ -189,7 +190,9 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
     m, t, p = cfg.model, cfg.train, cfg.parallel
     dp, micro = world_size // pp, p.microbatches
     costs = costs or counted_costs(cfg, model)
-    block_costs = [costs.block[b.attn is not None] for b in model.blocks.values()]
+    looped = loop_factors(m)  # a looped model's core blocks: run r times forward, k times backward
+    block_costs = [costs.block[b.attn is not None] * looped.get(int(k), (1.0, 1.0))[0]
+                   for k, b in model.blocks.items()]
     head_cost, embed_cost = costs.head, costs.embed
     v = p.stages_per_rank if p.schedule == "interleaved" else 1
     n = pp * v  # stages of the pipeline; rank r runs stages r, r + pp, ...
@@ -201,6 +204,7 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
     for s, count in enumerate(counts):
         params = sum(block_params[start:start + count])
         params += sum(q.numel() for q in model.norm.parameters()) if s == n - 1 else 0
+        params += sum(q.numel() for q in model.loop.parameters()) if s == n - 1 and model.loop is not None else 0
         params += embed_params if s == 0 else 0
         head = model.head.weight.numel() if s == n - 1 and (pp > 1 or not m.tie_embeddings) else 0
         params += head
@@ -210,10 +214,10 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
             if key not in _ACTIVATIONS:
                 _ACTIVATIONS[key] = activation_bytes_per_token(cfg, b)
             if m.activation_checkpointing:  # a block keeps its input; backward rebuilds the rest, one at a time
-                act += 4 * m.d_model
+                act += 4 * m.d_model * looped.get(b, (1.0, 1.0))[1]
                 recompute = max(recompute, _ACTIVATIONS[key])
             else:
-                act += _ACTIVATIONS[key]
+                act += _ACTIVATIONS[key] * looped.get(b, (1.0, 1.0))[1]
         if s == n - 1:
             act += 2 * 4 * m.vocab_size  # logits and their log-softmax, fp32
         in_flight = micro if p.schedule == "gpipe" else min(micro, n - s)  # interleaved: an estimate
@@ -240,6 +244,16 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
     mode = "fsdp" if fsdp > 1 else cfg.comm.mode if cfg.comm.mode in grad_bytes else "allreduce"
     return Plan(world_size, pp, dp, micro, p.schedule, model.num_params(), stages, grad_bytes, pipe_bytes,
                 device_memory, (pp - 1) / (v * micro + pp - 1), costs.unit, v, fsdp, mode, by_kind)
+
+
+def loop_factors(m) -> dict[int, tuple[float, float]]:
+    """For each core block of a looped model (model.loop_core): its training FLOPs over an unlooped block's
+    ((mean r forward + 2 x mean min(r, k) backward) / 3) and the copies of its activations a step keeps (mean
+    min(r, k): the first r - k iterations keep none). Empty without a loop."""
+    if not m.loop_core:
+        return {}
+    runs, kept = mean_depths(m)
+    return {b: ((runs + 2 * kept) / 3, kept) for b in range(m.loop_prelude, m.loop_prelude + m.loop_core)}
 
 
 def _memory(params: int, activations: float, mode: str, dp: int, fsdp: int = 1, largest_unit: int = 0) -> dict:

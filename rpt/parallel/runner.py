@@ -3,8 +3,9 @@ to touch the model. One object answers for one process, DDP, the comm modes, DiL
 pipeline (`PipelineRunner`), so the trainer, telemetry, evaluation and checkpointing hold no branch on any of them:
 
     runner.bind(optimizer)                       the optimiser the trainer built over runner.owned
-    record, state = runner.train_step(x, y, reset, state, clock, in_forward)
-                                                 forward + backward of every micro-batch, the wait for the
+    record, state = runner.train_step(x, y, reset, state, step, clock, in_forward)
+                                                 forward + backward of every micro-batch (a looped model at
+                                                 the step's drawn depth), the wait for the
                                                  gradients, the global norm and clipping, the optimiser step
                                                  (skipped on the device when the norm is not finite), the
                                                  parameters shared back; a StepRecord of what happened
@@ -23,6 +24,7 @@ from torch import nn
 
 from rpt.comm.gradient_sync import GradientSync
 from rpt.models.lm import cat_rows, detach_state, rows
+from rpt.models.loop import draw_depth
 
 
 @dataclass
@@ -33,6 +35,7 @@ class StepRecord:
     nonfinite: torch.Tensor  # 0-d bool: the norm was not finite and the optimiser step was skipped
     tokens: int  # tokens the step trained on, over every data-parallel rank
     comm: dict  # this step's communication figures (rpt.comm.accounting.CommMeter.end_step)
+    depth: int | None = None  # a looped model's drawn depth (model.loop_core)
 
 
 class Runner:
@@ -55,6 +58,7 @@ class Runner:
         self.scaler = torch.amp.GradScaler(device.type, enabled=train.precision == "fp16")
         self.optimizer: torch.optim.Optimizer | None = None
         self._probe = probe
+        self._loop_draw = (model.cfg, train.seed) if model.cfg.loop_core else None
 
     # ------------------------------------------------------------------ what the trainer calls
     @property
@@ -80,13 +84,18 @@ class Runner:
         """The recurrent state of this rank's blocks for `batch` rows, at its start."""
         return self.model.init_state(batch, self.device)
 
-    def train_step(self, x, y, reset, state: list, clock, in_forward) -> tuple[StepRecord, list]:
-        """One optimiser step over one batch. `clock(phase)` times the phases; `in_forward(loss) -> loss` is the
-        step hooks' look at each micro-batch's loss (fault injection)."""
+    def depth_at(self, step: int) -> int | None:
+        """The looped model's depth at training step `step` (None without a loop): the same on every rank."""
+        return draw_depth(*self._loop_draw, step) if self._loop_draw is not None else None
+
+    def train_step(self, x, y, reset, state: list, step: int, clock, in_forward) -> tuple[StepRecord, list]:
+        """One optimiser step over one batch, the run's step `step`. `clock(phase)` times the phases;
+        `in_forward(loss) -> loss` is the step hooks' look at each micro-batch's loss (fault injection)."""
         pin = self.device.type == "cuda"  # a copy from pageable memory would wait for the queued kernels
         x, y, *reset = ((v.pin_memory() if pin else v).to(self.device, non_blocking=True)
                         for v in (x, y, *(() if reset is None else (reset,))))
-        loss, state = self._forward_backward(x, y, reset[0] if reset else None, state, clock, in_forward)
+        depth = self.depth_at(step)
+        loss, state = self._forward_backward(x, y, reset[0] if reset else None, state, depth, clock, in_forward)
         with clock("optimizer"):
             self.sync.wait_gradients()
             if self.optimizer is not None:
@@ -102,16 +111,17 @@ class Runner:
             self.scaler.update()
             self.sync.share_parameters()  # a skipped step shares unchanged parameters
             comm = self.sync.meter.end_step()
-        return StepRecord(loss, grad_norm, nonfinite, self.tokens_per_step, comm), state
+        return StepRecord(loss, grad_norm, nonfinite, self.tokens_per_step, comm, depth), state
 
-    def _forward_backward(self, x, y, reset, state, clock, in_forward) -> tuple[torch.Tensor, list]:
+    def _forward_backward(self, x, y, reset, state, depth, clock, in_forward) -> tuple[torch.Tensor, list]:
         """Forward and backward of each micro-batch (rows of the batch), synchronised on the last only."""
         micro, losses, states, module = self.batch_size // self.grad_accum, [], [], self.sync.module
         for k in range(self.grad_accum):
             part = slice(k * micro, (k + 1) * micro)
             with nullcontext() if k == self.grad_accum - 1 else self.sync.no_sync():
                 with self.autocast(), clock("forward"):
-                    nats, new = module(x[part], rows(state, part), None if reset is None else reset[part], y[part])
+                    nats, new = module(x[part], rows(state, part), None if reset is None else reset[part], y[part],
+                                       **({} if depth is None else {"depth": depth}))
                     loss = in_forward(nats.mean())
                 with clock("backward"):
                     self.scaler.scale(loss / self.grad_accum).backward()
@@ -152,13 +162,19 @@ class Runner:
         return self.sync.schedule_in_force()
 
     def probes(self) -> list[tuple[nn.Module, object]]:
-        """(model, state_of) pairs the gate probe runs a logged step's first input through."""
-        return [(self.model, lambda s: s)] if self._probe else []
+        """(model, state_of) pairs the gate probe runs a logged step's first input through (not a looped model's,
+        whose state holds each core block once per iteration)."""
+        return [(self.model, lambda s: s)] if self._probe and self._loop_draw is None else []
 
     @property
     def state_layers(self) -> list[int]:
-        """The block index of each entry of the state this rank carries."""
-        return [int(k) for k in self.model.blocks]
+        """The block index of each entry of the state this rank carries (a looped model's core blocks once per
+        iteration it holds)."""
+        ids = [int(k) for k in self.model.blocks]
+        if self._loop_draw is None:
+            return ids
+        P, C = self.model.loop.prelude, self.model.loop.core
+        return ids[:P] + ids[P:P + C] * self.model.loop.slots + ids[P + C:]
 
     def take_bubble(self) -> dict:
         """{"pipeline_bubble": the pipeline's idle share since the last call}; empty without a pipeline."""

@@ -169,6 +169,8 @@ def check(cfg: Config) -> None:
         raise RptError(f"parallel.pp x stages_per_rank = {p.pp * p.stages_per_rank} virtual stages, but "
                        f"model.n_layers = {m.n_layers}: each needs at least one block",
                        "use fewer stages_per_rank, a smaller pp, or more layers")
+    if m.loop_core:
+        _check_loop(cfg)
     if p.pp != 1:
         _check_pipeline(cfg)
     if p.fsdp != 1:
@@ -185,6 +187,18 @@ def check(cfg: Config) -> None:
         raise RptError(f"train.batch_size = {t.batch_size} is not divisible by parallel.microbatches = "
                        f"{p.microbatches}", "choose a micro-batch count that divides the batch size")
     _check_comm(cfg)
+
+
+def _check_loop(cfg: Config) -> None:
+    """A looped model (model.loop_core) as the world runs it: its blocks as the recipe left them, and the layouts
+    whose composition with the loop is built (one process, DDP and the comm modes)."""
+    m, p = cfg.model, cfg.parallel
+    m.check()  # the loop's keys against n_layers, which a recipe may have chosen
+    for key, value in (("parallel.pp", p.pp), ("parallel.fsdp", p.fsdp)):
+        if value != 1:
+            raise RptError(f"{key} = {value!r} with a looped model (model.loop_core = {m.loop_core}): the loop "
+                           "does not run inside a pipeline stage or over FSDP shards yet",
+                           f"set {key} = 1 (data parallelism and every comm mode run a looped model)")
 
 
 def _check_pipeline(cfg: Config) -> None:

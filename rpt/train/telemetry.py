@@ -114,7 +114,8 @@ class Telemetry:
         sources = {f"tokens/{name}": n for name, n in by_source.items()}
         train = {"kind": "train", "step": step, "tokens": where["tokens"], "loss": mean_loss,
                  "grad_norm": record.grad_norm.item(), "lr": lr, "tokens_per_s": window_tokens / wall,
-                 "skipped_steps": skipped_steps, "time": time.time(), **comm, **bubble, **sources}
+                 "skipped_steps": skipped_steps, "time": time.time(), **comm, **bubble, **sources,
+                 **({} if record.depth is None else {"depth": record.depth})}
         log.info(json.dumps(train))
         self._store_interval(train, record.loss.item(), comm, bubble.get("pipeline_bubble"), steps, wall, phases,
                              state)

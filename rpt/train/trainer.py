@@ -171,7 +171,7 @@ class Trainer:
         """One optimiser step over one batch (the runner's), and its skip counted."""
         x, y, reset = batch
         record, self.state = self.runner.train_step(x, y, reset if self.cfg.data.reset_at_documents else None,
-                                                    self.state, self.clock, self._in_forward)
+                                                    self.state, self.step, self.clock, self._in_forward)
         self._count_skip(record.nonfinite)
         return record
 

@@ -9,7 +9,7 @@ import pytest
 
 from rpt.config import Config
 from rpt.errors import RptError
-from rpt.parallel.plan import balance, choose_plan, make_plan
+from rpt.parallel.plan import activation_bytes_per_token, balance, choose_plan, counted_costs, make_plan
 from rpt.train.resolve import check
 
 GiB = 2**30
@@ -77,6 +77,20 @@ def test_activation_checkpointing_keeps_block_inputs_and_one_recompute():
     assert first_ckpt.memory["activations"] == pytest.approx((2 * 4 * 4 * 64 + per_block) * tokens)
     assert first_ckpt.memory["activations"] < first.memory["activations"] / 3
     assert ckpt.params == plain.params and ckpt.peak_memory < plain.peak_memory
+
+
+def test_a_looped_model_counts_its_core_at_the_depths_it_runs():
+    """Core blocks cost (r forward + 2 min(r, k) backward) / 3 of an unlooped block's training FLOPs and keep
+    min(r, k) copies of their activations; the loop's own parameters are counted."""
+    loop = ["model.loop_prelude=2", "model.loop_core=4", "model.loop_mean=5", "model.loop_sampler=fixed",
+            "model.loop_backprop=2"]
+    plain, looped = make_plan(_cfg(), 1, 1, 64 * GiB), make_plan(_cfg(*loop), 1, 1, 64 * GiB)
+    block = counted_costs(_cfg()).block[False]  # every block alike here (no attention)
+    assert looped.stages[0].cost - plain.stages[0].cost == pytest.approx(4 * block * ((5 + 2 * 2) / 3 - 1))
+    tokens = 8 // 4 * 32  # a micro-batch's, one in flight without a pipeline
+    extra = looped.stages[0].memory["activations"] - plain.stages[0].memory["activations"]
+    assert extra == pytest.approx(4 * (2 - 1) * activation_bytes_per_token(_cfg(), 0) * tokens, rel=1e-6)
+    assert looped.params == plain.params + 2 * 64 * 64 + 64  # the adapter and the loop's norm
 
 
 def test_ps_sharded_plan_partitions_optimizer_state():
