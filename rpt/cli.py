@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
     p.add_argument("--data", help="another prepared dataset (same tokenizer) to evaluate on")
+    p.add_argument("--depth", type=int, help="a looped model's iterations (default: its model.loop_mean)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=_cmd_eval)
 
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95, help="... that hold this share of the probability (1: all)")
     p.add_argument("--seed", type=int)
     p.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
+    p.add_argument("--depth", type=int, help="a looped model's iterations per token (default: its model.loop_mean)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=_cmd_generate)
 
@@ -320,9 +322,10 @@ def _check_writable(run_dir: Path) -> None:
 def _cmd_eval(args) -> None:
     from rpt.train.run import eval_run
 
-    r = eval_run(args.run_dir, args.checkpoint, args.device, args.data)
+    r = eval_run(args.run_dir, args.checkpoint, args.device, args.data, args.depth)
+    at = f" at depth {r['depth']}" if r["depth"] is not None else ""
     print(f"{r['checkpoint']} ({r['about']})\n"
-          f"whole validation split: val loss {r['loss']:.4f}  ppl {r['ppl']:.2f}  bpb {r['bpb']:.4f}  "
+          f"whole validation split{at}: val loss {r['loss']:.4f}  ppl {r['ppl']:.2f}  bpb {r['bpb']:.4f}  "
           f"({r['tokens']:,} tokens, {r['bytes']:,} bytes)")
 
 
@@ -330,7 +333,7 @@ def _cmd_generate(args) -> None:
     from rpt.train.run import generate_text
 
     generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                  args.seed, args.checkpoint, args.device)
+                  args.seed, args.checkpoint, args.device, depth=args.depth)
 
 
 def _cmd_export(args) -> None:

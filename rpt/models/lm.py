@@ -130,22 +130,22 @@ class RecurrentLM(nn.Module):
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, generator: torch.Generator | None = None,
-                 reset_at: int | None = None) -> Iterator[int]:
+                 reset_at: int | None = None, depth: int | None = None) -> Iterator[int]:
         """Yield new token ids one at a time. prompt: [T] int64. Memory does not grow with the length.
         `reset_at`: a token (the end of text) before which the state starts afresh, in the prompt and after it,
-        as training resets it between documents."""
+        as training resets it between documents. `depth`: a looped model's iterations per token."""
         was_training = self.training
         self.eval()
         try:
             x = prompt[None]
-            logits, state = self(x, reset_mask=None if reset_at is None else x == reset_at)
+            logits, state = self(x, reset_mask=None if reset_at is None else x == reset_at, depth=depth)
             logits = logits[:, -1]
             for _ in range(max_new_tokens):
                 token = sample_next(logits, temperature, top_k, top_p, generator)
                 yield int(token[0])
                 if int(token[0]) == reset_at:
                     state = None  # a new document
-                logits, state = self.step(token, state)
+                logits, state = self.step(token, state, depth)
         finally:
             self.train(was_training)
 

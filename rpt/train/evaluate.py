@@ -21,7 +21,8 @@ from rpt.errors import RptError
 @torch.no_grad()
 def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size: int, seq_len: int,
              device: torch.device, rank: int = 0, world_size: int = 1, max_tokens: int = 0,
-             eot_id: int | None = None, autocast=nullcontext) -> dict:
+             eot_id: int | None = None, autocast=nullcontext, depth: int | None = None) -> dict:
+    """`depth`: a looped model's iterations (its default, loop_mean, where None)."""
     was_training = model.training
     model.eval()
     n, T = len(tokens), seq_len
@@ -42,7 +43,8 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
         x, y = chunk[:, :-1], chunk[:, 1:]
         reset = (x == eot_id) if eot_id is not None else None
         with autocast():
-            losses, state = model(x.to(device), state, None if reset is None else reset.to(device), y.to(device))
+            losses, state = model(x.to(device), state, None if reset is None else reset.to(device), y.to(device),
+                                  **({} if depth is None else {"depth": depth}))
         if losses is None:  # a pipeline stage before the last: it passed its activations on
             continue
         nats += losses.sum().double()

@@ -63,7 +63,9 @@ def load_run(run_dir: str | Path, checkpoint: str = "best", device: str | None =
     return cfg, model, tokenizer, path, ck
 
 
-def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str | None) -> dict:
+def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str | None,
+             depth: int | None = None) -> dict:
+    """Validation of a run's checkpoint (a looped model at `depth` iterations, its loop_mean where None)."""
     from rpt.data.dataset import PreparedData
     from rpt.data.mixture import open_dataset
     from rpt.data.tokenizer import token_byte_lengths
@@ -71,6 +73,7 @@ def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str |
 
     keep_freed_memory()
     cfg, model, tokenizer, path, ck = load_run(run_dir, checkpoint, device)
+    depth = check_depth(cfg.model, depth)
     data = PreparedData(data_path) if data_path else open_dataset(cfg.data)
     if data.meta["tokenizer_sha256"] != json.loads((Path(run_dir) / "meta.json").read_text())["tokenizer_sha256"]:
         raise RptError(f"the data at {data.path} was tokenized with another tokenizer than the run's",
@@ -78,20 +81,37 @@ def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str |
     dev = next(model.parameters()).device
     result = evaluate(model, data.tokens("val"), token_byte_lengths(tokenizer), batch_size=cfg.train.batch_size,
                       seq_len=cfg.train.seq_len, device=dev,
-                      eot_id=data.eot_id if cfg.data.reset_at_documents else None)
+                      eot_id=data.eot_id if cfg.data.reset_at_documents else None, depth=depth)
     about = ck.describe(path)
-    return {**result, "checkpoint": path, "about": f"{checkpoint}: {about}" if checkpoint in ("best", "latest") else about}
+    return {**result, "depth": depth, "checkpoint": path, "about": f"{checkpoint}: {about}" if checkpoint in ("best", "latest") else about}
+
+
+def check_depth(m, depth: int | None) -> int | None:
+    """The test-time depth of a looped model: `depth`, or its loop_mean (rounded) where None; refused for a model
+    without a loop, and below 1."""
+    if depth is None:
+        return round(m.loop_mean) if m.loop_core else None
+    if not m.loop_core:
+        raise RptError(f"--depth {depth} for a model without a loop (model.loop_core = 0)",
+                       "leave out --depth: only a looped model (docs/depth.md) runs at a chosen depth")
+    if depth < 1:
+        raise RptError(f"--depth {depth}: a looped model runs its core at least once",
+                       f"use --depth 1 or more (its training mean was {m.loop_mean:g})")
+    return depth
 
 
 def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                  seed: int | None, checkpoint: str, device: str | None, out=sys.stdout) -> str:
-    """Stream the prompt, then the generated text as it is sampled, to `out`; returns the generated text."""
+                  seed: int | None, checkpoint: str, device: str | None, out=sys.stdout,
+                  depth: int | None = None) -> str:
+    """Stream the prompt, then the generated text as it is sampled, to `out`; returns the generated text. `depth`:
+    a looped model's iterations per token."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     from rpt.data.tokenizer import eot_id, token_bytes
     from rpt import kernels
     from rpt.kernels.cpu.products import generating
 
     cfg, model, tokenizer, _, _ = load_run(run_dir, checkpoint, device)
+    depth = check_depth(cfg.model, depth)
     dev = next(model.parameters()).device
     ids = [eot_id(tokenizer)] + tokenizer.encode(prompt, add_special_tokens=False).ids  # a document starts with EOT
     table = token_bytes(tokenizer)
@@ -100,7 +120,7 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
     generator = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     pieces = []
     tokens = model.generate(torch.tensor(ids, device=dev), max_new_tokens, temperature, top_k, top_p, generator,
-                            reset_at=ids[0] if cfg.data.reset_at_documents else None)
+                            reset_at=ids[0] if cfg.data.reset_at_documents else None, depth=depth)
     if dev.type == "cpu":  # each step's one-row products on rpt's small-batch product
         tokens = generating(model, tokens, kernels.current())
     first = next(tokens, None)  # the prompt's forward first: a first use's build message comes before any text
