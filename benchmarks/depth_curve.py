@@ -62,15 +62,20 @@ def main() -> None:
     p.add_argument("--mean", type=float, default=4)
     p.add_argument("--backprop", type=int, default=2)
     p.add_argument("--out", default="/tmp/depth-curve")
+    p.add_argument("--only-looped", action="store_true", help="train and measure the looped model alone")
+    p.add_argument("--set", action="append", default=[], help="another override of the looped model's run")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from rpt.train.run import eval_run
 
     runs = {"looped": train("looped", out, args, "model.n_layers=3", "model.loop_prelude=1", "model.loop_core=1",
-                            f"model.loop_mean={args.mean}", f"model.loop_backprop={args.backprop}"),
-            "three": train("three", out, args, "model.n_layers=3"),
-            "six": train("six", out, args, "model.n_layers=6")}
+                            f"model.loop_mean={args.mean}", f"model.loop_backprop={args.backprop}", *args.set)}
+    if args.only_looped:
+        for d in [int(d) for d in args.depths.split(",")]:
+            print(f"depth {d}: {eval_run(str(runs['looped']), 'latest', 'cpu', None, d)['bpb']:.4f}", flush=True)
+        return
+    runs.update(three=train("three", out, args, "model.n_layers=3"), six=train("six", out, args, "model.n_layers=6"))
     depths = [int(d) for d in args.depths.split(",")]
     curve = {d: eval_run(str(runs["looped"]), "latest", "cpu", None, d)["bpb"] for d in depths}
     plain = {name: eval_run(str(runs[name]), "latest", "cpu", None)["bpb"] for name in ("three", "six")}

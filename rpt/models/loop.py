@@ -1,7 +1,7 @@
 """Depth recurrence: a core of blocks looped r times between a prelude and a coda (model.loop_*), as the model
 that gave "recurrent pretraining" its name recurs in depth (Geiping et al. 2025), here over rpt's recurrent blocks.
 
-    e = prelude(x);  h = h0 (zero or random)
+    e = norm(prelude(x));  h = h0 (zero or random)
     r times:  h = norm(core(adapter(cat(h, e))))     # "add": core(h + e)
     y = coda(h)
 
@@ -65,7 +65,8 @@ class DepthLoop(nn.Module):
         if self.adapter is not None:  # starts as (h + e) / 2, as stable a start as "add"
             with torch.no_grad():
                 self.adapter.weight.copy_(torch.cat([torch.eye(D), torch.eye(D)], dim=1) * 0.5)
-        self.norm = make_norm(cfg)
+        self.norm = make_norm(cfg)  # of the state after each iteration
+        self.inject_norm = make_norm(cfg)  # of the prelude's output: injected at the state's scale
 
     def init_state(self, blocks: list, batch: int, device=None, dtype=None) -> list:
         """Prelude blocks' states, then slot after slot of the core blocks' states, then the coda's."""
@@ -85,7 +86,8 @@ class DepthLoop(nn.Module):
         held = state[P:len(state) - n_coda]
         slots = [held[i:i + C] for i in range(0, len(held), C)]
         slots += [slots[-1]] * (depth - len(slots))  # iterations never run yet: the deepest state there is
-        e, h = x, self.first_state(x)
+        e = self.inject_norm(x)
+        h = self.first_state(e)
         grad = torch.is_grad_enabled()
         for i in range(depth):
             with torch.set_grad_enabled(grad and i >= depth - self.backprop):

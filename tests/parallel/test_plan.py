@@ -90,7 +90,7 @@ def test_a_looped_model_counts_its_core_at_the_depths_it_runs():
     tokens = 8 // 4 * 32  # a micro-batch's, one in flight without a pipeline
     extra = looped.stages[0].memory["activations"] - plain.stages[0].memory["activations"]
     assert extra == pytest.approx(4 * (2 - 1) * activation_bytes_per_token(_cfg(), 0) * tokens, rel=1e-6)
-    assert looped.params == plain.params + 2 * 64 * 64 + 64  # the adapter and the loop's norm
+    assert looped.params == plain.params + 2 * 64 * 64 + 2 * 64  # the adapter and the loop's two norms
 
 
 def test_ps_sharded_plan_partitions_optimizer_state():

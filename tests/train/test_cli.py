@@ -25,6 +25,8 @@ def test_train_eval_generate(tmp_path, tiny_data):
     proc = rpt("eval", str(run))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"val loss {summary['val_loss']:.4f}" in proc.stdout  # the saved model evaluates as it did in training
+    proc = rpt("eval", str(run), "--depth", "2")
+    assert proc.returncode == 2 and "without a loop" in proc.stderr and "leave out --depth" in proc.stderr
 
     first = rpt("generate", str(run), "--prompt", "KING", "--max-new-tokens", "20", "--seed", "3")
     again = rpt("generate", str(run), "--prompt", "KING", "--max-new-tokens", "20", "--seed", "3")
@@ -45,3 +47,27 @@ def test_user_errors_are_one_message(tmp_path):
     assert proc.returncode == 2 and "not a prepared dataset" in proc.stderr and "rpt prepare" in proc.stderr
     proc = rpt("eval", str(tmp_path))
     assert proc.returncode == 2 and "not a run directory" in proc.stderr
+
+
+def test_a_looped_model_evaluates_and_generates_at_a_chosen_depth(tmp_path, tiny_data):
+    run = tmp_path / "looped"
+    proc = rpt("train", "--run-dir", str(run), "--set", f"data.path={tiny_data}", "--set", "model.d_model=32",
+               "--set", "train.batch_size=4", "--set", "train.seq_len=16", "--set", "train.max_steps=6",
+               "--set", "model.n_layers=3", "--set", "model.loop_prelude=1", "--set", "model.loop_core=1",
+               "--set", "model.loop_mean=2", "--set", "model.loop_sampler=fixed")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    at = {}
+    for depth in ("1", "2", "5"):
+        proc = rpt("eval", str(run), "--depth", depth)
+        assert proc.returncode == 0 and f"whole validation split at depth {depth}:" in proc.stdout, proc.stderr[-2000:]
+        at[depth] = proc.stdout.split("val loss ")[1].split()[0]
+    assert at["2"] == f"{summary['val_loss']:.4f}"  # the training's final validation ran at loop_mean
+    assert len(set(at.values())) == 3  # the depth changes what the model predicts
+    deep = rpt("generate", str(run), "--prompt", "KING", "--max-new-tokens", "12", "--temperature", "0",
+               "--depth", "3")
+    assert deep.returncode == 0 and deep.stdout.startswith("KING"), deep.stderr[-2000:]
+    for args, message in ((("eval", str(run), "--depth", "0"), "at least once"),
+                          (("generate", str(run), "--depth", "-1"), "at least once")):
+        proc = rpt(*args)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
