@@ -197,6 +197,12 @@ class TrainConfig(_Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     eval_interval: int = 200  # steps between validations; 0: only at the end
     eval_tokens: int = 0  # tokens of a periodic validation; 0: the whole split (the final one always is)
+    # A looped model's validations also run at these depths (one pass each; its checkpoints are ranked at
+    # model.loop_mean); empty: 1, 2, 4, loop_mean, 2 x and 4 x loop_mean
+    eval_depths: list[int] = field(default_factory=list)
+    # After this share of the budget, a looped model's validation at loop_mean that is not better than at depth 1
+    # is warned about: the loop is being ignored
+    loop_ignored_after: float = 0.25
     # Selection by validation: the run's result (its final evaluation, the checkpoint `best`) is the weights of its
     # best periodic validation; and the run ends early once none improved on the best for this share of its budget.
     select_best: bool = True
@@ -226,6 +232,12 @@ class TrainConfig(_Section):
                            f"{self.grad_accum}", "the batch is split into grad_accum equal micro-batches; choose a divisor")
         if self.lr <= 0:
             raise RptError(f"train.lr = {self.lr} must be positive", "a typical value is 3e-3 for small recurrent models")
+        if any(d < 1 for d in self.eval_depths):
+            raise RptError(f"train.eval_depths = {self.eval_depths}: a looped model runs its core at least once",
+                           "use depths of 1 or more, e.g. [1, 2, 4, 8]")
+        if not 0.0 <= self.loop_ignored_after <= 1.0:
+            raise RptError(f"train.loop_ignored_after = {self.loop_ignored_after} is outside [0, 1]",
+                           "it is a share of the budget, e.g. 0.25")
         if not 0.0 <= self.early_stop <= 1.0:
             raise RptError(f"train.early_stop = {self.early_stop} is outside [0, 1]",
                            "it is a share of the budget, e.g. 0.25; 0 never stops early")

@@ -51,6 +51,42 @@ def mean_depths(cfg: ModelConfig, draws: int = 4096) -> tuple[float, float]:
     return float(r.mean()), float(np.minimum(r, cfg.loop_backprop).mean())
 
 
+def eval_depths(cfg: ModelConfig, given: list[int]) -> list[int]:
+    """The depths a looped model's validations run at: `given` (train.eval_depths), else 1, 2, 4 and 1, 2, 4 x
+    loop_mean (rounded), each once, in order."""
+    m = round(cfg.loop_mean)
+    return sorted(set(given or [1, 2, 4, m, 2 * m, 4 * m]))
+
+
+class LoopWatch:
+    """The state of the calls it watches, per iteration: its RMS, and its change from the previous iteration
+    relative to its size; after the last, the tokens' spread: the RMS of each token's state minus the mean state
+    over the window's tokens, over the states' RMS (0 when every token has the same state: they collapsed)."""
+
+    def __init__(self):
+        self.rms, self.change, self.spread, self.calls = [], [], 0.0, 0
+
+    @torch.no_grad()
+    def add(self, i: int, h: torch.Tensor, previous: torch.Tensor) -> None:
+        if i == len(self.rms):
+            self.rms.append(0.0)
+            self.change.append(0.0)
+        size = h.float().pow(2).mean().sqrt()
+        self.rms[i] += float(size)
+        self.change[i] += float((h - previous).float().pow(2).mean().sqrt() / size.clamp_min(1e-12))
+
+    @torch.no_grad()
+    def finish(self, h: torch.Tensor) -> None:
+        h = h.float().flatten(0, -2) if h.dim() > 2 else h.float()
+        self.spread += float((h - h.mean(0)).pow(2).mean().sqrt() / h.pow(2).mean().sqrt().clamp_min(1e-12))
+        self.calls += 1
+
+    def summary(self) -> dict:
+        n = max(1, self.calls)
+        return {"state_rms": [v / n for v in self.rms], "state_change": [v / n for v in self.change],
+                "token_spread": self.spread / n}
+
+
 class DepthLoop(nn.Module):
     """The loop's own parameters (the adapter, the norm of the state after each iteration) and its run over the
     model's blocks, which stay in RecurrentLM.blocks under their global index."""
@@ -65,6 +101,7 @@ class DepthLoop(nn.Module):
         if self.adapter is not None:  # starts as (h + e) / 2, as stable a start as "add"
             with torch.no_grad():
                 self.adapter.weight.copy_(torch.cat([torch.eye(D), torch.eye(D)], dim=1) * 0.5)
+        self.watch: LoopWatch | None = None  # what an evaluation reads of the state (the trainer's validations)
         self.norm = make_norm(cfg)  # of the state after each iteration
         self.inject_norm = make_norm(cfg)  # of the prelude's output: injected at the state's scale
 
@@ -95,7 +132,11 @@ class DepthLoop(nn.Module):
                 for block, s in zip(blocks[P:P + C], slots[i]):
                     u, s = block(u, s, reset, step)
                     slot.append(s)
-                h, slots[i] = self.norm(u), slot
+                h, previous, slots[i] = self.norm(u), h, slot
+            if self.watch is not None:
+                self.watch.add(i, h, previous)
+        if self.watch is not None:
+            self.watch.finish(h)
         slots[depth:] = [slots[depth - 1]] * (len(slots) - depth)  # not reached this time: the deepest reached
         new += [s for slot in slots for s in slot]
         x = h

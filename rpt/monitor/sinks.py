@@ -31,7 +31,8 @@ def interval_scalars(record: dict, ranks: list[dict]) -> dict[str, float]:
 
 def eval_scalars(record: dict) -> dict[str, float]:
     suffix = "_final" if record["final"] else ""
-    return {f"val/{k}{suffix}": record[k] for k in ("loss", "ppl", "bpb")}
+    by_depth = {f"val/bpb_depth_{d}{suffix}": r["bpb"] for d, r in record.get("by_depth", {}).items()}
+    return {**{f"val/{k}{suffix}": record[k] for k in ("loss", "ppl", "bpb")}, **by_depth}
 
 
 def installed(package: str) -> bool:

@@ -8,6 +8,7 @@ Tables (all keyed by step):
     train      rank 0's record per log line: loss (mean over ranks), grad norm, lr, tokens/s, ...
     ranks      every rank's row per log line: phase seconds per step, compute, memory, bytes, stage
     evals      validation loss, perplexity, bits per byte
+    depths     a looped model's validation by depth (bits per byte), and its state's change at each iteration
     comm       bytes and seconds (launch to completion, mean over the interval's steps) per bucket per step
     state      RMS of the recurrent state per layer, and the share of its gate outputs that are saturated
     stragglers ranks whose own compute exceeds their peers' (see metrics.stragglers)
@@ -31,6 +32,8 @@ CREATE TABLE IF NOT EXISTS train (step INTEGER PRIMARY KEY, time REAL, tokens IN
 CREATE TABLE IF NOT EXISTS ranks (step INTEGER, rank INTEGER, {", ".join(f"{f} REAL" for f in FIELDS if f != "step")},
     PRIMARY KEY (step, rank));
 CREATE TABLE IF NOT EXISTS evals (step INTEGER, time REAL, final INTEGER, loss REAL, ppl REAL, bpb REAL);
+CREATE TABLE IF NOT EXISTS depths (step INTEGER, final INTEGER, depth INTEGER, bpb REAL, state_change REAL,
+    PRIMARY KEY (step, final, depth));
 CREATE TABLE IF NOT EXISTS comm (step INTEGER, bucket INTEGER, bytes REAL, seconds REAL, PRIMARY KEY (step, bucket));
 CREATE TABLE IF NOT EXISTS state (step INTEGER, layer INTEGER, rms REAL, saturated REAL, PRIMARY KEY (step, layer));
 CREATE TABLE IF NOT EXISTS stragglers (step INTEGER, rank INTEGER, compute_s REAL, reference_s REAL, ratio REAL);
@@ -90,6 +93,11 @@ class MetricsWriter:
             self.db.execute("INSERT INTO evals VALUES (?, ?, ?, ?, ?, ?)",
                             (record["step"], record["time"], int(record["final"]), _clean(record["loss"]),
                              _clean(record["ppl"]), _clean(record["bpb"])))
+            change = record.get("loop", {}).get("state_change", [])
+            for depth, r in record.get("by_depth", {}).items():  # the state's change at iteration `depth`
+                self.db.execute("INSERT OR REPLACE INTO depths VALUES (?, ?, ?, ?, ?)",
+                                (record["step"], int(record["final"]), int(depth), _clean(r["bpb"]),
+                                 _clean(change[int(depth) - 1]) if int(depth) <= len(change) else None))
 
     def close(self) -> None:
         self.db.close()
@@ -104,9 +112,14 @@ class MetricsReader:
         self.db.row_factory = sqlite3.Row
 
     def rows(self, table: str, after: int = -1) -> list[dict]:
-        if table not in ("train", "ranks", "evals", "comm", "state", "stragglers", "profile"):
+        if table not in ("train", "ranks", "evals", "depths", "comm", "state", "stragglers", "profile"):
             raise ValueError(f"unknown table {table}")
-        cur = self.db.execute(f"SELECT * FROM {table} WHERE step > ? ORDER BY step", (after,))
+        try:
+            cur = self.db.execute(f"SELECT * FROM {table} WHERE step > ? ORDER BY step", (after,))
+        except sqlite3.OperationalError as e:  # a run written before the table existed
+            if "no such table" in str(e):
+                return []
+            raise
         return [dict(r) for r in cur.fetchall()]
 
     def meta(self) -> dict:

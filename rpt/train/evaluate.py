@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from rpt.errors import RptError
+from rpt.models.loop import LoopWatch, eval_depths
+from rpt.train.loop_health import LoopHealth
 
 
 @torch.no_grad()
@@ -85,17 +87,36 @@ class Evaluation:
         self.best_weights: dict | None = None  # this rank's weights at `best`, while this process holds them
         self.seconds = 0.0  # spent in periodic evaluations
         self.stale: str | None = None  # why the run stops early (train.early_stop), decided at each validation
+        self.health = LoopHealth(cfg.loop_ignored_after)  # a looped model's failures, warned about once each
+        self.warnings: list[str] = []  # what the last periodic validation calls for, until taken
         check_fits(len(data.tokens("val")), world_size, cfg.seq_len)  # before step 1, not after the budget
 
     def should_evaluate(self, step: int) -> bool:
         return bool(self.cfg.eval_interval) and step % self.cfg.eval_interval == 0
 
     def run(self, model, step: int, final: bool) -> dict:
+        """A validation of `model`; a looped one's also at each of its evaluation depths (`by_depth`: loss and bpb
+        by depth) with what its state did at its default depth (`loop`: rpt.models.loop.LoopWatch)."""
         began = time.perf_counter()
-        result = evaluate(model, self.data.tokens("val"), self.byte_lengths, batch_size=self.cfg.batch_size,
-                          seq_len=self.cfg.seq_len, device=self.device, rank=self.rank, world_size=self.world_size,
-                          max_tokens=0 if final else self.cfg.eval_tokens, eot_id=self.eot_id,
-                          autocast=self.autocast)
+        measure = lambda depth=None: evaluate(  # noqa: E731
+            model, self.data.tokens("val"), self.byte_lengths, batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len,
+            device=self.device, rank=self.rank, world_size=self.world_size,
+            max_tokens=0 if final else self.cfg.eval_tokens, eot_id=self.eot_id, autocast=self.autocast, depth=depth)
+        loop = getattr(model, "loop", None)
+        if loop is not None:
+            loop.watch = LoopWatch()
+        try:
+            result = measure()
+        finally:
+            watch = loop.watch if loop is not None else None
+            if loop is not None:
+                loop.watch = None
+        if watch is not None:
+            default = loop.default_depth
+            depths = eval_depths(model.cfg, self.cfg.eval_depths)
+            by_depth = {d: (result if d == default else measure(d)) for d in depths}
+            result = {**result, "by_depth": {d: {"loss": r["loss"], "bpb": r["bpb"]} for d, r in by_depth.items()},
+                      "depth": default, "loop": watch.summary()}
         if not final:
             self.last = {**result, "step": step}
             self.seconds += time.perf_counter() - began
@@ -105,6 +126,7 @@ class Evaluation:
         """After a periodic evaluation: if it is the best so far, remember it (and, selecting, the weights that
         `weights_of()` gives). Every rank decides alike: the losses are all-reduced."""
         self.last["progress"] = progress
+        self.warnings += self.health.check(self.last, progress)
         if self.best is None or self.last["loss"] < self.best["loss"]:
             self.best = dict(self.last)
             self.best_weights = weights_of() if self.cfg.select_best else None
@@ -119,6 +141,10 @@ class Evaluation:
             return None
         return (f"train.early_stop = {self.cfg.early_stop:g}: no better validation for that share of the budget "
                 f"(the best at step {self.best['step']:,}, loss {self.best['loss']:.4f})")
+
+    def take_warnings(self) -> list[str]:
+        warnings, self.warnings = self.warnings, []
+        return warnings
 
     def ranking(self, step: int) -> tuple[float, int] | None:
         """(loss, tokens) of the periodic evaluation of `step`, what its checkpoint is ranked by; None if none."""

@@ -171,6 +171,9 @@ def check(cfg: Config) -> None:
                        "use fewer stages_per_rank, a smaller pp, or more layers")
     if m.loop_core:
         _check_loop(cfg)
+    elif t.eval_depths:
+        raise RptError(f"train.eval_depths = {t.eval_depths} for a model without a loop (model.loop_core = 0)",
+                       "leave train.eval_depths empty, or loop the model (docs/depth.md)")
     if p.pp != 1:
         _check_pipeline(cfg)
     if p.fsdp != 1:

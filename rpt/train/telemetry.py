@@ -201,7 +201,9 @@ class Telemetry:
             sink.scalars(sinks.eval_scalars(record), step)
         self.say(f"step {step}: val loss {result['loss']:.4f}, ppl {result['ppl']:.2f}, bpb {result['bpb']:.4f}"
                  + (" (final, whole split" + (f", the weights of step {weights_step}" if weights_step != step else "")
-                    + ")" if final else ""))
+                    + ")" if final else "")
+                 + ("; bpb by depth " + ", ".join(f"{d}: {r['bpb']:.4f}" for d, r in result["by_depth"].items())
+                    if "by_depth" in result else ""))
         if self.d.is_main:
             self._append_jsonl(record)
 

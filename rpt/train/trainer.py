@@ -387,6 +387,7 @@ class Trainer:
             if not final:
                 self.evaluation.keep_if_best(self._weights, self.spent_share)
         self.telemetry.evaluation(self.step, result, final, weights_step)
+        self.telemetry.say(*self.evaluation.take_warnings())
         return result
 
     def _weights(self) -> dict:

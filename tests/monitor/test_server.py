@@ -164,6 +164,11 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
                     progress={"step": 3, "max_steps": 10, "spent": 0.3, "eta_s": 42.0, "budget": "train.max_steps"})
     for step in (1, 2, 3):
         _write_step(writer, step)
+    # the live run is a looped model: its validation at each depth, the state's change at each iteration
+    writer.write_eval({"step": 2, "time": time.time(), "final": False, "loss": 3.0, "ppl": 20.0, "bpb": 2.1,
+                       "by_depth": {1: {"loss": 3.2, "bpb": 2.3}, 2: {"loss": 3.0, "bpb": 2.1},
+                                    4: {"loss": 2.9, "bpb": 2.05}},
+                       "loop": {"state_rms": [1.0, 1.0], "state_change": [1.0, 0.2], "token_spread": 0.8}})
     writer.write_profile(3, [{"steps": 2, "wall_s": 0.2, "compute_s": 0.12, "comm_s": 0.06, "overlap_s": 0.02,
                               "idle_s": 0.04}] * 2)
     server, thread, port = _serve_in_thread(create_app([recorded, live]))
@@ -175,7 +180,8 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
         wait.until(lambda d: len(d.execute_script(names, "loss")) == 2)
         assert driver.execute_script(names, "loss") == ["recorded train", "live train"]
         # the periodic evaluations (first 1,024 tokens) and the final whole-split one are separate series
-        assert driver.execute_script(names, "val") == ["recorded val (first 1,024 tokens)", "recorded final (whole split)"]
+        assert driver.execute_script(names, "val") == ["recorded val (first 1,024 tokens)", "recorded final (whole split)",
+                                                       "live val (whole split)"]
         # as a user sees them: the text rendered in the page, axis titles, legends and the runs' progress
         text = "return [...document.querySelectorAll(arguments[0])].map(e => e.textContent)"
         titles = {chart: (driver.execute_script(text, f"#{chart} .xtitle"), driver.execute_script(text, f"#{chart} .ytitle"))
@@ -185,7 +191,8 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
                           "throughput": (["step"], ["tokens per second"]), "breakdown": (["rank"], ["seconds per step"]),
                           "state": (["step"], ["state RMS"]), "gates": (["step"], ["share of gate outputs saturated"])}
         assert driver.execute_script(text, "#val .legendtext") == ["recorded val (first 1,024 tokens)",
-                                                                   "recorded final (whole split)"]
+                                                                   "recorded final (whole split)",
+                                                                   "live val (whole split)"]
         assert driver.execute_script(text, "#lr .legendtext") == ["recorded lr", "live lr"]
         lines = driver.execute_script(text, "#runs .run")
         assert lines[0].startswith("recorded: finished, step 8 (ended by train.max_steps = 8), val loss ")
@@ -204,6 +211,10 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
         assert driver.execute_script(names, "breakdown") == ["data", "forward", "backward + optimizer",
                                                             "exposed communication", "checkpoint", "evaluation", "other"]
         assert driver.execute_script(names, "state") == ["layer 0", "layer 1"]
+        assert driver.execute_script(names, "depth") == ["live step 2"]  # only the looped run has a depth curve
+        curve = "return [document.getElementById('depth').data[0].x, document.getElementById('depth').data[0].y]"
+        assert driver.execute_script(curve) == [[1, 2, 4], [2.3, 2.1, 2.05]]
+        assert driver.execute_script(text, "#depth .xtitle") == ["iterations of the loop (depth)"]
         assert driver.execute_script(names, "gates") == ["layer 0", "layer 1"]
         assert driver.execute_script("return document.querySelectorAll('svg.main-svg').length") >= 6  # drawn
         # the second run is live: new steps appear without a reload

@@ -63,7 +63,6 @@ def test_a_looped_model_evaluates_and_generates_at_a_chosen_depth(tmp_path, tiny
         assert proc.returncode == 0 and f"whole validation split at depth {depth}:" in proc.stdout, proc.stderr[-2000:]
         at[depth] = proc.stdout.split("val loss ")[1].split()[0]
     assert at["2"] == f"{summary['val_loss']:.4f}"  # the training's final validation ran at loop_mean
-    assert len(set(at.values())) == 3  # the depth changes what the model predicts
     deep = rpt("generate", str(run), "--prompt", "KING", "--max-new-tokens", "12", "--temperature", "0",
                "--depth", "3")
     assert deep.returncode == 0 and deep.stdout.startswith("KING"), deep.stderr[-2000:]

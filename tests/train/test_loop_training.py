@@ -50,3 +50,43 @@ def test_layouts_the_loop_does_not_run_in_yet_are_refused_with_the_fix(make_cfg,
     with pytest.raises(RptError, match="looped model") as refused:
         make_cfg(*LOOP, layout, "model.n_layers=4")
     assert "= 1" in refused.value.fix
+
+
+def test_validations_run_at_each_depth_and_record_the_state(make_cfg, tmp_path, solo):
+    from rpt.monitor.store import MetricsReader
+
+    cfg = make_cfg(*LOOP, "train.max_steps=4", "train.eval_interval=2", "train.eval_depths=[1, 3, 5]")
+    summary = Trainer(cfg, tmp_path / "r", solo, show_progress=False).run()
+    evals = [r for r in map(json.loads, (tmp_path / "r" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "eval"]
+    assert [(e["step"], e["final"]) for e in evals] == [(2, False), (4, False), (4, True)]
+    for e in evals:
+        assert list(e["by_depth"]) == ["1", "3", "5"] and e["depth"] == 3
+        assert e["by_depth"]["3"]["bpb"] == e["bpb"]  # the default depth is the validation itself
+        assert len({r["bpb"] for r in e["by_depth"].values()}) == 3
+        assert len(e["loop"]["state_change"]) == 3 and e["loop"]["state_change"][0] > 0
+        assert 0 < e["loop"]["token_spread"] and all(v > 0 for v in e["loop"]["state_rms"])
+    assert summary["val_bpb"] == evals[-1]["bpb"]
+    rows = MetricsReader(tmp_path / "r").rows("depths")
+    assert [(r["step"], r["final"], r["depth"]) for r in rows if r["step"] == 2] == [(2, 0, 1), (2, 0, 3), (2, 0, 5)]
+
+
+def test_the_loops_two_known_failures_are_warned_about_once():
+    from rpt.train.loop_health import LoopHealth
+
+    health = LoopHealth(after=0.25)
+    result = lambda shallow, deep, spread=0.5: {  # noqa: E731
+        "depth": 4, "by_depth": {1: {"bpb": shallow}, 4: {"bpb": deep}}, "loop": {"token_spread": spread}}
+    assert health.check(result(2.0, 2.0), spent=0.2) == []  # too early to say
+    assert health.check(result(2.0, 1.9), spent=0.5) == []  # the loop helps
+    ignored = health.check(result(2.0, 2.01), spent=0.5)
+    assert len(ignored) == 1 and "ignored" in ignored[0] and "2.0100" in ignored[0]
+    assert health.check(result(2.0, 2.01), spent=0.6) == []  # once
+    collapsed = health.check(result(2.0, 1.9, spread=0.01), spent=0.6)
+    assert len(collapsed) == 1 and "collapsed" in collapsed[0]
+    assert LoopHealth(0.25).check({"loss": 1.0, "bpb": 1.0}, spent=1.0) == []  # an unlooped model's validation
+
+
+def test_eval_depths_without_a_loop_are_refused(make_cfg):
+    with pytest.raises(RptError, match="without a loop"):
+        make_cfg("train.eval_depths=[1, 2]")

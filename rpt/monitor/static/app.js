@@ -1,7 +1,7 @@
 // rpt monitor: polls the run store through /api every 2 s and redraws; no reload, no CDN.
 "use strict";
 const TOKEN = new URLSearchParams(location.search).get("token");
-const TABLES = ["train", "ranks", "evals", "comm", "state", "stragglers", "profile"];
+const TABLES = ["train", "ranks", "evals", "depths", "comm", "state", "stragglers", "profile"];
 const runs = [];            // {id, name, live, meta, summary, rows: {table: [...]}, last: {table: step}}
 let selected = 0;
 
@@ -59,6 +59,23 @@ function runLine(r) {
     `, ${(100 * p.spent).toFixed(0)}% of ${p.budget}, ETA ${clock(p.eta_s)}`;
 }
 
+// a looped model's depth curve: its latest validation (the final one once there is one) at each depth
+function drawDepths() {
+  const curves = runs.flatMap((r, i) => {
+    const rows = r.rows.depths || [];
+    if (!rows.length) return [];
+    const final = rows.filter(p => p.final), periodic = rows.filter(p => !p.final);
+    const step = Math.max(...periodic.map(p => p.step));
+    const points = (final.length ? final : periodic.filter(p => p.step === step)).sort((a, b) => a.depth - b.depth);
+    const color = PALETTE[i % PALETTE.length];
+    return [{name: `${r.name} ${final.length ? "final (whole split)" : "step " + step}`, x: points.map(p => p.depth),
+             y: points.map(p => p.bpb), mode: "lines+markers", line: {color}, marker: {color}}];
+  });
+  if (!curves.length) return empty("depth", "no looped model: model.loop_core loops one (docs/depth.md)");
+  Plotly.react("depth", curves, layout("iterations of the loop (depth)", "validation (bits per byte)",
+                                       {xaxis: axis("iterations of the loop (depth)", {type: "log"})}));
+}
+
 function draw() {
   document.getElementById("runs").innerHTML = runs.map(r => `<span class="run">${escape(runLine(r))}</span>`).join("");
   const series = (key, suffix) => runs.map((r, i) => ({name: `${r.name} ${suffix}`, x: r.rows.train.map(p => p.step),
@@ -77,6 +94,7 @@ function draw() {
              mode: "markers", marker: {symbol: "star", size: 12, color}}];
   }).filter(t => t.x.length);
   Plotly.react("val", evals, layout("step", "validation (bits per byte)"));
+  drawDepths();
   const run = runs[selected];
   if (!run) return;
   document.querySelectorAll(".run-name").forEach(e => { e.textContent = run.name; });
