@@ -66,6 +66,10 @@ def export_model(cfg, model, tokenizer_path: Path, out: Path, tokenizer_sha256: 
     if m.cell == "modlstm" and m.gate not in GATES:
         raise RptError(f"model.gate = '{m.gate}' is a gate of your own: the exported modeling file knows "
                        f"{', '.join(GATES)}", "export a run with a built-in gate, or use the run with rpt")
+    if m.loop_core and m.loop_init != "zero":
+        raise RptError(f"model.loop_init = '{m.loop_init}': the exported model starts each token's iterations from "
+                       "zero, and would not give this model's (random) results",
+                       "export a looped model trained with model.loop_init = 'zero'")
     tok = load_tokenizer(tokenizer_path)
     fold_weight_norm(model)
     config = hf_config(cfg, model, eot_id(tok), tokenizer_sha256)
@@ -102,6 +106,8 @@ def hf_config(cfg, model, eot: int, tokenizer_sha256: str):
                      attention_every=m.attention_every, attention_window=m.attention_window,
                      attention_heads=m.attention_heads, head_shortlist=m.head_shortlist, gate=m.gate,
                      gate_norm=m.gate_norm, coupled_gates=m.coupled_gates, peepholes=m.peepholes, heads=m.heads,
+                     loop_prelude=m.loop_prelude, loop_core=m.loop_core, loop_depth=round(m.loop_mean),
+                     loop_slots=m.loop_cap, loop_inject=m.loop_inject,
                      reset_at_eot=cfg.data.reset_at_documents, eot_token_id=eot, tie_word_embeddings=m.tie_embeddings,
                      tokenizer_sha256=tokenizer_sha256, architectures=["RptForCausalLM"])
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from rpt.config import ModelConfig
+from rpt.ops.loop.spec import run_loop
 
 INIT_STD = 0.63  # the random first state's std (truncated at 3 std), Huginn's sqrt(2/5)
 SIGMA = 0.5  # the spread of the Poisson-lognormal draw's log-rate
@@ -112,38 +113,14 @@ class DepthLoop(nn.Module):
         return fresh[:P] + fresh[P:P + C] * self.slots + fresh[P + C:]
 
     def forward(self, blocks: list, x: torch.Tensor, state: list, reset, depth: int | None, step: bool):
-        """Run `blocks` (the model's, in order) over x with the loop; returns (x, the new state)."""
-        P, C = self.prelude, self.core
-        depth = self.default_depth if depth is None else depth
-        n_coda = len(blocks) - P - C
-        new = []
-        for block, s in zip(blocks[:P], state[:P]):
-            x, s = block(x, s, reset, step)
-            new.append(s)
-        held = state[P:len(state) - n_coda]
-        slots = [held[i:i + C] for i in range(0, len(held), C)]
-        slots += [slots[-1]] * (depth - len(slots))  # iterations never run yet: the deepest state there is
-        e = self.inject_norm(x)
-        h = self.first_state(e)
-        grad = torch.is_grad_enabled()
-        for i in range(depth):
-            with torch.set_grad_enabled(grad and i >= depth - self.backprop):
-                u, slot = self.adapter(torch.cat([h, e], dim=-1)) if self.adapter is not None else h + e, []
-                for block, s in zip(blocks[P:P + C], slots[i]):
-                    u, s = block(u, s, reset, step)
-                    slot.append(s)
-                h, previous, slots[i] = self.norm(u), h, slot
-            if self.watch is not None:
-                self.watch.add(i, h, previous)
-        if self.watch is not None:
-            self.watch.finish(h)
-        slots[depth:] = [slots[depth - 1]] * (len(slots) - depth)  # not reached this time: the deepest reached
-        new += [s for slot in slots for s in slot]
-        x = h
-        for block, s in zip(blocks[P + C:], state[len(state) - n_coda:]):
-            x, s = block(x, s, reset, step)
-            new.append(s)
-        return x, new
+        """Run `blocks` (the model's, in order) over x with the loop (rpt/ops/loop/spec.py); returns (x, the new
+        state)."""
+        return run_loop(lambda block, x, s: block(x, s, reset, step), blocks, x, state,
+                        self.default_depth if depth is None else depth, self.prelude, self.core, self.inject,
+                        self.norm, self.inject_norm, self.first_state, self.backprop, self.watch)
+
+    def inject(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return self.adapter(torch.cat([h, e], dim=-1)) if self.adapter is not None else h + e
 
     def first_state(self, e: torch.Tensor) -> torch.Tensor:
         if self.init == "zero":

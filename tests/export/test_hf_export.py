@@ -36,6 +36,9 @@ VARIANTS = {  # name: the model settings of a run (every cell; attention, MLP, b
     "modlstm-coupled": ["model.cell=modlstm", "model.coupled_gates=true", "model.weight_norm=true"],
     "mingru-short": ["model.cell=mingru", "model.head_shortlist=40"],
     "minlstm": ["model.cell=minlstm", "model.attention_every=1", "model.attention_heads=4", "model.attention_window=4"],
+    "mingru-looped": ["model.cell=mingru", "model.n_layers=3", "model.loop_prelude=1", "model.loop_core=1",
+                      "model.loop_mean=3", "model.attention_every=2", "model.attention_heads=2",
+                      "model.attention_window=6"],
 }
 
 
@@ -73,7 +76,7 @@ def assert_steps_are_the_specs(folder: Path) -> None:
     each importing torch alone; modeling_rpt.py writes no gate function of its own (they come from the specs)."""
     ops = Path(rpt.__file__).parent / "ops"
     specs = sorted(ops.glob("*/spec.py"))
-    assert {p.parent.name for p in specs} == {"lstm", "gru", "modlstm", "minrnn"}
+    assert {p.parent.name for p in specs} == {"lstm", "gru", "modlstm", "minrnn", "loop"}
     for spec in specs:
         shipped = folder / f"spec_{spec.parent.name}.py"
         assert shipped.read_bytes() == spec.read_bytes(), shipped
@@ -118,6 +121,31 @@ def test_export_round_trip_gives_rpt_logits(runs, name):
     with torch.no_grad():
         again, _ = back.eval()(x)
     torch.testing.assert_close(again, ours, atol=1e-5 if cfg.model.weight_norm else 0, rtol=0)
+
+
+def test_a_looped_export_gives_rpt_logits_at_every_depth_and_generates_at_one(runs):
+    """num_steps (as Huginn's model takes it) is the looped model's depth: rpt's logits at depths 1, 4 and 7, in one
+    forward and token by token through the cache; generate(num_steps=N) gives rpt's greedy tokens at depth N."""
+    run, folder = runs["mingru-looped"]
+    _, model, tokenizer, *_ = load_run(run, "best", "cpu")
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    x = tokens(model, eot)
+    hf = hf_model(folder)
+    logits = {}
+    for depth in (1, 4, 7):
+        with torch.no_grad():
+            ours, _ = model(x, depth=depth)
+            theirs = hf(x, num_steps=depth).logits
+            first = hf(x[:, :10], num_steps=depth)
+            rest = hf(x[:, 10:], cache=first.cache, num_steps=depth).logits
+        torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.cat([first.logits, rest], 1), ours, atol=1e-5, rtol=0)
+        logits[depth] = ours
+    assert (logits[1] - logits[7]).abs().max() > 1e-4  # the depth changes the model
+    with torch.no_grad():
+        greedy = hf.generate(x[:1, :8], max_new_tokens=6, do_sample=False, num_steps=4)[0, 8:].tolist()
+    ours = list(model.generate(x[0, :8], 6, temperature=0, reset_at=eot, depth=4))
+    assert greedy == ours
 
 
 def test_exported_model_resets_at_end_of_text_as_rpt_evaluates(runs):

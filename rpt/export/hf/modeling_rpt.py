@@ -33,6 +33,7 @@ from transformers.utils import ModelOutput
 
 from .configuration_rpt import RptConfig
 from .spec_gru import gru_step
+from .spec_loop import run_loop
 from .spec_lstm import lstm_step
 from .spec_minrnn import COEFFICIENTS, min_step
 from .spec_modlstm import GATES, gate_groups, modlstm_step
@@ -256,6 +257,21 @@ class ClusteredHead(Head):
         return torch.cat([head[..., :S], tail], dim=-1).index_select(-1, rank)
 
 
+class Loop(nn.Module):
+    """Depth recurrence (rpt's model.loop_*): the core blocks run num_steps times between the prelude and the coda
+    (spec_loop.run_loop), each iteration reading adapter(cat(h, e)) (or h + e), e the prelude's output normalised;
+    the state holds each core block once per iteration."""
+
+    def __init__(self, cfg: RptConfig):
+        super().__init__()
+        D = cfg.d_model
+        self.adapter = nn.Linear(2 * D, D, bias=False) if cfg.loop_inject == "linear" else None
+        self.norm, self.inject_norm = make_norm(cfg), make_norm(cfg)
+
+    def inject(self, h, e):
+        return self.adapter(torch.cat([h, e], dim=-1)) if self.adapter is not None else h + e
+
+
 # ---------------------------------------------------------------------------------------------- transformers
 class RptState:
     """The generation cache: every block's recurrent state (and its attention window), and the tokens seen."""
@@ -287,6 +303,7 @@ class RptForCausalLM(PreTrainedModel, GenerationMixin):
         self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
         self.norm = make_norm(config)
         self.head = ClusteredHead(config) if config.head_shortlist else Head(config)
+        self.loop = Loop(config) if config.loop_core else None
         self.post_init()
 
     @classmethod
@@ -308,18 +325,18 @@ class RptForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 cache: RptState | None = None, labels: torch.LongTensor | None = None, use_cache: bool | None = None,
-                return_dict: bool | None = None, logits_to_keep: int = 0, **kwargs) -> RptCausalLMOutput:
+                return_dict: bool | None = None, logits_to_keep: int = 0, num_steps: int | None = None,
+                **kwargs) -> RptCausalLMOutput:
+        """`num_steps`: a looped model's iterations of its core (config.loop_depth by default), as Huginn's takes it
+        (also through generate(..., num_steps=N))."""
         B, T = input_ids.shape
         if cache is None:  # fresh rows: each starts as a document (one column more, dropped below)
             ids, reset = self._start_documents(input_ids, attention_mask)
         else:
             ids, reset = input_ids, self._eot_resets(input_ids)
         x = self.embed(ids)
-        state = cache.blocks if cache is not None else [b.init_state(B, x) for b in self.blocks.values()]
-        new_state = []
-        for block, s in zip(self.blocks.values(), state):
-            x, s = block(x, s, reset)
-            new_state.append(s)
+        x, new_state = self._run_blocks(x, cache.blocks if cache is not None else self._fresh_state(B, x), reset,
+                                        num_steps)
         x = self.norm(x[:, -T:])
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
@@ -330,6 +347,26 @@ class RptForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         seen = (cache.seen if cache is not None else 0) + T
         return RptCausalLMOutput(loss=loss, logits=logits, cache=RptState(new_state, seen) if use_cache else None)
+
+    def _fresh_state(self, batch: int, like: torch.Tensor) -> list:
+        fresh = [b.init_state(batch, like) for b in self.blocks.values()]
+        if self.loop is None:
+            return fresh
+        P, C = self.config.loop_prelude, self.config.loop_core
+        return fresh[:P] + fresh[P:P + C] * self.config.loop_slots + fresh[P + C:]
+
+    def _run_blocks(self, x, state: list, reset, num_steps: int | None):
+        blocks = list(self.blocks.values())
+        if self.loop is not None:
+            c = self.config
+            return run_loop(lambda block, x, s: block(x, s, reset), blocks, x, state, num_steps or c.loop_depth,
+                            c.loop_prelude, c.loop_core, self.loop.inject, self.loop.norm, self.loop.inject_norm,
+                            torch.zeros_like)
+        new_state = []
+        for block, s in zip(blocks, state):
+            x, s = block(x, s, reset)
+            new_state.append(s)
+        return x, new_state
 
     def _eot_resets(self, ids):
         eot = self.config.eot_token_id
