@@ -2,7 +2,7 @@
 that gave "recurrent pretraining" its name recurs in depth (Geiping et al. 2025), here over rpt's recurrent blocks.
 
     e = norm(prelude(x));  h = h0 (zero or random)
-    r times:  h = norm(core(adapter(cat(h, e))))     # "add": core(h + e)
+    r times:  h = norm(core(h + e))     # "linear": core(adapter(cat(h, e))), as Huginn
     y = coda(h)
 
 Each (iteration, core block) pair carries its own state over time, so a looped model's state is r x core block

@@ -38,7 +38,9 @@ VARIANTS = {  # name: the model settings of a run (every cell; attention, MLP, b
     "minlstm": ["model.cell=minlstm", "model.attention_every=1", "model.attention_heads=4", "model.attention_window=4"],
     "mingru-looped": ["model.cell=mingru", "model.n_layers=3", "model.loop_prelude=1", "model.loop_core=1",
                       "model.loop_mean=3", "model.attention_every=2", "model.attention_heads=2",
-                      "model.attention_window=6"],
+                      "model.attention_window=6", "model.loop_inject=linear"],
+    "lstm-looped-add": ["model.cell=lstm", "model.n_layers=3", "model.loop_prelude=1", "model.loop_core=1",
+                        "model.loop_mean=2"],
 }
 
 

@@ -19,7 +19,7 @@ V, T = 40, 11
 
 def looped(cell="lstm", **kw) -> RecurrentLM:
     options = dict(cell=cell, n_layers=4, d_model=16, vocab_size=V, loop_prelude=1, loop_core=2, loop_mean=3,
-                   loop_backprop=2, attention_every=3, attention_window=4, attention_heads=2)
+                   loop_backprop=2, attention_every=3, attention_window=4, attention_heads=2, loop_inject="linear")
     options.update(kw)
     cfg = ModelConfig(**options)
     cfg.check()

@@ -83,7 +83,7 @@ def test_a_looped_model_counts_its_core_at_the_depths_it_runs():
     """Core blocks cost (r forward + 2 min(r, k) backward) / 3 of an unlooped block's training FLOPs and keep
     min(r, k) copies of their activations; the loop's own parameters are counted."""
     loop = ["model.loop_prelude=2", "model.loop_core=4", "model.loop_mean=5", "model.loop_sampler=fixed",
-            "model.loop_backprop=2"]
+            "model.loop_backprop=2", "model.loop_inject=linear"]
     plain, looped = make_plan(_cfg(), 1, 1, 64 * GiB), make_plan(_cfg(*loop), 1, 1, 64 * GiB)
     block = counted_costs(_cfg()).block[False]  # every block alike here (no attention)
     assert looped.stages[0].cost - plain.stages[0].cost == pytest.approx(4 * block * ((5 + 2 * 2) / 3 - 1))

@@ -15,7 +15,7 @@ class RptConfig(PretrainedConfig):
                  attention_window: int = 128, attention_heads: int = 4, head_shortlist: int = 0,
                  gate: str = "sigmoid", gate_norm: bool = False, coupled_gates: bool = False, peepholes: bool = False,
                  heads: int = 1, loop_prelude: int = 0, loop_core: int = 0, loop_depth: int = 4, loop_slots: int = 16,
-                 loop_inject: str = "linear",
+                 loop_inject: str = "add",
                  reset_at_eot: bool = True, eot_token_id: int = 0, tie_word_embeddings: bool = True,
                  tokenizer_sha256: str = "", initializer_range: float = 0.02, use_cache: bool = True, **kwargs):
         self.vocab_size, self.cell, self.n_layers, self.d_model, self.d_hidden = vocab_size, cell, n_layers, d_model, d_hidden
