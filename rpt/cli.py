@@ -138,7 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95, help="... that hold this share of the probability (1: all)")
     p.add_argument("--seed", type=int)
     p.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
-    p.add_argument("--depth", type=int, help="a looped model's iterations per token (default: its model.loop_mean)")
+    p.add_argument("--depth", type=int, help="a looped model's iterations per token (default: its model.loop_mean; "
+                   "with --exit, the most: 4 x loop_mean)")
+    p.add_argument("--exit", metavar="CRITERION:THRESHOLD", help="a looped model ends a token's iterations early: "
+                   "kl:5e-4 (successive next-token distributions), shortlist:5e-4 (the same over the clustered "
+                   "head's shortlist), change:0.01 (the state's relative change)")
+    p.add_argument("--shared-state", action="store_true", help="a looped model keeps one state for all its "
+                   "iterations (each continues from the previous token's last): less memory, some loss")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=_cmd_generate)
 
@@ -333,7 +339,8 @@ def _cmd_generate(args) -> None:
     from rpt.train.run import generate_text
 
     generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                  args.seed, args.checkpoint, args.device, depth=args.depth)
+                  args.seed, args.checkpoint, args.device, depth=args.depth, exit=args.exit,
+                  shared=args.shared_state)
 
 
 def _cmd_export(args) -> None:

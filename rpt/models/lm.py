@@ -102,15 +102,15 @@ class RecurrentLM(nn.Module):
         return [b.init_state(batch, device, dtype) for b in self.blocks.values()]
 
     def forward(self, x: torch.Tensor, state: list | None = None, reset_mask: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None, depth: int | None = None):
+                targets: torch.Tensor | None = None, depth: int | None = None, shared: bool = False):
         """x: [B, T] int64 tokens (activations [B, T, D] where the embedding is not built);
         reset_mask: [B, T] bool (reset the state before reading that token); targets: [B, T] next tokens, to
         return each one's loss in nats (float32) in place of the logits (the head's cheaper form); depth: the
-        loop's iterations (a looped model's; model.loop_mean by default)."""
+        loop's iterations (a looped model's; model.loop_mean by default); shared: as `step` takes it."""
         if self.embed is not None:
             x = self.embed_dropout(self.embed(x))
         state = state if state is not None else self.init_state(x.shape[0], x.device)
-        x, new_state = self.run_blocks(x, state, reset_mask, depth)
+        x, new_state = self.run_blocks(x, state, reset_mask, depth, shared=shared)
         if self.norm is not None:
             x = self.norm(x)
         if self.head is None:
@@ -118,11 +118,14 @@ class RecurrentLM(nn.Module):
         x = self.embed_dropout(x)
         return owned(self.head(x) if targets is None else self.head.nats(x, targets)), new_state
 
-    def step(self, token: torch.Tensor, state: list | None = None, depth: int | None = None):
-        """token: [B] int64. The single-step forms of every cell: what generation runs."""
+    def step(self, token: torch.Tensor, state: list | None = None, depth: int | None = None, exit=None,
+             shared: bool = False):
+        """token: [B] int64. The single-step forms of every cell: what generation runs. A looped model's `exit`
+        (rpt/models/loop_exit.py) ends each row's iterations early, `depth` the most; `shared`: its iterations
+        keep one state between tokens (each continues from the previous token's last), not one each."""
         x = self.embed(token) if self.embed is not None else token
         state = state if state is not None else self.init_state(x.shape[0], x.device)
-        x, new_state = self.run_blocks(x, state, None, depth, step=True)
+        x, new_state = self.run_blocks(x, state, None, depth, True, exit.stop(self, state) if exit else None, shared)
         if self.norm is not None:
             x = self.norm(x)
         return (self.head(x) if self.head is not None else x), new_state
@@ -130,29 +133,33 @@ class RecurrentLM(nn.Module):
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, generator: torch.Generator | None = None,
-                 reset_at: int | None = None, depth: int | None = None) -> Iterator[int]:
+                 reset_at: int | None = None, depth: int | None = None, exit=None,
+                 shared: bool = False) -> Iterator[int]:
         """Yield new token ids one at a time. prompt: [T] int64. Memory does not grow with the length.
         `reset_at`: a token (the end of text) before which the state starts afresh, in the prompt and after it,
-        as training resets it between documents. `depth`: a looped model's iterations per token."""
+        as training resets it between documents. `depth`, `exit`, `shared`: a looped model's iterations per token,
+        as `step` takes them (the prompt runs at `depth`)."""
         was_training = self.training
         self.eval()
         try:
             x = prompt[None]
-            logits, state = self(x, reset_mask=None if reset_at is None else x == reset_at, depth=depth)
+            logits, state = self(x, reset_mask=None if reset_at is None else x == reset_at, depth=depth,
+                                 shared=shared)
             logits = logits[:, -1]
             for _ in range(max_new_tokens):
                 token = sample_next(logits, temperature, top_k, top_p, generator)
                 yield int(token[0])
                 if int(token[0]) == reset_at:
                     state = None  # a new document
-                logits, state = self.step(token, state, depth)
+                logits, state = self.step(token, state, depth, exit, shared)
         finally:
             self.train(was_training)
 
-    def run_blocks(self, x, state: list, reset, depth: int | None, step: bool = False):
+    def run_blocks(self, x, state: list, reset, depth: int | None, step: bool = False, stop=None,
+                   shared: bool = False):
         """Every block in order, each with its state (with a loop, the core's blocks once per iteration)."""
         if self.loop is not None:
-            return self.loop(list(self.blocks.values()), x, state, reset, depth, step)
+            return self.loop(list(self.blocks.values()), x, state, reset, depth, step, stop, shared)
         new_state = []
         for block, s in zip(self.blocks.values(), state):
             x, s = block(x, s, reset, step)

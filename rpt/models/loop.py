@@ -112,12 +112,13 @@ class DepthLoop(nn.Module):
         fresh = [b.init_state(batch, device, dtype) for b in blocks]
         return fresh[:P] + fresh[P:P + C] * self.slots + fresh[P + C:]
 
-    def forward(self, blocks: list, x: torch.Tensor, state: list, reset, depth: int | None, step: bool):
-        """Run `blocks` (the model's, in order) over x with the loop (rpt/ops/loop/spec.py); returns (x, the new
-        state)."""
+    def forward(self, blocks: list, x: torch.Tensor, state: list, reset, depth: int | None, step: bool, stop=None,
+                shared: bool = False):
+        """Run `blocks` (the model's, in order) over x with the loop (rpt/ops/loop/spec.py; `stop` and `shared`
+        as there); returns (x, the new state)."""
         return run_loop(lambda block, x, s: block(x, s, reset, step), blocks, x, state,
                         self.default_depth if depth is None else depth, self.prelude, self.core, self.inject,
-                        self.norm, self.inject_norm, self.first_state, self.backprop, self.watch)
+                        self.norm, self.inject_norm, self.first_state, self.backprop, self.watch, stop, shared)
 
     def inject(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         return self.adapter(torch.cat([h, e], dim=-1)) if self.adapter is not None else h + e

@@ -16,6 +16,7 @@ import torch
 
 from rpt.config import Config
 from rpt.errors import RptError
+from rpt.models.loop_exit import Exit
 from rpt.parallel import launch
 from rpt.runtime import keep_freed_memory
 
@@ -102,16 +103,21 @@ def check_depth(m, depth: int | None) -> int | None:
 
 def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                   seed: int | None, checkpoint: str, device: str | None, out=sys.stdout,
-                  depth: int | None = None) -> str:
+                  depth: int | None = None, exit: str | None = None, shared: bool = False) -> str:
     """Stream the prompt, then the generated text as it is sampled, to `out`; returns the generated text. `depth`:
-    a looped model's iterations per token."""
+    a looped model's iterations per token; `exit` ("kl:5e-4"): end them early, at most `depth` (4 x loop_mean by
+    default); `shared`: keep one state for all iterations (rpt/models/loop_exit.py, docs/depth.md)."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     from rpt.data.tokenizer import eot_id, token_bytes
     from rpt import kernels
     from rpt.kernels.cpu.products import generating
 
+    rule = Exit.parse(exit) if exit else None
     cfg, model, tokenizer, _, _ = load_run(run_dir, checkpoint, device)
-    depth = check_depth(cfg.model, depth)
+    if (rule or shared) and not cfg.model.loop_core:
+        raise RptError(f"{'--exit' if rule else '--shared-state'} for a model without a loop (model.loop_core = 0)",
+                       "leave it out: only a looped model (docs/depth.md) has iterations to end or share")
+    depth = check_depth(cfg.model, depth if depth is not None or rule is None else 4 * round(cfg.model.loop_mean))
     dev = next(model.parameters()).device
     ids = [eot_id(tokenizer)] + tokenizer.encode(prompt, add_special_tokens=False).ids  # a document starts with EOT
     table = token_bytes(tokenizer)
@@ -120,7 +126,8 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
     generator = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     pieces = []
     tokens = model.generate(torch.tensor(ids, device=dev), max_new_tokens, temperature, top_k, top_p, generator,
-                            reset_at=ids[0] if cfg.data.reset_at_documents else None, depth=depth)
+                            reset_at=ids[0] if cfg.data.reset_at_documents else None, depth=depth, exit=rule,
+                            shared=shared)
     if dev.type == "cpu":  # each step's one-row products on rpt's small-batch product
         tokens = generating(model, tokens, kernels.current())
     first = next(tokens, None)  # the prompt's forward first: a first use's build message comes before any text
@@ -133,6 +140,9 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
             out.flush()
     tail = decoder.decode(b"", final=True)
     out.write(tail + "\n")
+    if rule is not None:
+        print(f"(--exit {exit}: {rule.mean_depth:.2f} iterations a token on average, at most {depth})",
+              file=sys.stderr)
     return "".join(pieces) + tail
 
 

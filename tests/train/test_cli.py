@@ -27,6 +27,8 @@ def test_train_eval_generate(tmp_path, tiny_data):
     assert f"val loss {summary['val_loss']:.4f}" in proc.stdout  # the saved model evaluates as it did in training
     proc = rpt("eval", str(run), "--depth", "2")
     assert proc.returncode == 2 and "without a loop" in proc.stderr and "leave out --depth" in proc.stderr
+    proc = rpt("generate", str(run), "--exit", "kl:1e-3")
+    assert proc.returncode == 2 and "--exit for a model without a loop" in proc.stderr
 
     first = rpt("generate", str(run), "--prompt", "KING", "--max-new-tokens", "20", "--seed", "3")
     again = rpt("generate", str(run), "--prompt", "KING", "--max-new-tokens", "20", "--seed", "3")
@@ -66,7 +68,14 @@ def test_a_looped_model_evaluates_and_generates_at_a_chosen_depth(tmp_path, tiny
     deep = rpt("generate", str(run), "--prompt", "KING", "--max-new-tokens", "12", "--temperature", "0",
                "--depth", "3")
     assert deep.returncode == 0 and deep.stdout.startswith("KING"), deep.stderr[-2000:]
+    never = rpt("generate", str(run), "--prompt", "KING", "--max-new-tokens", "12", "--temperature", "0",
+                "--depth", "3", "--exit", "change:0")  # a threshold of 0 never ends a token's iterations early
+    assert never.stdout == deep.stdout and "3.00 iterations a token on average, at most 3" in never.stderr
+    shared = rpt("generate", str(run), "--prompt", "KING", "--max-new-tokens", "12", "--temperature", "0",
+                 "--exit", "kl:1e-3", "--shared-state")
+    assert shared.returncode == 0 and "at most 8)" in shared.stderr, shared.stderr[-2000:]
     for args, message in ((("eval", str(run), "--depth", "0"), "at least once"),
-                          (("generate", str(run), "--depth", "-1"), "at least once")):
+                          (("generate", str(run), "--depth", "-1"), "at least once"),
+                          (("generate", str(run), "--exit", "kl"), "no threshold")):
         proc = rpt(*args)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

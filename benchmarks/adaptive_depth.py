@@ -1,0 +1,111 @@
+"""Adaptive depth per token against fixed depth, and the shared state against the exact one (issue 46's targets).
+
+On a trained looped run (e.g. `benchmarks/depth_curve.py --out DIR` leaves DIR/looped): held-out bits per byte in
+the step form (one token at a time, as generation runs, the state carried and reset at each document) over the
+first `--tokens` of the validation split in `--rows` parallel streams, and greedy generation tokens/s (one row,
+after a short prompt): fixed depth (loop_mean and the cap, 4 x loop_mean), each exit rule with the cap as its
+most, and the shared state. The exit rules' own costs (the coda and the head after every iteration for "kl") are
+in their tokens/s.
+
+    .venv/bin/python benchmarks/adaptive_depth.py --run /tmp/depth-curve/looped [--tokens 12288] [--rows 64]
+        [--exits kl:5e-4,shortlist:5e-4,change:0.01,change:0.03]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@torch.no_grad()
+def stepwise_bpb(model, tokens: np.ndarray, lengths: torch.Tensor, eot: int | None, rows: int, depth: int,
+                 exit=None, shared: bool = False) -> float:
+    """Bits per byte of `tokens` read one token at a time in `rows` contiguous streams."""
+    from rpt.ops.loop.spec import keep
+
+    n = (len(tokens) - 1) // rows
+    x = torch.from_numpy(tokens[:rows * n + 1].astype(np.int64))
+    streams = torch.stack([x[r * n:(r + 1) * n + 1] for r in range(rows)])
+    state, fresh, nats, nbytes = None, model.init_state(rows), 0.0, 0.0
+    for t in range(n):
+        token, target = streams[:, t], streams[:, t + 1]
+        if state is not None and eot is not None:  # a new document: its state starts afresh, as evaluation does
+            state = keep(token != eot, state, fresh)
+        logits, state = model.step(token, state, depth, exit, shared)
+        nats += float(-logits.float().log_softmax(-1).gather(1, target[:, None]).sum())
+        nbytes += float(lengths[target].sum())
+    return nats / nbytes / math.log(2)
+
+
+@torch.no_grad()
+def generation_speed(model, depth: int, exit=None, shared: bool = False, tokens: int = 200) -> float:
+    from rpt import kernels
+    from rpt.kernels.cpu.products import generating
+
+    stream = generating(model, model.generate(torch.zeros(1, dtype=torch.long), tokens, temperature=0,
+                                              depth=depth, exit=exit, shared=shared), kernels.current())
+    next(stream)
+    began = time.perf_counter()
+    count = sum(1 for _ in stream)
+    return count / (time.perf_counter() - began)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", required=True)
+    p.add_argument("--tokens", type=int, default=12288)
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--exits", default="kl:5e-4,shortlist:5e-4,change:0.01,change:0.03")
+    args = p.parse_args()
+    from rpt.data.mixture import open_dataset
+    from rpt.data.tokenizer import token_byte_lengths
+    from rpt.models.loop_exit import Exit
+    from rpt.train.run import load_run
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    cfg, model, tokenizer, _, _ = load_run(args.run, "latest", "cpu")
+    data = open_dataset(cfg.data)
+    tokens = data.tokens("val")[:args.tokens + 1]
+    lengths = torch.from_numpy(token_byte_lengths(tokenizer).astype(np.int64))
+    eot = data.eot_id if cfg.data.reset_at_documents else None
+    mean, cap = round(cfg.model.loop_mean), 4 * round(cfg.model.loop_mean)
+    print(f"commit {commit}; run {args.run} ({cfg.model.cell}, d {cfg.model.d_model}, loop_mean {mean}); "
+          f"{len(tokens) - 1:,} held-out tokens in {args.rows} streams, one token at a time", flush=True)
+    variants = [(f"fixed depth {mean}", mean, None, False), (f"fixed depth {cap}", cap, None, False),
+                (f"shared state, depth {mean}", mean, None, True), (f"shared state, depth {cap}", cap, None, True)]
+    variants += [(f"exit {text}, at most {cap}", cap, text, False) for text in args.exits.split(",")]
+    results = {}
+    for name, depth, text, shared in variants:
+        rule = Exit.parse(text) if text else None
+        bpb = stepwise_bpb(model, tokens, lengths, eot, args.rows, depth, rule, shared)
+        mean_depth = rule.mean_depth if rule else depth
+        speed_rule = Exit.parse(text) if text else None
+        speed = generation_speed(model, depth, speed_rule, shared)
+        results[name] = dict(bpb=bpb, mean_depth=mean_depth, tokens_per_s=speed,
+                             generation_depth=speed_rule.mean_depth if speed_rule else depth)
+        print(f"{name}: bpb {bpb:.4f}, mean depth {mean_depth:.2f}; generation {speed:.0f} tokens/s "
+              f"(mean depth {results[name]['generation_depth']:.2f})", flush=True)
+    base = results[f"fixed depth {cap}"]
+    print(f"\n| variant | held-out bpb (step form) | vs fixed {cap} | mean iterations | generation tokens/s | "
+          f"x fixed {cap} |\n|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['bpb']:.4f} | {r['bpb'] - base['bpb']:+.4f} | {r['mean_depth']:.2f} | "
+              f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f} |")
+    for name, r in results.items():
+        if name.startswith("exit"):
+            ok = r["tokens_per_s"] >= 1.5 * base["tokens_per_s"] and r["bpb"] <= base["bpb"] + 0.01
+            print(f"- {name}: >= 1.5x the tokens/s of fixed {cap} at <= +0.01 bpb: {'met' if ok else 'NOT met'}")
+    Path(args.run, "adaptive_depth.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

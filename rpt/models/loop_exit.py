@@ -1,0 +1,86 @@
+"""Adaptive depth per token at inference: a looped model ends a token's iterations once another would change little.
+
+Three criteria, from the dearest to the cheapest, each with a threshold:
+- "kl": the KL divergence between successive iterations' next-token distributions (the coda and the whole head run
+  after every iteration, from the coda's state before the token), as Huginn exits;
+- "shortlist": the same KL over the clustered head's first level (its shortlist's tokens and the rarer-token
+  entry: the coda and a fraction of the head);
+- "change": the state's change from the previous iteration relative to its size (nothing beyond the loop).
+A row's iterations end at the first iteration whose criterion is below the threshold, at the latest at the depth
+given; its later slots take the state of its last iteration (rpt/ops/loop/spec.py). It runs one token at a time
+(the step form): the sequence form (a prompt, an evaluation window) runs every row to the depth given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rpt.errors import RptError
+
+CRITERIA = ("kl", "shortlist", "change")
+
+
+class Exit:
+    """An exit rule, and what it saw: `iterations` (summed over the rows of every step it ran), `tokens`, and
+    `depths`, the iterations each row of the last step ran."""
+
+    def __init__(self, criterion: str, threshold: float):
+        if criterion not in CRITERIA:
+            raise RptError(f"exit criterion {criterion!r} is not one of {', '.join(CRITERIA)}",
+                           "write --exit CRITERION:THRESHOLD, e.g. --exit kl:5e-4 or --exit change:0.01")
+        if not threshold >= 0:
+            raise RptError(f"exit threshold {threshold} is negative", "give a threshold of 0 (never exit) or more")
+        self.criterion, self.threshold = criterion, threshold
+        self.iterations, self.tokens, self.depths = 0, 0, None
+
+    @classmethod
+    def parse(cls, text: str) -> "Exit":
+        """"kl:5e-4" -> Exit("kl", 5e-4)."""
+        criterion, _, threshold = text.partition(":")
+        try:
+            value = float(threshold)
+        except ValueError:
+            raise RptError(f"--exit {text!r} has no threshold after the criterion",
+                           "write --exit CRITERION:THRESHOLD, e.g. --exit kl:5e-4 or --exit change:0.01") from None
+        return cls(criterion.strip(), value)
+
+    @property
+    def mean_depth(self) -> float:
+        return self.iterations / max(1, self.tokens)
+
+    def stop(self, model, state: list):
+        """The `stop(i, h, previous)` of one step of `model` from `state` (the state before the token)."""
+        loop = model.loop
+        coda = list(model.blocks.values())[loop.prelude + loop.core:]
+        coda_state = state[len(state) - len(coda):]
+        if self.criterion == "shortlist" and not hasattr(model.head, "_head_logits"):
+            raise RptError("--exit shortlist: this model's head has no shortlist (model.head_shortlist = 0)",
+                           "use --exit kl:THRESHOLD or --exit change:THRESHOLD")
+        seen = {"previous": None}
+
+        def log_probs(h):
+            for block, s in zip(coda, coda_state):
+                h, _ = block(h, s, None, True)
+            h = model.norm(h) if model.norm is not None else h
+            logits = model.head._head_logits(h) if self.criterion == "shortlist" else model.head(h)
+            return logits.float().log_softmax(-1)
+
+        def stop(i: int, h: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+            if self.criterion == "change":
+                size = h.float().pow(2).mean(-1).sqrt().clamp_min(1e-12)
+                ended = (h - previous).float().pow(2).mean(-1).sqrt() / size < self.threshold
+            else:
+                now, before = log_probs(h), seen["previous"]
+                ended = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device) if before is None else \
+                    (now.exp() * (now - before)).sum(-1).clamp_min(0) < self.threshold  # 0: never
+                seen["previous"] = now
+            if i == 0:
+                seen["depth"] = self.depths = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
+                seen["running"] = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
+                self.tokens += h.shape[0]
+            seen["depth"] += seen["running"].long()  # rows that ran iteration i
+            self.iterations += int(seen["running"].sum())
+            seen["running"] &= ~ended
+            return ended
+
+        return stop
