@@ -97,6 +97,7 @@ def _add_model_io(sub) -> None:
                                                     "a longer text is cut into windows that start afresh")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--checkpoint", default="best", help="of a run directory: " + CHECKPOINT_HELP)
+    p.add_argument("--depth", type=int, help="a looped model's iterations (default: its training mean)")
     p.add_argument("--output", type=Path, help="write lm-eval's results as JSON here")
     p.set_defaults(func=_cmd_lm_eval)
 
@@ -359,7 +360,7 @@ def _cmd_lm_eval(args) -> None:
 
     results = run_lm_eval(args.path, [t for t in args.tasks.split(",") if t], args.include_path, args.limit,
                           args.batch_size, args.device, args.num_fewshot, checkpoint=args.checkpoint,
-                          max_length=args.max_length)
+                          max_length=args.max_length, depth=args.depth)
     print(summary(results))
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

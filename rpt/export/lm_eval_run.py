@@ -5,11 +5,14 @@ This is lm-eval's own `hf` model type on the folder `rpt export` wrote, as
     lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,dtype=float32 --tasks T
 
 would run it: the same requests, tokenisation and scoring as for any transformers model. The exported model reads
-every request as a document from the end-of-text token's state, as rpt's evaluation does.
+every request as a document from the end-of-text token's state, as rpt's evaluation does. A looped model
+(docs/depth.md) runs at `depth` iterations, passed as `loop_depth=N` in the model's arguments (a key of its
+configuration, which from_pretrained sets), its training mean where not given.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -19,7 +22,7 @@ from rpt.train.init_from import is_export
 
 def run_lm_eval(path: str | Path, tasks: list[str], include_path: str | None = None, limit: float | None = None,
                 batch_size: int = 8, device: str = "cpu", num_fewshot: int | None = None, log_samples: bool = False,
-                checkpoint: str = "best", max_length: int | None = None) -> dict:
+                checkpoint: str = "best", max_length: int | None = None, depth: int | None = None) -> dict:
     """lm-eval's results dict (with the per-request samples when `log_samples`)."""
     try:
         from lm_eval import simple_evaluate
@@ -36,6 +39,7 @@ def run_lm_eval(path: str | Path, tasks: list[str], include_path: str | None = N
         elif not is_export(path):
             raise RptError(f"{path} is neither an rpt export nor a run directory",
                            "pass a folder `rpt export` wrote, or a run directory (runs/NAME) to export first")
+        check_depth(path, depth)
         manager = TaskManager(include_path=include_path) if include_path else TaskManager()
         unknown = [t for t in tasks if t not in manager.all_tasks]
         if unknown:
@@ -43,9 +47,21 @@ def run_lm_eval(path: str | Path, tasks: list[str], include_path: str | None = N
                            "name tasks from `lm_eval --tasks list`, or give --include-path with your task's YAML")
         args = f"pretrained={path},trust_remote_code=True,dtype=float32"
         args += f",max_length={max_length}" if max_length else ""
+        args += f",loop_depth={depth}" if depth is not None else ""
         return simple_evaluate(model="hf", model_args=args,
                                tasks=tasks, task_manager=manager, limit=limit, batch_size=batch_size, device=device,
                                num_fewshot=num_fewshot, log_samples=log_samples)
+
+
+def check_depth(export: Path, depth: int | None) -> None:
+    """Refuse a depth for an export without a loop, and a depth below 1."""
+    if depth is None:
+        return
+    if not json.loads((export / "config.json").read_text()).get("loop_core", 0):
+        raise RptError(f"--depth {depth} for a model without a loop (loop_core = 0 in its config.json)",
+                       "leave out --depth: only a looped model (docs/depth.md) runs at a chosen depth")
+    if depth < 1:
+        raise RptError(f"--depth {depth}: a looped model runs its core at least once", "use --depth 1 or more")
 
 
 def summary(results: dict) -> str:

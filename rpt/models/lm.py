@@ -98,8 +98,20 @@ class RecurrentLM(nn.Module):
 
     def init_state(self, batch: int, device=None, dtype=None) -> list:
         if self.loop is not None:
-            return self.loop.init_state(list(self.blocks.values()), batch, device, dtype)
+            return self.loop.init_state(list(self.blocks.values()), batch, device, dtype, self._prelude_held())
         return [b.init_state(batch, device, dtype) for b in self.blocks.values()]
+
+    def state_layers(self) -> list[int]:
+        """The block index of each entry of this model's state (a looped model's core blocks once per slot)."""
+        ids = [int(k) for k in self.blocks]
+        if self.loop is None:
+            return ids
+        P, C = self._prelude_held(), self.loop.core
+        return ids[:P] + ids[P:P + C] * self.loop.slots + ids[P + C:]
+
+    def _prelude_held(self) -> int:
+        """The loop's prelude blocks this model holds (a pipeline stage with the loop may hold some of them)."""
+        return sum(int(k) < self.cfg.loop_prelude for k in self.blocks)
 
     def forward(self, x: torch.Tensor, state: list | None = None, reset_mask: torch.Tensor | None = None,
                 targets: torch.Tensor | None = None, depth: int | None = None, shared: bool = False):
@@ -159,7 +171,8 @@ class RecurrentLM(nn.Module):
                    shared: bool = False):
         """Every block in order, each with its state (with a loop, the core's blocks once per iteration)."""
         if self.loop is not None:
-            return self.loop(list(self.blocks.values()), x, state, reset, depth, step, stop, shared)
+            return self.loop(list(self.blocks.values()), x, state, reset, depth, step, stop, shared,
+                             self._prelude_held())
         new_state = []
         for block, s in zip(self.blocks.values(), state):
             x, s = block(x, s, reset, step)

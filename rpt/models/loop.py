@@ -106,18 +106,20 @@ class DepthLoop(nn.Module):
         self.norm = make_norm(cfg)  # of the state after each iteration
         self.inject_norm = make_norm(cfg)  # of the prelude's output: injected at the state's scale
 
-    def init_state(self, blocks: list, batch: int, device=None, dtype=None) -> list:
-        """Prelude blocks' states, then slot after slot of the core blocks' states, then the coda's."""
-        P, C = self.prelude, self.core
+    def init_state(self, blocks: list, batch: int, device=None, dtype=None, prelude: int | None = None) -> list:
+        """Prelude blocks' states, then slot after slot of the core blocks' states, then the coda's. `prelude`: the
+        prelude blocks among `blocks` (a pipeline stage may hold some of them), all by default."""
+        P, C = self.prelude if prelude is None else prelude, self.core
         fresh = [b.init_state(batch, device, dtype) for b in blocks]
         return fresh[:P] + fresh[P:P + C] * self.slots + fresh[P + C:]
 
     def forward(self, blocks: list, x: torch.Tensor, state: list, reset, depth: int | None, step: bool, stop=None,
-                shared: bool = False):
-        """Run `blocks` (the model's, in order) over x with the loop (rpt/ops/loop/spec.py; `stop` and `shared`
-        as there); returns (x, the new state)."""
+                shared: bool = False, prelude: int | None = None):
+        """Run `blocks` (the model's, in order, of which `prelude` are prelude blocks: all by default) over x with
+        the loop (rpt/ops/loop/spec.py; `stop` and `shared` as there); returns (x, the new state)."""
         return run_loop(lambda block, x, s: block(x, s, reset, step), blocks, x, state,
-                        self.default_depth if depth is None else depth, self.prelude, self.core, self.inject,
+                        self.default_depth if depth is None else depth,
+                        self.prelude if prelude is None else prelude, self.core, self.inject,
                         self.norm, self.inject_norm, self.first_state, self.backprop, self.watch, stop, shared)
 
     def inject(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,7 @@ class MetricsWriter:
             self.db.execute("INSERT INTO evals VALUES (?, ?, ?, ?, ?, ?)",
                             (record["step"], record["time"], int(record["final"]), _clean(record["loss"]),
                              _clean(record["ppl"]), _clean(record["bpb"])))
-            change = record.get("loop", {}).get("state_change", [])
+            change = (record.get("loop") or {}).get("state_change", [])
             for depth, r in record.get("by_depth", {}).items():  # the state's change at iteration `depth`
                 self.db.execute("INSERT OR REPLACE INTO depths VALUES (?, ?, ?, ?, ?)",
                                 (record["step"], int(record["final"]), int(depth), _clean(r["bpb"]),

@@ -3,7 +3,9 @@
 Each block is a unit (its parameters all-gathered just before its forward and again for its backward, its
 gradients reduce-scattered as soon as they are ready), the embedding and the head are units of their own, and
 the model (or the pipeline stage) is the root that holds the rest (the norm; a tied embedding and head, which
-one unit must own together). With replicas as well (`dp x fsdp`, both > 1) it is HSDP: shards within a
+one unit must own together; a looped model's core blocks and its loop, which run r times a forward: as part of the
+root they are gathered once per forward and reduce-scattered once, at the end of backward, where a unit of their
+own would be gathered and reduced at every iteration). With replicas as well (`dp x fsdp`, both > 1) it is HSDP: shards within a
 replica group, an all-reduce of the shards across them. On gloo every reduction runs as a sum divided
 afterwards (`set_force_sum_reduction_for_comms`): gloo's AVG has been wrong for FSDP2 (torch issue 162338).
 
@@ -36,7 +38,9 @@ def shard(root: nn.Module, model, mesh, precision: str, device: torch.device) ->
     if precision == "bf16" and device.type == "cuda":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     on = mesh.shard_mesh
-    units = [b for b in model.modules() if isinstance(b, Block)]
+    looped = model.loop is not None
+    core = range(model.cfg.loop_prelude, model.cfg.loop_prelude + model.cfg.loop_core) if looped else range(0)
+    units = [b for k, b in model.blocks.items() if int(k) not in core]
     last = units[-1] if units else None
     tied = model.cfg.tie_embeddings and model.embed is not None and model.head is not None
     if not tied:

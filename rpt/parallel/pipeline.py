@@ -68,11 +68,12 @@ class MicroBatchStage(nn.Module):
         self.lm = lm
         self.__dict__["pipe"] = pipe  # not a submodule
         self.index, self.first, self.last = index, index == 0, index == n_stages - 1
-        self.offset = pipe.layers.index(int(next(iter(lm.blocks))))  # where its blocks' entries start in the state
+        self.length = len(lm.state_layers())  # its entries of the rank's state (a loop's core once per slot)
+        self.offset = 0  # where they start: the Pipeline sets it
         self.calls, self.new = 0, []
 
     def state_of(self, state: list) -> list:
-        return state[self.offset:self.offset + len(self.lm.blocks)]
+        return state[self.offset:self.offset + self.length]
 
     def forward(self, x, reset=None, targets=None):
         """The last stage returns each token's loss in nats (the model's own: a two-level head's too), the others
@@ -81,22 +82,25 @@ class MicroBatchStage(nn.Module):
         began = time.perf_counter()
         k, self.calls = self.calls, self.calls + 1
         y, s = self.lm(x, rows(self.state_of(pipe.state), slice(k * pipe.micro, (k + 1) * pipe.micro)), reset,
-                       targets if self.last else None)
+                       targets if self.last else None, pipe.depth)
         self.new.append(detach_state(s))
         pipe.compute_seconds += time.perf_counter() - began
         return y if self.last else _BackwardClock.apply(y, pipe.marks)  # on the last stage the loss has the clock
 
 
-def stage_parts(stage, n_stages: int) -> set[str]:
-    """The model parts of one stage of the schedule: its blocks, the embedding on the first, norm and head on the last."""
+def stage_parts(stage, plan: Plan) -> set[str]:
+    """The model parts of one stage of the schedule: its blocks, the embedding on the first, norm and head on the
+    last, a looped model's loop (its adapter and norms) where its core is."""
     parts = {f"blocks.{i}" for i in range(*stage.blocks)}
     parts |= {"embed"} if stage.index == 0 else set()
-    return parts | ({"norm", "head"} if stage.index == n_stages - 1 else set())
+    core = plan.loop_blocks[0]
+    parts |= {"loop"} if plan.loop_blocks[1] and stage.blocks[0] <= core < stage.blocks[1] else set()
+    return parts | ({"norm", "head"} if stage.index == len(plan.stages) - 1 else set())
 
 
 def parts_of(plan: Plan, pp_rank: int) -> set[str]:
     """The model parts pipeline rank `pp_rank` holds: those of its stages."""
-    return set().union(*(stage_parts(st, len(plan.stages)) for st in plan.rank_stages(pp_rank)))
+    return set().union(*(stage_parts(st, plan) for st in plan.rank_stages(pp_rank)))
 
 
 class Pipeline:
@@ -108,12 +112,16 @@ class Pipeline:
         self.model, self.mesh, self.plan, self.device = model, mesh, plan, device
         self.index = r = mesh.pp_rank
         self.first, self.last = r == 0, r == plan.pp - 1
-        self.layers = [int(k) for k in model.blocks]  # ascending: the order of the state list
         self.batch_size, self.micro, self.seq_len = batch_size, batch_size // plan.microbatches, seq_len
         self.state: list | None = None  # the whole batch's state of these blocks: the trainer hands it in each step
+        self.depth: int | None = None  # a looped model's depth this step (every stage, every micro-batch)
         self.compute_seconds, self.marks = 0.0, []  # forward + backward seconds of this step; backward durations
         n = len(plan.stages)
-        self.stages = [MicroBatchStage(model.view(stage_parts(st, n)), st.index, n, self) for st in plan.rank_stages(r)]
+        self.stages = [MicroBatchStage(model.view(stage_parts(st, plan)), st.index, n, self) for st in plan.rank_stages(r)]
+        self.layers = []  # the block of each entry of the state list: the stages' entries, in stage order
+        for st in self.stages:
+            st.offset = len(self.layers)
+            self.layers += st.lm.state_layers()
         self.schedule_name, self.schedule = schedule, None
         self.history: list[tuple[float, float]] = []  # (this stage's compute seconds, step seconds) per step
         self._bubble_taken = 0
@@ -145,10 +153,11 @@ class Pipeline:
         the inputs); its backward marks the stage's start."""
         return _BackwardClock.apply(nats.mean(), self.marks)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, reset: torch.Tensor | None) -> torch.Tensor:
-        """Forward and backward of the whole batch through the pipeline; returns the mean loss on every stage."""
+    def step(self, x: torch.Tensor, y: torch.Tensor, reset: torch.Tensor | None, depth: int | None = None) -> torch.Tensor:
+        """Forward and backward of the whole batch through the pipeline (a looped model at `depth`); returns the
+        mean loss on every stage."""
         began = time.perf_counter()
-        self.marks, self.compute_seconds = [], 0.0
+        self.marks, self.compute_seconds, self.depth = [], 0.0, depth
         for st in self.stages:
             st.calls, st.new = 0, []
         kwargs = {"targets": y} if reset is None else {"reset": reset, "targets": y}
@@ -202,10 +211,12 @@ class PipelineEval(nn.Module):
         super().__init__()
         self.__dict__["pipe"] = pipeline
         self.model = pipeline.model
+        self.cfg, self.loop = self.model.cfg, self.model.loop  # a looped model's, where this rank holds its core
 
-    def forward(self, x, state=None, reset=None, targets=None):
+    def forward(self, x, state=None, reset=None, targets=None, depth=None):
+        """`state`: each stage's, in a list (a looped model's grows with a depth beyond its slots)."""
         pipe, mesh = self.pipe, self.pipe.mesh
-        state = state if state is not None else self.model.init_state(x.shape[0], x.device)
+        state = state if state is not None else [st.lm.init_state(x.shape[0], x.device) for st in pipe.stages]
         new, out = [], None
         for st in pipe.stages:  # in stage order; stage j runs on pipeline rank j % pp
             h = x
@@ -213,8 +224,8 @@ class PipelineEval(nn.Module):
                 h = torch.empty(x.shape[0], x.shape[1], self.model.cfg.d_model, device=x.device)
                 dist.recv(h, group=mesh.pp_group, group_src=(st.index - 1) % mesh.pp)
             with gathered(st):  # FSDP: the stage's own parameters (embedding, head), unsharded
-                out, s = st.lm(h, st.state_of(state), reset, targets if st.last else None)
-            new.extend(s)
+                out, s = st.lm(h, state[len(new)], reset, targets if st.last else None, depth)
+            new.append(s)
             if not st.last:
                 dist.send(out.float().contiguous(), group=mesh.pp_group, group_dst=(st.index + 1) % mesh.pp)
         if not pipe.last:

@@ -26,7 +26,7 @@ class PipelineRunner(Runner):
         pipe = self.pipe
         pipe.state = state
         with self.autocast():
-            loss = pipe.step(x, y, reset)
+            loss = pipe.step(x, y, reset, depth)
         backward = sum(pipe.marks)
         clock.add("forward", pipe.compute_seconds - backward)
         clock.add("backward", backward)

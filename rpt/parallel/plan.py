@@ -62,6 +62,7 @@ class Plan:
     fsdp: int = 1                 # ranks sharding each stage's parameters, gradients and optimiser state
     mode: str = "allreduce"       # the comm.mode counted (auto: as allreduce); "fsdp" when fsdp > 1
     fsdp_bytes_per_step: dict = field(default_factory=dict)  # all_gather, reduce_scatter, replica_all_reduce
+    loop_blocks: tuple[int, int] = (0, 0)  # a looped model's core [start, stop): always inside one stage
 
     @property
     def replicas(self) -> int:
@@ -196,7 +197,8 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
     head_cost, embed_cost = costs.head, costs.embed
     v = p.stages_per_rank if p.schedule == "interleaved" else 1
     n = pp * v  # stages of the pipeline; rank r runs stages r, r + pp, ...
-    counts = balance(block_costs, n, embed_cost, head_cost)
+    core = (m.loop_prelude, m.loop_prelude + m.loop_core) if m.loop_core else (0, 0)
+    counts = balance_keeping(block_costs, n, embed_cost, head_cost, core)
     tokens_per_micro = t.batch_size // micro * t.seq_len
     embed_params = model.embed.weight.numel()
     block_params = [sum(q.numel() for q in b.parameters()) for b in model.blocks.values()]
@@ -204,7 +206,8 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
     for s, count in enumerate(counts):
         params = sum(block_params[start:start + count])
         params += sum(q.numel() for q in model.norm.parameters()) if s == n - 1 else 0
-        params += sum(q.numel() for q in model.loop.parameters()) if s == n - 1 and model.loop is not None else 0
+        holds_core = m.loop_core and start <= core[0] < start + count
+        params += sum(q.numel() for q in model.loop.parameters()) if holds_core else 0
         params += embed_params if s == 0 else 0
         head = model.head.weight.numel() if s == n - 1 and (pp > 1 or not m.tie_embeddings) else 0
         params += head
@@ -243,7 +246,28 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
     pipe_bytes = 2 * 4 * t.batch_size * t.seq_len * m.d_model if pp > 1 else 0
     mode = "fsdp" if fsdp > 1 else cfg.comm.mode if cfg.comm.mode in grad_bytes else "allreduce"
     return Plan(world_size, pp, dp, micro, p.schedule, model.num_params(), stages, grad_bytes, pipe_bytes,
-                device_memory, (pp - 1) / (v * micro + pp - 1), costs.unit, v, fsdp, mode, by_kind)
+                device_memory, (pp - 1) / (v * micro + pp - 1), costs.unit, v, fsdp, mode, by_kind, core)
+
+
+def balance_keeping(costs: list[float], stages: int, first_extra: float, last_extra: float,
+                    together: tuple[int, int]) -> list[int]:
+    """`balance` with the blocks [start, stop) of `together` (a looped model's core, which runs as one loop) in one
+    stage: they are balanced as one block of their summed cost."""
+    a, b = together
+    if b - a <= 1:
+        return balance(costs, stages, first_extra, last_extra)
+    items = costs[:a] + [sum(costs[a:b])] + costs[b:]
+    if stages > len(items):
+        raise RptError(f"cannot split {len(costs)} blocks into {stages} pipeline stages with the loop's core (blocks "
+                       f"{a} to {b - 1}) inside one stage: {len(items)} stages at most",
+                       f"use parallel.pp <= {len(items)} (x parallel.stages_per_rank, interleaved), or fewer core "
+                       "blocks (model.loop_core)")
+    counts, start = balance(items, stages, first_extra, last_extra), 0
+    for s, count in enumerate(counts):
+        if start <= a < start + count:
+            counts[s] += b - a - 1
+        start += count
+    return counts
 
 
 def loop_factors(m) -> dict[int, tuple[float, float]]:

@@ -170,11 +170,7 @@ class Runner:
     def state_layers(self) -> list[int]:
         """The block index of each entry of the state this rank carries (a looped model's core blocks once per
         iteration it holds)."""
-        ids = [int(k) for k in self.model.blocks]
-        if self._loop_draw is None:
-            return ids
-        P, C = self.model.loop.prelude, self.model.loop.core
-        return ids[:P] + ids[P:P + C] * self.model.loop.slots + ids[P + C:]
+        return self.model.state_layers()
 
     def take_bubble(self) -> dict:
         """{"pipeline_bubble": the pipeline's idle share since the last call}; empty without a pipeline."""

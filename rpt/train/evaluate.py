@@ -102,7 +102,7 @@ class Evaluation:
             model, self.data.tokens("val"), self.byte_lengths, batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len,
             device=self.device, rank=self.rank, world_size=self.world_size,
             max_tokens=0 if final else self.cfg.eval_tokens, eot_id=self.eot_id, autocast=self.autocast, depth=depth)
-        loop = getattr(model, "loop", None)
+        loop = getattr(model, "loop", None)  # a pipeline rank whose stages hold no core has none
         if loop is not None:
             loop.watch = LoopWatch()
         try:
@@ -111,12 +111,12 @@ class Evaluation:
             watch = loop.watch if loop is not None else None
             if loop is not None:
                 loop.watch = None
-        if watch is not None:
-            default = loop.default_depth
+        if model.cfg.loop_core:  # every rank alike: the depths' evaluations are collectives
+            default = round(model.cfg.loop_mean)
             depths = eval_depths(model.cfg, self.cfg.eval_depths)
             by_depth = {d: (result if d == default else measure(d)) for d in depths}
             result = {**result, "by_depth": {d: {"loss": r["loss"], "bpb": r["bpb"]} for d, r in by_depth.items()},
-                      "depth": default, "loop": watch.summary()}
+                      "depth": default, "loop": watch.summary() if watch is not None else None}
         if not final:
             self.last = {**result, "step": step}
             self.seconds += time.perf_counter() - began

@@ -16,9 +16,10 @@ class LoopHealth:
         self.after, self.said = after, set()
 
     def check(self, result: dict, spent: float) -> list[str]:
-        """The warnings a validation `result` (with `by_depth` and `loop`) calls for, at `spent` of the budget."""
+        """The warnings a validation `result` (with `by_depth`, and `loop` where this rank holds the loop) calls for,
+        at `spent` of the budget."""
         by_depth, loop = result.get("by_depth"), result.get("loop")
-        if not by_depth or not loop:
+        if not by_depth:
             return []
         lines = []
         default, shallow = by_depth.get(result["depth"]), by_depth.get(1)
@@ -27,7 +28,7 @@ class LoopHealth:
             lines.append(f"warning: the loop is being ignored: validation at depth {result['depth']} (model.loop_mean) "
                          f"is {default['bpb']:.4f} bits per byte, no better than at depth 1 ({shallow['bpb']:.4f}), "
                          f"after {spent:.0%} of the budget; more iterations buy nothing (docs/depth.md: what helps)")
-        if loop["token_spread"] < COLLAPSED and "collapse" not in self.said:
+        if loop and loop["token_spread"] < COLLAPSED and "collapse" not in self.said:
             self.said.add("collapse")
             lines.append(f"warning: the tokens' states have collapsed: their spread is {loop['token_spread']:.3f} "
                          f"of their size (below {COLLAPSED}): every token ends the loop in nearly the same state")

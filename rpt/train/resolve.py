@@ -193,15 +193,9 @@ def check(cfg: Config) -> None:
 
 
 def _check_loop(cfg: Config) -> None:
-    """A looped model (model.loop_core) as the world runs it: its blocks as the recipe left them, and the layouts
-    whose composition with the loop is built (one process, DDP and the comm modes)."""
-    m, p = cfg.model, cfg.parallel
-    m.check()  # the loop's keys against n_layers, which a recipe may have chosen
-    for key, value in (("parallel.pp", p.pp), ("parallel.fsdp", p.fsdp)):
-        if value != 1:
-            raise RptError(f"{key} = {value!r} with a looped model (model.loop_core = {m.loop_core}): the loop "
-                           "does not run inside a pipeline stage or over FSDP shards yet",
-                           f"set {key} = 1 (data parallelism and every comm mode run a looped model)")
+    """A looped model (model.loop_core) with its blocks as the recipe left them. Every layout runs it (a pipeline
+    keeps the core inside one stage: rpt/parallel/plan.py refuses a stage count that cannot)."""
+    cfg.model.check()  # the loop's keys against n_layers, which a recipe may have chosen
 
 
 def _check_pipeline(cfg: Config) -> None:

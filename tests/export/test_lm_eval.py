@@ -75,14 +75,14 @@ metric_list:
     return root / "run", root / "hf", tasks
 
 
-def rpt_loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
+def rpt_loglikelihood(model, tokenizer, context: str, continuation: str, depth: int | None = None) -> float:
     """The continuation's log-probability after the context, from rpt's own forward (its per-token nats)."""
     eot = tokenizer.token_to_id("<|endoftext|>")
     ctx = [eot] + (tokenizer.encode(context, add_special_tokens=False).ids if context else [])
     whole = [eot] + tokenizer.encode(context + continuation, add_special_tokens=False).ids
     x = torch.tensor(whole)[None]
     with torch.no_grad():
-        nats, _ = model(x[:, :-1], reset_mask=x[:, :-1] == eot, targets=x[:, 1:])
+        nats, _ = model(x[:, :-1], reset_mask=x[:, :-1] == eot, targets=x[:, 1:], depth=depth)
     return -float(nats[0, len(ctx) - 1:].sum())
 
 
@@ -128,3 +128,30 @@ def test_lm_eval_refuses_what_it_cannot_run(exported, tmp_path):
         run_lm_eval(tmp_path, ["rpt_local"], include_path=str(tasks))
     with pytest.raises(RptError, match="knows no task 'no_such_task'"):
         run_lm_eval(folder, ["no_such_task"], include_path=str(tasks))
+
+
+def test_a_looped_model_scores_at_the_depth_given(exported, tiny_data, tmp_path):
+    """`depth` reaches the exported model (loop_depth in lm-eval's model arguments): each depth's
+    log-likelihoods are rpt's own at that depth, and they differ between depths."""
+    _, _, tasks = exported
+    cfg = Config.load(None, [f"data.path={tiny_data}", "model.d_model=32", "model.cell=mingru", "model.n_layers=3",
+                             "model.loop_prelude=1", "model.loop_core=1", "model.loop_mean=2", "train.batch_size=4",
+                             "train.seq_len=16", "train.max_steps=6", "train.eval_interval=0", "train.eval_tokens=256",
+                             "monitor.tensorboard=false"])
+    Trainer(cfg, tmp_path / "run", Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
+            show_progress=False).run()
+    export_run(tmp_path / "run", tmp_path / "hf")
+    _, model, tokenizer, *_ = load_run(tmp_path / "run", "best", "cpu")
+    scores = {}
+    for depth in (1, 3):
+        results = run_lm_eval(tmp_path / "hf", ["rpt_local"], include_path=str(tasks), batch_size=2,
+                              log_samples=True, depth=depth)
+        scores[depth] = [s["resps"][0][0][0] for s in results["samples"]["rpt_local"]]
+        for s, ll in zip(results["samples"]["rpt_local"], scores[depth]):
+            ours = rpt_loglikelihood(model, tokenizer, s["doc"]["context"], s["doc"]["continuation"], depth)
+            assert ll == pytest.approx(ours, abs=1e-4)
+    assert max(abs(a - b) for a, b in zip(scores[1], scores[3])) > 1e-3
+    with pytest.raises(RptError, match="at least once"):
+        run_lm_eval(tmp_path / "hf", ["rpt_local"], include_path=str(tasks), depth=0)
+    with pytest.raises(RptError, match="without a loop"):
+        run_lm_eval(exported[1], ["rpt_local"], include_path=str(tasks), depth=2)

@@ -93,6 +93,18 @@ def test_a_looped_model_counts_its_core_at_the_depths_it_runs():
     assert looped.params == plain.params + 2 * 64 * 64 + 2 * 64  # the adapter and the loop's two norms
 
 
+def test_a_pipeline_keeps_a_looped_models_core_inside_one_stage():
+    loop = ["model.n_layers=6", "model.loop_prelude=1", "model.loop_core=3", "model.loop_mean=4"]
+    for pp in (2, 3, 4):
+        plan = make_plan(_cfg(*loop), pp, pp, 64 * GiB)
+        holding = [s for s in plan.stages if s.blocks[0] <= 1 < s.blocks[1]]
+        assert len(holding) == 1 and holding[0].blocks[1] >= 4 and plan.loop_blocks == (1, 4)
+        assert [s.blocks for s in plan.stages][-1][1] == 6 and len(plan.stages) == pp
+    with pytest.raises(RptError, match="inside one stage") as refused:
+        make_plan(_cfg(*loop), 5, 5, 64 * GiB)
+    assert "parallel.pp <= 4" in refused.value.fix
+
+
 def test_ps_sharded_plan_partitions_optimizer_state():
     allreduce = make_plan(_cfg(), 4, 1, 64 * GiB)
     sharded = make_plan(_cfg("comm.mode=ps-sharded"), 4, 1, 64 * GiB)

@@ -1,6 +1,5 @@
 """A looped model (model.loop_core) through the trainer on one process: each step at its drawn depth, logged;
-learning; activation checkpointing per iteration giving the plain step's gradients; the layouts not built yet
-refused with the fix."""
+learning; activation checkpointing per iteration giving the plain step's gradients; validations at each depth."""
 
 from __future__ import annotations
 
@@ -43,13 +42,6 @@ def test_activation_checkpointing_gives_a_looped_step_the_same_result(make_cfg, 
             trainer.train_step(trainer.loader.batch(step))
         params.append(torch.cat([p.detach().flatten() for p in trainer.runner.model.parameters()]))
     torch.testing.assert_close(params[0], params[1], rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("layout", ["parallel.pp=2", "parallel.fsdp=2"])
-def test_layouts_the_loop_does_not_run_in_yet_are_refused_with_the_fix(make_cfg, layout):
-    with pytest.raises(RptError, match="looped model") as refused:
-        make_cfg(*LOOP, layout, "model.n_layers=4")
-    assert "= 1" in refused.value.fix
 
 
 def test_validations_run_at_each_depth_and_record_the_state(make_cfg, tmp_path, solo):
