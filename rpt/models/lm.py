@@ -131,16 +131,22 @@ class RecurrentLM(nn.Module):
         return owned(self.head(x) if targets is None else self.head.nats(x, targets)), new_state
 
     def step(self, token: torch.Tensor, state: list | None = None, depth: int | None = None, exit=None,
-             shared: bool = False):
+             shared: bool = False, sampling: tuple[float, int] | None = None):
         """token: [B] int64. The single-step forms of every cell: what generation runs. A looped model's `exit`
         (rpt/models/loop_exit.py) ends each row's iterations early, `depth` the most; `shared`: its iterations
-        keep one state between tokens (each continues from the previous token's last), not one each."""
+        keep one state between tokens (each continues from the previous token's last), not one each.
+        `sampling`: the (temperature, top_k) the logits are for: a two-level head then leaves out the rarer
+        tokens where they cannot be sampled (ClusteredHead.for_sampling)."""
         x = self.embed(token) if self.embed is not None else token
         state = state if state is not None else self.init_state(x.shape[0], x.device)
         x, new_state = self.run_blocks(x, state, None, depth, True, exit.stop(self, state) if exit else None, shared)
         if self.norm is not None:
             x = self.norm(x)
-        return (self.head(x) if self.head is not None else x), new_state
+        if self.head is None:
+            return x, new_state
+        if sampling is not None and isinstance(self.head, ClusteredHead):
+            return self.head.for_sampling(x, *sampling), new_state
+        return self.head(x), new_state
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
@@ -163,7 +169,7 @@ class RecurrentLM(nn.Module):
                 yield int(token[0])
                 if int(token[0]) == reset_at:
                     state = None  # a new document
-                logits, state = self.step(token, state, depth, exit, shared)
+                logits, state = self.step(token, state, depth, exit, shared, (temperature, top_k))
         finally:
             self.train(was_training)
 
@@ -384,11 +390,29 @@ class ClusteredHead(nn.Module):
         return at_least_fp32(F.linear(h, self.weight.index_select(0, self.order[self.shortlist:])))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities over the whole vocabulary, in token-id order."""
-        S = self.shortlist
-        head = self._head_logits(h).log_softmax(-1)
-        tail = self._tail_logits(h).log_softmax(-1) + head[..., S:]
-        return torch.cat([head[..., :S], tail], dim=-1).index_select(-1, self._rank())
+        """Log-probabilities over the whole vocabulary, in token-id order: one product with the matrix as it is
+        (not copied into shortlist order, which cost generation four times the product), each level normalised
+        over its own tokens."""
+        z, rest = at_least_fp32(F.linear(h, self.weight)), at_least_fp32(self.rest(h))
+        short = torch.zeros(self.vocab_size, dtype=torch.bool, device=z.device)
+        short[self.order[:self.shortlist]] = True
+        first = torch.logsumexp(torch.cat([z.masked_fill(~short, -math.inf), rest], dim=-1), -1, keepdim=True)
+        tail = torch.logsumexp(z.masked_fill(short, -math.inf), -1, keepdim=True)
+        return torch.where(short, z - first, z - tail + rest - first)
+
+    def for_sampling(self, h: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+        """What `forward` gives, with the rarer tokens at -inf where sampling (rpt/models/sampling.py) cannot
+        pick them: greedy, or top-k, with the best (k-th best) shortlist token above the rarer-token entry in
+        every row (a rarer token's probability is at most that entry's). Then only the shortlist's product runs
+        and the sample is the same as from `forward`'s."""
+        S, k = self.shortlist, (1 if temperature <= 0 else top_k)
+        if not 0 < k <= S:
+            return self(h)
+        first = self._head_logits(h).log_softmax(-1)
+        if not bool((first[..., :S].topk(k, dim=-1).values[..., -1] > first[..., S]).all()):
+            return self(h)
+        out = torch.full((*h.shape[:-1], self.vocab_size), -math.inf, dtype=first.dtype, device=first.device)
+        return out.index_copy_(-1, self.order[:S], first[..., :S])
 
     def nats(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         S, shape = self.shortlist, targets.shape

@@ -112,3 +112,26 @@ def test_a_run_with_a_shortlist_learns_and_resumes_with_its_order(make_cfg, tmp_
     checkpoints.load(checkpoints.resolve("latest", str(tmp_path / "r")), model)
     assert set(model.head.order[:32].tolist()) == set(np.argsort(-counts, kind="stable")[:32].tolist())
     assert summary["val_loss"] < np.log(300) - 1.0  # learned well beyond a uniform guess
+
+
+def test_sampling_leaves_out_the_rarer_tokens_only_where_they_cannot_be_drawn():
+    from rpt.models.sampling import sample_next
+
+    head = clustered(3)
+    h = torch.randn(64, D, dtype=torch.float64) * 3
+    full = head(h).detach()
+    skipped = 0
+    for temperature, top_k in ((0.0, 0), (0.8, 2), (1.0, 5), (1.0, 0), (0.7, S + 1)):
+        for row in range(64):
+            got = head.for_sampling(h[row:row + 1], temperature, top_k).detach()
+            if torch.isinf(got).any():  # the rarer tokens left out: the shortlist's values are forward's
+                skipped += 1
+                assert temperature == 0 or 0 < top_k <= S
+                shortlist = head.order[:S]
+                torch.testing.assert_close(got[0, shortlist], full[row, shortlist])
+            else:
+                torch.testing.assert_close(got, full[row:row + 1])
+            draws = [sample_next(x, temperature, top_k, 0.9, torch.Generator().manual_seed(seed))
+                     for x in (got, full[row:row + 1]) for seed in range(3)]
+            assert draws[:3] == draws[3:]  # the same tokens from the same seeds
+    assert 10 < skipped < 4 * 64  # both ways taken
