@@ -101,7 +101,8 @@ def main() -> None:
     mean, cap = round(cfg.model.loop_mean), 4 * round(cfg.model.loop_mean)
     print(f"commit {commit}; run {args.run} ({cfg.model.cell}, d {cfg.model.d_model}, loop_mean {mean}); "
           f"{len(tokens) - 1:,} held-out tokens in {args.rows} streams, one token at a time", flush=True)
-    variants = [(f"fixed depth {mean}", mean, None, False), (f"fixed depth {cap}", cap, None, False),
+    variants = [("fixed depth 1 (what no exit rule can beat)", 1, None, False),
+                (f"fixed depth {mean}", mean, None, False), (f"fixed depth {cap}", cap, None, False),
                 (f"shared state, depth {mean}", mean, None, True), (f"shared state, depth {cap}", cap, None, True)]
     variants += [(f"exit {text}, at most {cap}", cap, text, False) for text in args.exits.split(",")]
     results = {}

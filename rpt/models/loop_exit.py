@@ -31,7 +31,7 @@ class Exit:
         if not threshold >= 0:
             raise RptError(f"exit threshold {threshold} is negative", "give a threshold of 0 (never exit) or more")
         self.criterion, self.threshold = criterion, threshold
-        self.iterations, self.tokens, self.depths = 0, 0, None
+        self.tokens, self.depths, self._iterations = 0, None, torch.zeros((), dtype=torch.long)
 
     @classmethod
     def parse(cls, text: str) -> "Exit":
@@ -43,6 +43,10 @@ class Exit:
             raise RptError(f"--exit {text!r} has no threshold after the criterion",
                            "write --exit CRITERION:THRESHOLD, e.g. --exit kl:5e-4 or --exit change:0.01") from None
         return cls(criterion.strip(), value)
+
+    @property
+    def iterations(self) -> int:
+        return int(self._iterations)
 
     @property
     def mean_depth(self) -> float:
@@ -66,9 +70,8 @@ class Exit:
             return logits.float().log_softmax(-1)
 
         def stop(i: int, h: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-            if self.criterion == "change":
-                size = h.float().pow(2).mean(-1).sqrt().clamp_min(1e-12)
-                ended = (h - previous).float().pow(2).mean(-1).sqrt() / size < self.threshold
+            if self.criterion == "change":  # |h - previous| < threshold |h|, squared
+                ended = (h - previous).float().pow(2).sum(-1) < self.threshold ** 2 * h.float().pow(2).sum(-1)
             else:
                 now, before = log_probs(h), seen["previous"]
                 ended = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device) if before is None else \
@@ -78,8 +81,8 @@ class Exit:
                 seen["depth"] = self.depths = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
                 seen["running"] = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
                 self.tokens += h.shape[0]
-            seen["depth"] += seen["running"].long()  # rows that ran iteration i
-            self.iterations += int(seen["running"].sum())
+            seen["depth"] += seen["running"]  # rows that ran iteration i
+            self._iterations = self._iterations.to(h.device) + seen["running"].sum()  # (no wait for the device)
             seen["running"] &= ~ended
             return ended
 

@@ -48,10 +48,11 @@ def run_loop(run_block, blocks, x, state, depth, prelude, core, inject, state_no
             watch.add(i, h, previous)
         if stop is not None:
             ended = stop(i, h, previous)
-            running = ~ended if running is None else running & ~ended
-            if not bool(running.any()):
-                last = i
-                break
+            if bool(ended.any()):  # (rows keep their states only once one has stopped)
+                running = ~ended if running is None else running & ~ended
+                if not bool(running.any()):
+                    last = i
+                    break
     if watch is not None:
         watch.finish(h)
     slots[last + 1:] = [slots[last]] * (len(slots) - last - 1)  # not reached this time: the deepest reached
