@@ -183,6 +183,9 @@ class TrainConfig(_Section):
     seed: int = 0
     batch_size: int = 16
     seq_len: int = 64
+    # Exact BPTT over the window in chunks of this many tokens, each recomputed in backward from its boundary
+    # state (rpt/models/bptt.py): memory of one chunk, gradients of the whole window; 0: the plain backward
+    bptt_chunk: int = 0
     max_steps: int = 1000
     max_tokens: int = 0
     max_time: float = 0.0
@@ -229,6 +232,11 @@ class TrainConfig(_Section):
         for name in ("max_steps", "max_tokens", "max_time", "warmup_steps", "stall_timeout", "eval_interval",
                      "eval_tokens", "grad_clip", "weight_decay"):
             _non_negative(f"train.{name}", getattr(self, name))
+        _non_negative("train.bptt_chunk", self.bptt_chunk)
+        if self.bptt_chunk and self.seq_len % self.bptt_chunk:
+            divisors = [c for c in range(1, self.seq_len + 1) if self.seq_len % c == 0 and c <= self.bptt_chunk]
+            raise RptError(f"train.bptt_chunk = {self.bptt_chunk} does not divide train.seq_len = {self.seq_len}",
+                           f"use a chunk that divides the window, e.g. train.bptt_chunk = {divisors[-1]}")
         if self.batch_size % self.grad_accum:
             raise RptError(f"train.batch_size = {self.batch_size} is not divisible by train.grad_accum = "
                            f"{self.grad_accum}", "the batch is split into grad_accum equal micro-batches; choose a divisor")

@@ -5,8 +5,8 @@ gradients reduce-scattered as soon as they are ready), the embedding and the hea
 the model (or the pipeline stage) is the root that holds the rest (the norm; a tied embedding and head, which
 one unit must own together; a looped model's core blocks and its loop, which run r times a forward: as part of the
 root they are gathered once per forward and reduce-scattered once, at the end of backward, where a unit of their
-own would be gathered and reduced at every iteration). With replicas as well (`dp x fsdp`, both > 1) it is HSDP: shards within a
-replica group, an all-reduce of the shards across them. On gloo every reduction runs as a sum divided
+own would be gathered and reduced at every iteration). With replicas as well (`dp x fsdp`, both > 1) it is HSDP:
+shards within a replica group, an all-reduce of the shards across them. On gloo every reduction runs as a sum divided
 afterwards (`set_force_sum_reduction_for_comms`): gloo's AVG has been wrong for FSDP2 (torch issue 162338).
 
 `FSDPSync` drives it through the trainer's five sync calls: accumulation keeps the gradients unsharded and the

@@ -153,7 +153,8 @@ class Pipeline:
         the inputs); its backward marks the stage's start."""
         return _BackwardClock.apply(nats.mean(), self.marks)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, reset: torch.Tensor | None, depth: int | None = None) -> torch.Tensor:
+    def step(self, x: torch.Tensor, y: torch.Tensor, reset: torch.Tensor | None,
+             depth: int | None = None) -> torch.Tensor:
         """Forward and backward of the whole batch through the pipeline (a looped model at `depth`); returns the
         mean loss on every stage."""
         began = time.perf_counter()

@@ -200,6 +200,10 @@ def _check_loop(cfg: Config) -> None:
 
 def _check_pipeline(cfg: Config) -> None:
     t, p, c = cfg.train, cfg.parallel, cfg.comm
+    if t.bptt_chunk:
+        raise RptError(f"train.bptt_chunk = {t.bptt_chunk} with parallel.pp = {p.pp}: a pipeline stage's window is "
+                       "not recomputed in chunks yet", "use parallel.pp = 1 with train.bptt_chunk (FSDP shards a "
+                       "model too large for one device), or train.bptt_chunk = 0 with a pipeline")
     if c.mode in ("ps", "ps-sharded", "diloco"):
         raise RptError(f"comm.mode = '{c.mode}' with parallel.pp = {p.pp}: the parameter servers and DiLoCo do not "
                        "run over a pipeline's data-parallel dimension yet",

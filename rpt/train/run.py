@@ -82,7 +82,8 @@ def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str |
     dev = next(model.parameters()).device
     result = evaluate(model, data.tokens("val"), token_byte_lengths(tokenizer), batch_size=cfg.train.batch_size,
                       seq_len=cfg.train.seq_len, device=dev,
-                      eot_id=data.eot_id if cfg.data.reset_at_documents else None, depth=depth)
+                      eot_id=data.eot_id if cfg.data.reset_at_documents else None, depth=depth,
+                      chunk=cfg.train.bptt_chunk)
     about = ck.describe(path)
     return {**result, "depth": depth, "checkpoint": path, "about": f"{checkpoint}: {about}" if checkpoint in ("best", "latest") else about}
 

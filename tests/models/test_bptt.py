@@ -1,0 +1,63 @@
+"""Exact BPTT in recomputed chunks (train.bptt_chunk, rpt/models/bptt.py): for every cell, with an attention block,
+an MLP, document resets inside the window and a carried state, the chunked window gives the plain backward's
+losses, final state and gradients (float64); without gradients it gives the same losses; a chunk that does not
+divide the window is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rpt.config import ModelConfig, TrainConfig
+from rpt.errors import RptError
+from rpt.models.lm import RecurrentLM
+
+V, B, T = 50, 2, 48
+
+
+def model_of(cell: str, **kw) -> RecurrentLM:
+    options = dict(cell=cell, n_layers=2, d_model=16, vocab_size=V, attention_every=2, attention_window=8,
+                   attention_heads=2, mlp_ratio=2, dropout=0.0)
+    options.update(kw)
+    torch.manual_seed(0)
+    return RecurrentLM(ModelConfig(**options)).double()
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm"])
+def test_chunks_give_the_plain_backwards_losses_state_and_gradients(cell):
+    model = model_of(cell)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+    reset = torch.zeros(B, T, dtype=torch.bool)
+    reset[0, 20], reset[1, 33] = True, True  # a document starts inside a chunk
+    with torch.no_grad():
+        _, state = model(x[:, :9], targets=y[:, :9])  # a carried state, not the fresh one
+    results = []
+    for chunk in (0, 16, 12):
+        model.zero_grad()
+        nats, new = model(x, state, reset, y, chunk=chunk)
+        nats.sum().backward()
+        results.append((nats.detach(), new, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    plain = results[0]
+    for nats, new, grads in results[1:]:
+        torch.testing.assert_close(nats, plain[0], atol=1e-10, rtol=1e-10)
+        for a, b in zip(torch.utils._pytree.tree_leaves(new), torch.utils._pytree.tree_leaves(plain[1])):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+        assert grads.keys() == plain[2].keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain[2][name], atol=1e-9, rtol=1e-8, msg=lambda m: f"{name}: {m}")
+
+
+def test_without_gradients_the_chunks_run_one_after_another():
+    model = model_of("lstm")
+    x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    with torch.no_grad():
+        plain, _ = model(x, targets=y)
+        chunked, _ = model(x, targets=y, chunk=16)
+    torch.testing.assert_close(chunked, plain, atol=1e-10, rtol=1e-10)
+
+
+def test_a_chunk_that_does_not_divide_the_window_is_refused_with_the_fix():
+    with pytest.raises(RptError, match="does not divide") as refused:
+        TrainConfig(seq_len=64, bptt_chunk=24).check()
+    assert "train.bptt_chunk = 16" in refused.value.fix
