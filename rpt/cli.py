@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
     p.add_argument("--data", help="another prepared dataset (same tokenizer) to evaluate on")
     p.add_argument("--depth", type=int, help="a looped model's iterations (default: its model.loop_mean)")
+    p.add_argument("--by-position", action="store_true", help="also bits per byte by the position of each token "
+                   "in its document (1-64, 65-256, ...): whether the model uses long context")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=_cmd_eval)
 
@@ -329,11 +331,15 @@ def _check_writable(run_dir: Path) -> None:
 def _cmd_eval(args) -> None:
     from rpt.train.run import eval_run
 
-    r = eval_run(args.run_dir, args.checkpoint, args.device, args.data, args.depth)
+    r = eval_run(args.run_dir, args.checkpoint, args.device, args.data, args.depth, args.by_position)
     at = f" at depth {r['depth']}" if r["depth"] is not None else ""
     print(f"{r['checkpoint']} ({r['about']})\n"
           f"whole validation split{at}: val loss {r['loss']:.4f}  ppl {r['ppl']:.2f}  bpb {r['bpb']:.4f}  "
           f"({r['tokens']:,} tokens, {r['bytes']:,} bytes)")
+    for b in r.get("by_position", []):
+        where = f"{b['from']:,}-{b['to']:,}" if b["to"] else f"{b['from']:,}-"
+        bpb = f"{b['bpb']:.4f}" if b["bpb"] is not None else "-"
+        print(f"  position {where:>12}  bpb {bpb}  ({b['tokens']:,} tokens)")
 
 
 def _cmd_generate(args) -> None:

@@ -202,6 +202,7 @@ class TrainConfig(_Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     eval_interval: int = 200  # steps between validations; 0: only at the end
     eval_tokens: int = 0  # tokens of a periodic validation; 0: the whole split (the final one always is)
+    eval_by_position: bool = False  # validations also report bits per byte by position in the documents
     # A looped model's validations also run at these depths (one pass each; its checkpoints are ranked at
     # model.loop_mean); empty: 1, 2, 4, loop_mean, 2 x and 4 x loop_mean
     eval_depths: list[int] = field(default_factory=list)

@@ -23,9 +23,11 @@ from rpt.train.loop_health import LoopHealth
 @torch.no_grad()
 def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size: int, seq_len: int,
              device: torch.device, rank: int = 0, world_size: int = 1, max_tokens: int = 0,
-             eot_id: int | None = None, autocast=nullcontext, depth: int | None = None, chunk: int = 0) -> dict:
+             eot_id: int | None = None, autocast=nullcontext, depth: int | None = None, chunk: int = 0,
+             by_position: bool = False) -> dict:
     """`depth`: a looped model's iterations (its default, loop_mean, where None); `chunk`: the window's losses
-    computed this many tokens at a time (train.bptt_chunk: no [T, vocab] logits at once)."""
+    computed this many tokens at a time (train.bptt_chunk: no [T, vocab] logits at once); `by_position`: also
+    bits per byte by the target's position in its document (`by_position`: bins of POSITION_EDGES)."""
     was_training = model.training
     model.eval()
     n, T = len(tokens), seq_len
@@ -41,9 +43,14 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
     n_bytes = torch.zeros((), dtype=torch.float64, device=device)
     n_tokens = torch.zeros((), dtype=torch.float64, device=device)
     state = None
+    bins = len(POSITION_EDGES) + 1
+    binned = torch.zeros(3, bins, dtype=torch.float64)  # nats, bytes, tokens by position bin
+    # each row's position before its window: unknown (below 1) until its first document start, where documents are
+    # marked; from the stream's start where they are not
+    carried = torch.full((B,), 0 if eot_id is None else -2 ** 40, dtype=torch.long)
     for k in range(windows):
-        chunk = torch.from_numpy(tokens[starts + k * T].astype(np.int64))
-        x, y = chunk[:, :-1], chunk[:, 1:]
+        window = torch.from_numpy(tokens[starts + k * T].astype(np.int64))
+        x, y = window[:, :-1], window[:, 1:]
         reset = (x == eot_id) if eot_id is not None else None
         with autocast():
             losses, state = model(x.to(device), state, None if reset is None else reset.to(device), y.to(device),
@@ -53,14 +60,44 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
         nats += losses.sum().double()
         n_bytes += lengths[y].sum().double().to(device)
         n_tokens += y.numel()
-    counts = torch.stack([nats, n_bytes, n_tokens])
+        if by_position:
+            position = positions(x, eot_id, carried)
+            carried = position[:, -1]
+            known = position >= 1
+            where = torch.bucketize(position[known], torch.tensor(POSITION_EDGES))
+            for row, values in enumerate((losses.detach().cpu()[known].double(), lengths[y][known].double(),
+                                          torch.ones(int(known.sum()), dtype=torch.float64))):
+                binned[row].index_add_(0, where, values)
+    counts = torch.cat([torch.stack([nats, n_bytes, n_tokens]), binned.flatten().to(device)])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(counts)  # over every rank: pipeline stages without logits add zeros
-    total_nats, total_bytes, total_tokens = counts.tolist()
+    total_nats, total_bytes, total_tokens = counts[:3].tolist()
     model.train(was_training)
     loss = total_nats / total_tokens
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bpb": total_nats / max(total_bytes, 1.0) / math.log(2),
-            "tokens": int(total_tokens), "bytes": int(total_bytes)}
+    result = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bpb": total_nats / max(total_bytes, 1.0) / math.log(2),
+              "tokens": int(total_tokens), "bytes": int(total_bytes)}
+    if by_position:
+        b_nats, b_bytes, b_tokens = counts[3:].view(3, bins).tolist()
+        lows = [1] + [e + 1 for e in POSITION_EDGES]
+        highs = [*POSITION_EDGES, None]
+        result["by_position"] = [{"from": lo, "to": hi, "tokens": int(t), "bytes": int(b),
+                                  "bpb": n / b / math.log(2) if b else None}
+                                 for lo, hi, n, b, t in zip(lows, highs, b_nats, b_bytes, b_tokens)]
+    return result
+
+
+POSITION_EDGES = (64, 256, 1024, 4096)  # the last positions of the bins 1-64, 65-256, ...; then beyond 4,096
+
+
+def positions(x: torch.Tensor, eot_id: int | None, carried: torch.Tensor) -> torch.Tensor:
+    """Each target's position in its document ([B, T]: 1 for a document's first token, which follows its
+    end-of-text token), from the tokens x [B, T] and each row's position before the window."""
+    t = torch.arange(x.shape[1])
+    after = carried[:, None] + t + 1
+    if eot_id is None:
+        return after
+    start = torch.where(x == eot_id, t, -1).cummax(1).values  # the latest document start at or before t
+    return torch.where(start >= 0, t - start + 1, after)
 
 
 def check_fits(n: int, world_size: int, seq_len: int) -> None:
@@ -103,7 +140,7 @@ class Evaluation:
             model, self.data.tokens("val"), self.byte_lengths, batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len,
             device=self.device, rank=self.rank, world_size=self.world_size,
             max_tokens=0 if final else self.cfg.eval_tokens, eot_id=self.eot_id, autocast=self.autocast, depth=depth,
-            chunk=self.cfg.bptt_chunk)
+            chunk=self.cfg.bptt_chunk, by_position=self.cfg.eval_by_position and depth is None)
         loop = getattr(model, "loop", None)  # a pipeline rank whose stages hold no core has none
         if loop is not None:
             loop.watch = LoopWatch()

@@ -65,8 +65,9 @@ def load_run(run_dir: str | Path, checkpoint: str = "best", device: str | None =
 
 
 def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str | None,
-             depth: int | None = None) -> dict:
-    """Validation of a run's checkpoint (a looped model at `depth` iterations, its loop_mean where None)."""
+             depth: int | None = None, by_position: bool = False) -> dict:
+    """Validation of a run's checkpoint (a looped model at `depth` iterations, its loop_mean where None; with
+    `by_position`, also by the position of each token in its document)."""
     from rpt.data.dataset import PreparedData
     from rpt.data.mixture import open_dataset
     from rpt.data.tokenizer import token_byte_lengths
@@ -83,7 +84,7 @@ def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str |
     result = evaluate(model, data.tokens("val"), token_byte_lengths(tokenizer), batch_size=cfg.train.batch_size,
                       seq_len=cfg.train.seq_len, device=dev,
                       eot_id=data.eot_id if cfg.data.reset_at_documents else None, depth=depth,
-                      chunk=cfg.train.bptt_chunk)
+                      chunk=cfg.train.bptt_chunk, by_position=by_position)
     about = ck.describe(path)
     return {**result, "depth": depth, "checkpoint": path, "about": f"{checkpoint}: {about}" if checkpoint in ("best", "latest") else about}
 

@@ -1,0 +1,101 @@
+"""Exact BPTT over a long window (train.bptt_chunk) against the plain backward: peak memory and time per token.
+
+Each measurement runs in a fresh process: an lstm of 4 blocks x 512 (vocabulary 32,768 with a 2,048-token
+shortlist head, as the CPU presets), batch 1, one forward and backward over a window of T random tokens with
+every token's loss; its peak RSS above the process's RSS just before the step (after a 64-token warm-up step), and
+its seconds per token. Rows: the plain backward at each `--plain` window, exact BPTT over `--long` tokens in chunks
+of `--chunk`, and both at `--cost-window`, where both fit, for the time per token.
+
+    .venv/bin/python benchmarks/long_sequences.py [--long 65536] [--chunk 1024] [--plain 1024,8192]
+        [--cost-window 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+V = 32768
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def one(window: int, chunk: int) -> dict:
+    """One forward and backward in this process: peak bytes above the start, and seconds."""
+    import torch
+
+    from rpt.config import ModelConfig
+    from rpt.models.lm import RecurrentLM
+
+    torch.manual_seed(0)
+    model = RecurrentLM(ModelConfig(cell="lstm", n_layers=4, d_model=512, vocab_size=V, head_shortlist=2048))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, V, (1, window), generator=g), torch.randint(0, V, (1, window), generator=g)
+    nats, _ = model(x[:, :64], targets=y[:, :64])  # the first use builds what it builds
+    nats.mean().backward()
+    model.zero_grad(set_to_none=True)
+    del nats
+    before = rss()
+    began = time.perf_counter()
+    nats, _ = model(x, targets=y, chunk=chunk)
+    nats.mean().backward()
+    seconds = time.perf_counter() - began
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    return {"window": window, "chunk": chunk, "peak_bytes": peak, "seconds": seconds,
+            "us_per_token": 1e6 * seconds / window}
+
+
+def measure(window: int, chunk: int) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--one", str(window), str(chunk)], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode:
+        raise SystemExit(proc.stderr[-3000:])
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"window {window:,}, {'plain' if not chunk else f'chunks of {chunk:,}'}: peak {r['peak_bytes'] / 2**20:,.0f} "
+          f"MiB above the start, {r['seconds']:.1f} s ({r['us_per_token']:.0f} us a token)", flush=True)
+    return r
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--long", type=int, default=65536)
+    p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--plain", default="1024,8192")
+    p.add_argument("--cost-window", type=int, default=8192)
+    p.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(one(*args.one)))
+        return
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    print(f"commit {commit.strip()}; lstm 4 x 512, vocabulary {V:,} (shortlist 2,048), batch 1, {os.cpu_count()} cores")
+    plain = {w: measure(w, 0) for w in map(int, args.plain.split(","))}
+    long = measure(args.long, args.chunk)
+    base = plain[min(plain)]
+    cost_plain = plain.get(args.cost_window) or measure(args.cost_window, 0)
+    cost_chunked = measure(args.cost_window, args.chunk)
+    print(f"\n| run | window | peak above start | x plain {min(plain):,} | us per token |\n|---|---|---|---|---|")
+    for r in [*plain.values(), long, cost_chunked]:
+        name = "plain" if not r["chunk"] else f"exact BPTT, chunks of {r['chunk']:,}"
+        print(f"| {name} | {r['window']:,} | {r['peak_bytes'] / 2**20:,.0f} MiB | "
+              f"{r['peak_bytes'] / base['peak_bytes']:.2f} | {r['us_per_token']:.0f} |")
+    ratio = cost_chunked["us_per_token"] / cost_plain["us_per_token"]
+    memory = long["peak_bytes"] / base["peak_bytes"]
+    print(f"\n- memory: exact BPTT over {args.long:,} at {memory:.2f}x the plain {min(plain):,}-token window "
+          f"(target <= 2x): {'met' if memory <= 2 else 'NOT met'}")
+    print(f"- cost: {ratio:.2f}x the plain backward's time per token at {args.cost_window:,} (target <= 1.4x): "
+          f"{'met' if ratio <= 1.4 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
