@@ -25,7 +25,7 @@ from starlette.routing import Route
 from rpt.monitor.store import FILENAME, MetricsReader
 
 STATIC = Path(__file__).parent / "static"
-TABLES = ("train", "ranks", "evals", "depths", "comm", "state", "stragglers", "profile")
+TABLES = ("train", "ranks", "evals", "depths", "positions", "comm", "state", "stragglers", "profile")
 
 
 def plotly_js() -> Path:

@@ -9,6 +9,7 @@ Tables (all keyed by step):
     ranks      every rank's row per log line: phase seconds per step, compute, memory, bytes, stage
     evals      validation loss, perplexity, bits per byte
     depths     a looped model's validation by depth (bits per byte), and its state's change at each iteration
+    positions  validation by position in the documents (bits per byte and tokens of each bin, by its first position)
     comm       bytes and seconds (launch to completion, mean over the interval's steps) per bucket per step
     state      RMS of the recurrent state per layer, and the share of its gate outputs that are saturated
     stragglers ranks whose own compute exceeds their peers' (see metrics.stragglers)
@@ -34,6 +35,8 @@ CREATE TABLE IF NOT EXISTS ranks (step INTEGER, rank INTEGER, {", ".join(f"{f} R
 CREATE TABLE IF NOT EXISTS evals (step INTEGER, time REAL, final INTEGER, loss REAL, ppl REAL, bpb REAL);
 CREATE TABLE IF NOT EXISTS depths (step INTEGER, final INTEGER, depth INTEGER, bpb REAL, state_change REAL,
     PRIMARY KEY (step, final, depth));
+CREATE TABLE IF NOT EXISTS positions (step INTEGER, final INTEGER, first INTEGER, bpb REAL, tokens INTEGER,
+    PRIMARY KEY (step, final, first));
 CREATE TABLE IF NOT EXISTS comm (step INTEGER, bucket INTEGER, bytes REAL, seconds REAL, PRIMARY KEY (step, bucket));
 CREATE TABLE IF NOT EXISTS state (step INTEGER, layer INTEGER, rms REAL, saturated REAL, PRIMARY KEY (step, layer));
 CREATE TABLE IF NOT EXISTS stragglers (step INTEGER, rank INTEGER, compute_s REAL, reference_s REAL, ratio REAL);
@@ -98,6 +101,9 @@ class MetricsWriter:
                 self.db.execute("INSERT OR REPLACE INTO depths VALUES (?, ?, ?, ?, ?)",
                                 (record["step"], int(record["final"]), int(depth), _clean(r["bpb"]),
                                  _clean(change[int(depth) - 1]) if int(depth) <= len(change) else None))
+            for b in record.get("by_position", []):  # bins of positions in the documents, by their first
+                self.db.execute("INSERT OR REPLACE INTO positions VALUES (?, ?, ?, ?, ?)",
+                                (record["step"], int(record["final"]), b["from"], _clean(b["bpb"]), b["tokens"]))
 
     def close(self) -> None:
         self.db.close()
@@ -112,7 +118,7 @@ class MetricsReader:
         self.db.row_factory = sqlite3.Row
 
     def rows(self, table: str, after: int = -1) -> list[dict]:
-        if table not in ("train", "ranks", "evals", "depths", "comm", "state", "stragglers", "profile"):
+        if table not in ("train", "ranks", "evals", "depths", "positions", "comm", "state", "stragglers", "profile"):
             raise ValueError(f"unknown table {table}")
         try:
             cur = self.db.execute(f"SELECT * FROM {table} WHERE step > ? ORDER BY step", (after,))

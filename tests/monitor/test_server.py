@@ -168,7 +168,10 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
     writer.write_eval({"step": 2, "time": time.time(), "final": False, "loss": 3.0, "ppl": 20.0, "bpb": 2.1,
                        "by_depth": {1: {"loss": 3.2, "bpb": 2.3}, 2: {"loss": 3.0, "bpb": 2.1},
                                     4: {"loss": 2.9, "bpb": 2.05}},
-                       "loop": {"state_rms": [1.0, 1.0], "state_change": [1.0, 0.2], "token_spread": 0.8}})
+                       "loop": {"state_rms": [1.0, 1.0], "state_change": [1.0, 0.2], "token_spread": 0.8},
+                       "by_position": [{"from": 1, "to": 64, "tokens": 90, "bytes": 300, "bpb": 2.4},
+                                       {"from": 65, "to": 256, "tokens": 40, "bytes": 130, "bpb": 2.0},
+                                       {"from": 257, "to": None, "tokens": 0, "bytes": 0, "bpb": None}]})
     writer.write_profile(3, [{"steps": 2, "wall_s": 0.2, "compute_s": 0.12, "comm_s": 0.06, "overlap_s": 0.02,
                               "idle_s": 0.04}] * 2)
     server, thread, port = _serve_in_thread(create_app([recorded, live]))
@@ -215,6 +218,9 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
         curve = "return [document.getElementById('depth').data[0].x, document.getElementById('depth').data[0].y]"
         assert driver.execute_script(curve) == [[1, 2, 4], [2.3, 2.1, 2.05]]
         assert driver.execute_script(text, "#depth .xtitle") == ["iterations of the loop (depth)"]
+        assert driver.execute_script(names, "position") == ["live step 2"]  # the bins with tokens
+        curve = "return [document.getElementById('position').data[0].x, document.getElementById('position').data[0].y]"
+        assert driver.execute_script(curve) == [["from 1", "from 65"], [2.4, 2.0]]
         assert driver.execute_script(names, "gates") == ["layer 0", "layer 1"]
         assert driver.execute_script("return document.querySelectorAll('svg.main-svg').length") >= 6  # drawn
         # the second run is live: new steps appear without a reload

@@ -1,7 +1,7 @@
 // rpt monitor: polls the run store through /api every 2 s and redraws; no reload, no CDN.
 "use strict";
 const TOKEN = new URLSearchParams(location.search).get("token");
-const TABLES = ["train", "ranks", "evals", "depths", "comm", "state", "stragglers", "profile"];
+const TABLES = ["train", "ranks", "evals", "depths", "positions", "comm", "state", "stragglers", "profile"];
 const runs = [];            // {id, name, live, meta, summary, rows: {table: [...]}, last: {table: step}}
 let selected = 0;
 
@@ -76,6 +76,23 @@ function drawDepths() {
                                        {xaxis: axis("iterations of the loop (depth)", {type: "log"})}));
 }
 
+// validation by position in the documents: the latest validation that has it (the final one once there is one)
+function drawPositions() {
+  const curves = runs.flatMap((r, i) => {
+    const rows = (r.rows.positions || []).filter(p => p.bpb !== null);
+    if (!rows.length) return [];
+    const final = rows.filter(p => p.final), periodic = rows.filter(p => !p.final);
+    const step = Math.max(...periodic.map(p => p.step));
+    const points = (final.length ? final : periodic.filter(p => p.step === step)).sort((a, b) => a.first - b.first);
+    const color = PALETTE[i % PALETTE.length];
+    return [{name: `${r.name} ${final.length ? "final (whole split)" : "step " + step}`,
+             x: points.map(p => `from ${p.first}`), y: points.map(p => p.bpb), mode: "lines+markers",
+             line: {color}, marker: {color}, text: points.map(p => `${p.tokens} tokens`)}];
+  });
+  if (!curves.length) return empty("position", "not measured: train.eval_by_position = true, or rpt eval --by-position");
+  Plotly.react("position", curves, layout("position of the token in its document", "validation (bits per byte)"));
+}
+
 function draw() {
   document.getElementById("runs").innerHTML = runs.map(r => `<span class="run">${escape(runLine(r))}</span>`).join("");
   const series = (key, suffix) => runs.map((r, i) => ({name: `${r.name} ${suffix}`, x: r.rows.train.map(p => p.step),
@@ -95,6 +112,7 @@ function draw() {
   }).filter(t => t.x.length);
   Plotly.react("val", evals, layout("step", "validation (bits per byte)"));
   drawDepths();
+  drawPositions();
   const run = runs[selected];
   if (!run) return;
   document.querySelectorAll(".run-name").forEach(e => { e.textContent = run.name; });
