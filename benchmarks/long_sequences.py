@@ -2,8 +2,9 @@
 
 Each measurement runs in a fresh process: an lstm of 4 blocks x 512 (vocabulary 32,768 with a 2,048-token
 shortlist head, as the CPU presets), batch 1, one forward and backward over a window of T random tokens with
-every token's loss; its peak RSS above the process's RSS just before the step (after a 64-token warm-up step), and
-its seconds per token. Rows: the plain backward at each `--plain` window, exact BPTT over `--long` tokens in chunks
+every token's loss, under the allocator setting `rpt train` uses for it (rpt/runtime.py: the plain backward keeps
+freed blocks in the heap, exact BPTT returns large ones to the OS); its peak RSS above the process's RSS just
+before the step (after a 64-token warm-up step), and its seconds per token. Rows: the plain backward at each `--plain` window, exact BPTT over `--long` tokens in chunks
 of `--chunk`, and both at `--cost-window`, where both fit, for the time per token.
 
     .venv/bin/python benchmarks/long_sequences.py [--long 65536] [--chunk 1024] [--plain 1024,8192]
@@ -31,7 +32,11 @@ def rss() -> int:
 
 
 def one(window: int, chunk: int) -> dict:
-    """One forward and backward in this process: peak bytes above the start, and seconds."""
+    """One forward and backward in this process, under the trainer's allocator setting for it (rpt/runtime.py):
+    peak bytes above the start, and seconds."""
+    from rpt.runtime import keep_freed_memory, return_large_blocks
+
+    return_large_blocks() if chunk else keep_freed_memory()
     import torch
 
     from rpt.config import ModelConfig

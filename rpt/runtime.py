@@ -7,7 +7,11 @@ nn.LSTM itself gains 20%). Telling malloc to serve large blocks from its heap an
 it keeps the pages mapped across steps. PyTorch's CPU tuning guide reaches the same effect with
 jemalloc or tcmalloc through LD_PRELOAD; this needs no extra library. A no-op off glibc. Not under FSDP: its
 units' parameters are gathered and freed in turn, and a heap that keeps every freed block grew to more than
-DDP's whole state (benchmarks/RESULTS.md).
+DDP's whole state (benchmarks/RESULTS.md). Nor with `train.bptt_chunk`: a long window's chunks leave small
+long-lived blocks (boundary states, losses) between their large freed ones, and that heap grew with the window
+(2.8x a 1,024-token window's peak at 65,536 tokens); `return_large_blocks()` instead hands blocks of 1 MiB and
+more back to the OS as they are freed, and the peak stays flat in the window, for about a third more time a token
+(benchmarks/RESULTS.md, "Long sequences").
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import ctypes
 import ctypes.util
 
 M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 _applied = False
 
@@ -33,3 +38,15 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _applied = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
     return _applied
+
+
+def return_large_blocks(threshold: int = 1 << 20) -> bool:
+    """Serve blocks of `threshold` bytes and more by mmap, each returned to the OS when freed (a fixed threshold:
+    glibc's own rises to 32 MiB once such a block is freed); True when it took effect."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
