@@ -184,7 +184,7 @@ class TrainConfig(_Section):
     batch_size: int = 16
     seq_len: int = 64
     # Exact BPTT over the window in chunks of this many tokens, each recomputed in backward from its boundary
-    # state (rpt/models/bptt.py): memory of one chunk, gradients of the whole window; 0: the plain backward
+    # state (rpt/parallel/bptt.py): memory of one chunk, gradients of the whole window; 0: the plain backward
     bptt_chunk: int = 0
     max_steps: int = 1000
     max_tokens: int = 0

@@ -28,7 +28,6 @@ from rpt.config import ModelConfig
 from rpt.errors import RptError
 from rpt.models.attention import SlidingWindowAttention
 from rpt.models.cells.base import Cell
-from rpt.models.bptt import chunked_nats
 from rpt.models.loop import DepthLoop, mean_depths
 from rpt.models.registry import get_cell, import_user_modules
 from rpt.models.sampling import sample_next
@@ -115,16 +114,11 @@ class RecurrentLM(nn.Module):
         return sum(int(k) < self.cfg.loop_prelude for k in self.blocks)
 
     def forward(self, x: torch.Tensor, state: list | None = None, reset_mask: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None, depth: int | None = None, shared: bool = False,
-                chunk: int = 0):
+                targets: torch.Tensor | None = None, depth: int | None = None, shared: bool = False):
         """x: [B, T] int64 tokens (activations [B, T, D] where the embedding is not built);
         reset_mask: [B, T] bool (reset the state before reading that token); targets: [B, T] next tokens, to
         return each one's loss in nats (float32) in place of the logits (the head's cheaper form); depth: the
-        loop's iterations (a looped model's; model.loop_mean by default); shared: as `step` takes it; chunk: with
-        targets, the window in chunks of this many tokens, each recomputed in backward (rpt/models/bptt.py)."""
-        if chunk and targets is not None and x.shape[1] > chunk:
-            state = state if state is not None else self.init_state(x.shape[0], x.device)
-            return chunked_nats(lambda *a: self(*a, depth=depth), x, state, reset_mask, targets, chunk)
+        loop's iterations (a looped model's; model.loop_mean by default); shared: as `step` takes it."""
         if self.embed is not None:
             x = self.embed_dropout(self.embed(x))
         state = state if state is not None else self.init_state(x.shape[0], x.device)

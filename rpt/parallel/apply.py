@@ -1,5 +1,5 @@
 """What a run asks for, applied from outside the model, in order: the pipeline stage (the model built with the
-parts this rank owns), activation checkpointing, compile, then data parallelism (FSDP2 shards, or DDP or a comm
+parts this rank owns), exact BPTT in chunks (train.bptt_chunk), activation checkpointing, compile, then data parallelism (FSDP2 shards, or DDP or a comm
 mode of rpt.comm) and the pipeline's schedule around what it wrapped. The model code has no branch for any of them."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from rpt.comm.sync import build_sync
 from rpt.models import RecurrentLM
 from rpt.models.lm import Block
 from rpt.parallel import fsdp, pipeline
+from rpt.parallel.bptt import chunk_windows
 from rpt.parallel.mesh import Mesh
 from rpt.parallel.pipeline_runner import PipelineRunner
 from rpt.parallel.runner import Runner
@@ -31,6 +32,8 @@ def parallelize(cfg, plan, rank: int, world_size: int, device: torch.device, dis
     model = RecurrentLM(cfg.model, pipeline.parts_of(plan, mesh.pp_rank) if staged else None)
     if not sharded:  # FSDP moves each unit to the device as it shards it: a GPU never holds the whole stage
         model = model.to(device)
+    if t.bptt_chunk:
+        chunk_windows(model, t.bptt_chunk)
     if cfg.model.activation_checkpointing:
         checkpoint_blocks(model)
     if t.compile:

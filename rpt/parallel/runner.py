@@ -59,7 +59,6 @@ class Runner:
         self.optimizer: torch.optim.Optimizer | None = None
         self._probe = probe
         self._loop_draw = (model.cfg, train.seed) if model.cfg.loop_core else None
-        self.bptt_chunk = train.bptt_chunk  # exact BPTT over the window in recomputed chunks (0: plain)
 
     # ------------------------------------------------------------------ what the trainer calls
     @property
@@ -122,8 +121,7 @@ class Runner:
             with nullcontext() if k == self.grad_accum - 1 else self.sync.no_sync():
                 with self.autocast(), clock("forward"):
                     nats, new = module(x[part], rows(state, part), None if reset is None else reset[part], y[part],
-                                       **({} if depth is None else {"depth": depth}),
-                                       **({"chunk": self.bptt_chunk} if self.bptt_chunk else {}))
+                                       **({} if depth is None else {"depth": depth}))
                     loss = in_forward(nats.mean())
                 with clock("backward"):
                     self.scaler.scale(loss / self.grad_accum).backward()

@@ -23,10 +23,9 @@ from rpt.train.loop_health import LoopHealth
 @torch.no_grad()
 def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size: int, seq_len: int,
              device: torch.device, rank: int = 0, world_size: int = 1, max_tokens: int = 0,
-             eot_id: int | None = None, autocast=nullcontext, depth: int | None = None, chunk: int = 0,
+             eot_id: int | None = None, autocast=nullcontext, depth: int | None = None,
              by_position: bool = False) -> dict:
-    """`depth`: a looped model's iterations (its default, loop_mean, where None); `chunk`: the window's losses
-    computed this many tokens at a time (train.bptt_chunk: no [T, vocab] logits at once); `by_position`: also
+    """`depth`: a looped model's iterations (its default, loop_mean, where None); `by_position`: also
     bits per byte by the target's position in its document (`by_position`: bins of POSITION_EDGES)."""
     was_training = model.training
     model.eval()
@@ -54,7 +53,7 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
         reset = (x == eot_id) if eot_id is not None else None
         with autocast():
             losses, state = model(x.to(device), state, None if reset is None else reset.to(device), y.to(device),
-                                  **({} if depth is None else {"depth": depth}), **({"chunk": chunk} if chunk else {}))
+                                  **({} if depth is None else {"depth": depth}))
         if losses is None:  # a pipeline stage before the last: it passed its activations on
             continue
         nats += losses.sum().double()
@@ -140,7 +139,7 @@ class Evaluation:
             model, self.data.tokens("val"), self.byte_lengths, batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len,
             device=self.device, rank=self.rank, world_size=self.world_size,
             max_tokens=0 if final else self.cfg.eval_tokens, eot_id=self.eot_id, autocast=self.autocast, depth=depth,
-            chunk=self.cfg.bptt_chunk, by_position=self.cfg.eval_by_position and depth is None)
+            by_position=self.cfg.eval_by_position and depth is None)
         loop = getattr(model, "loop", None)  # a pipeline rank whose stages hold no core has none
         if loop is not None:
             loop.watch = LoopWatch()

@@ -76,6 +76,10 @@ def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str |
     keep_freed_memory()
     cfg, model, tokenizer, path, ck = load_run(run_dir, checkpoint, device)
     depth = check_depth(cfg.model, depth)
+    if cfg.train.bptt_chunk:  # a long window's losses a chunk at a time, as its validations computed them
+        from rpt.parallel.bptt import chunk_windows
+
+        chunk_windows(model, cfg.train.bptt_chunk)
     data = PreparedData(data_path) if data_path else open_dataset(cfg.data)
     if data.meta["tokenizer_sha256"] != json.loads((Path(run_dir) / "meta.json").read_text())["tokenizer_sha256"]:
         raise RptError(f"the data at {data.path} was tokenized with another tokenizer than the run's",
@@ -84,7 +88,7 @@ def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str |
     result = evaluate(model, data.tokens("val"), token_byte_lengths(tokenizer), batch_size=cfg.train.batch_size,
                       seq_len=cfg.train.seq_len, device=dev,
                       eot_id=data.eot_id if cfg.data.reset_at_documents else None, depth=depth,
-                      chunk=cfg.train.bptt_chunk, by_position=by_position)
+                      by_position=by_position)
     about = ck.describe(path)
     return {**result, "depth": depth, "checkpoint": path, "about": f"{checkpoint}: {about}" if checkpoint in ("best", "latest") else about}
 

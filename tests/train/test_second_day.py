@@ -85,10 +85,10 @@ def test_checkpoints_come_on_a_timer_by_default_and_are_announced(tmp_path, tiny
     assert 10 <= Config().checkpoint.interval_minutes <= 30  # every run checkpoints while it trains
     run = tmp_path / "run"
     proc = rpt("train", "--run-dir", str(run), *small(tiny_data, "--set", "train.max_steps=40",
-                                                      "--set", "checkpoint.interval_minutes=0.001",
+                                                      "--set", "checkpoint.interval_minutes=0.0002",
                                                       "--set", "checkpoint.keep_last=100"))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "checkpoints: every 0.001 min of training (checkpoint.interval_minutes), and at the end" in proc.stdout
+    assert "checkpoints: every 0.0002 min of training (checkpoint.interval_minutes), and at the end" in proc.stdout
     steps = sorted(int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*"))
     assert len(steps) > 3 and steps[-1] == 40  # the timer's, then the end's
 

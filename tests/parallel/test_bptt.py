@@ -1,4 +1,4 @@
-"""Exact BPTT in recomputed chunks (train.bptt_chunk, rpt/models/bptt.py): for every cell, with an attention block,
+"""Exact BPTT in recomputed chunks (train.bptt_chunk, rpt/parallel/bptt.py): for every cell, with an attention block,
 an MLP, document resets inside the window and a carried state, the chunked window gives the plain backward's
 losses, final state and gradients (float64); without gradients it gives the same losses; a chunk that does not
 divide the window is refused."""
@@ -11,31 +11,33 @@ import torch
 from rpt.config import ModelConfig, TrainConfig
 from rpt.errors import RptError
 from rpt.models.lm import RecurrentLM
+from rpt.parallel.bptt import chunk_windows
 
 V, B, T = 50, 2, 48
 
 
-def model_of(cell: str, **kw) -> RecurrentLM:
-    options = dict(cell=cell, n_layers=2, d_model=16, vocab_size=V, attention_every=2, attention_window=8,
-                   attention_heads=2, mlp_ratio=2, dropout=0.0)
-    options.update(kw)
+def model_of(cell: str, chunk: int = 0) -> RecurrentLM:
+    """The same model each call; with `chunk`, its windows run in chunks."""
     torch.manual_seed(0)
-    return RecurrentLM(ModelConfig(**options)).double()
+    model = RecurrentLM(ModelConfig(cell=cell, n_layers=2, d_model=16, vocab_size=V, attention_every=2,
+                                    attention_window=8, attention_heads=2, mlp_ratio=2, dropout=0.0)).double()
+    if chunk:
+        chunk_windows(model, chunk)
+    return model
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm"])
 def test_chunks_give_the_plain_backwards_losses_state_and_gradients(cell):
-    model = model_of(cell)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
     reset = torch.zeros(B, T, dtype=torch.bool)
     reset[0, 20], reset[1, 33] = True, True  # a document starts inside a chunk
     with torch.no_grad():
-        _, state = model(x[:, :9], targets=y[:, :9])  # a carried state, not the fresh one
+        _, state = model_of(cell)(x[:, :9], targets=y[:, :9])  # a carried state, not the fresh one
     results = []
     for chunk in (0, 16, 12):
-        model.zero_grad()
-        nats, new = model(x, state, reset, y, chunk=chunk)
+        model = model_of(cell, chunk)
+        nats, new = model(x, state, reset, y)
         nats.sum().backward()
         results.append((nats.detach(), new, {n: p.grad.clone() for n, p in model.named_parameters()}))
     plain = results[0]
@@ -49,11 +51,10 @@ def test_chunks_give_the_plain_backwards_losses_state_and_gradients(cell):
 
 
 def test_without_gradients_the_chunks_run_one_after_another():
-    model = model_of("lstm")
     x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
     with torch.no_grad():
-        plain, _ = model(x, targets=y)
-        chunked, _ = model(x, targets=y, chunk=16)
+        plain, _ = model_of("lstm")(x, targets=y)
+        chunked, _ = model_of("lstm", 16)(x, targets=y)
     torch.testing.assert_close(chunked, plain, atol=1e-10, rtol=1e-10)
 
 
