@@ -8,7 +8,7 @@ before the step (after a 64-token warm-up step), and its seconds per token. Rows
 of `--chunk`, and both at `--cost-window`, where both fit, for the time per token.
 
     .venv/bin/python benchmarks/long_sequences.py [--long 65536] [--chunk 1024] [--plain 1024,8192]
-        [--cost-window 8192]
+        [--cost-window 8192] [--allocator trainer|mmap]
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def one(window: int, chunk: int) -> dict:
-    """One forward and backward in this process, under the trainer's allocator setting for it (rpt/runtime.py):
-    peak bytes above the start, and seconds."""
+def one(window: int, chunk: int, allocator: str) -> dict:
+    """One forward and backward in this process, under the trainer's allocator setting for it (rpt/runtime.py) or
+    with large blocks returned to the OS for both ("mmap"): peak bytes above the start, and seconds."""
     from rpt.runtime import keep_freed_memory, return_large_blocks
 
-    return_large_blocks() if chunk else keep_freed_memory()
+    return_large_blocks() if chunk or allocator == "mmap" else keep_freed_memory()
     import torch
 
     from rpt.config import ModelConfig
@@ -63,9 +63,9 @@ def one(window: int, chunk: int) -> dict:
             "us_per_token": 1e6 * seconds / window}
 
 
-def measure(window: int, chunk: int) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--one", str(window), str(chunk)], capture_output=True, text=True,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+def measure(window: int, chunk: int, allocator: str) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--one", str(window), str(chunk), "--allocator", allocator],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if proc.returncode:
         raise SystemExit(proc.stderr[-3000:])
     r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -80,18 +80,21 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--plain", default="1024,8192")
     p.add_argument("--cost-window", type=int, default=8192)
+    p.add_argument("--allocator", choices=["trainer", "mmap"], default="trainer",
+                   help="trainer: each mode under rpt train's setting; mmap: large blocks returned to the OS in both")
     p.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one(*args.one)))
+        print(json.dumps(one(*args.one, args.allocator)))
         return
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
-    print(f"commit {commit.strip()}; lstm 4 x 512, vocabulary {V:,} (shortlist 2,048), batch 1, {os.cpu_count()} cores")
-    plain = {w: measure(w, 0) for w in map(int, args.plain.split(","))}
-    long = measure(args.long, args.chunk)
+    print(f"commit {commit.strip()}; lstm 4 x 512, vocabulary {V:,} (shortlist 2,048), batch 1, {os.cpu_count()} cores, "
+          f"allocator: {args.allocator}")
+    plain = {w: measure(w, 0, args.allocator) for w in map(int, args.plain.split(","))}
+    long = measure(args.long, args.chunk, args.allocator)
     base = plain[min(plain)]
-    cost_plain = plain.get(args.cost_window) or measure(args.cost_window, 0)
-    cost_chunked = measure(args.cost_window, args.chunk)
+    cost_plain = plain.get(args.cost_window) or measure(args.cost_window, 0, args.allocator)
+    cost_chunked = measure(args.cost_window, args.chunk, args.allocator)
     print(f"\n| run | window | peak above start | x plain {min(plain):,} | us per token |\n|---|---|---|---|---|")
     for r in [*plain.values(), long, cost_chunked]:
         name = "plain" if not r["chunk"] else f"exact BPTT, chunks of {r['chunk']:,}"
