@@ -28,25 +28,22 @@ _applied = False
 def keep_freed_memory() -> bool:
     """Serve large allocations from the heap and never trim it; True when it took effect."""
     global _applied
-    if _applied:
-        return True
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _applied = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    if not _applied:
+        _applied = _mallopt((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1))
     return _applied
 
 
 def return_large_blocks(threshold: int = 1 << 20) -> bool:
     """Serve blocks of `threshold` bytes and more by mmap, each returned to the OS when freed (a fixed threshold:
     glibc's own rises to 32 MiB once such a block is freed); True when it took effect."""
+    return _mallopt((M_MMAP_THRESHOLD, threshold))
+
+
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    """glibc's mallopt for each (parameter, value); False off glibc or where one did not take."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
+    return all([bool(mallopt(parameter, value)) for parameter, value in settings])
