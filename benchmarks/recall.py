@@ -7,6 +7,7 @@ the whole sequence in chunks of 64 (train.bptt_chunk: rpt/parallel/bptt.py). The
 accuracy is on fresh sequences.
 
     .venv/bin/python benchmarks/recall.py [--cells lstm,mingru] [--distances 512,2048] [--minutes 10]
+        [--curriculum] [--only windows|exact]
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def accuracy(model, distance: int, g: torch.Generator, rows: int = 512) -> float
     return float((logits[:, -1].argmax(-1) == value).float().mean())
 
 
-def train(cell: str, distance: int, exact: bool, minutes: float, window: int = 64) -> dict:
+def train(cell: str, distance: int, exact: bool, minutes: float, window: int = 64, curriculum: bool = False) -> dict:
+    """`curriculum`: the distance doubles from 32 every 250 steps up to `distance` (accuracy always at `distance`)."""
     from rpt.config import ModelConfig
     from rpt.models.lm import RecurrentLM
     from rpt.parallel.bptt import chunk_windows
@@ -65,8 +67,9 @@ def train(cell: str, distance: int, exact: bool, minutes: float, window: int = 6
     g, held = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
     began, steps, best = time.perf_counter(), 0, 0.0
     while time.perf_counter() - began < 60 * minutes:
-        x, value = batch(32, distance, g)
-        loss = answer_nats(model, x, value, window, exact).mean()
+        now = min(distance, 32 * 2 ** (steps // 250)) if curriculum else distance
+        x, value = batch(32, now, g)
+        loss = answer_nats(model, x, value, window, exact and now > window).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -82,14 +85,16 @@ def main() -> None:
     p.add_argument("--cells", default="lstm,mingru")
     p.add_argument("--distances", default="512,2048")
     p.add_argument("--minutes", type=float, default=10)
+    p.add_argument("--curriculum", action="store_true", help="train at distances doubling from 32")
+    p.add_argument("--only", choices=["windows", "exact"], help="one of the two trainings")
     args = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     print(f"commit {commit.strip()}; chance {1 / VALUES:.3f}; {args.minutes:g} min of training each", flush=True)
     print("| cell | D | training | steps | accuracy |\n|---|---|---|---|---|", flush=True)
     for cell in args.cells.split(","):
         for distance in map(int, args.distances.split(",")):
-            for exact in (False, True):
-                r = train(cell, distance, exact, args.minutes)
+            for exact in [m == "exact" for m in ([args.only] if args.only else ["windows", "exact"])]:
+                r = train(cell, distance, exact, args.minutes, curriculum=args.curriculum)
                 how = "exact BPTT, chunks of 64" if exact else "windows of 64, state carried"
                 print(f"| {cell} | {distance:,} | {how} | {r['steps']:,} | {r['accuracy']:.3f} |", flush=True)
 
