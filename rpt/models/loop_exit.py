@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from rpt.errors import RptError
+from rpt.models.lm import ClusteredHead
 
 CRITERIA = ("kl", "shortlist", "change")
 
@@ -57,7 +58,7 @@ class Exit:
         loop = model.loop
         coda = list(model.blocks.values())[loop.prelude + loop.core:]
         coda_state = state[len(state) - len(coda):]
-        if self.criterion == "shortlist" and not hasattr(model.head, "_head_logits"):
+        if self.criterion == "shortlist" and not isinstance(model.head, ClusteredHead):
             raise RptError("--exit shortlist: this model's head has no shortlist (model.head_shortlist = 0)",
                            "use --exit kl:THRESHOLD or --exit change:THRESHOLD")
         seen = {"previous": None}

@@ -22,10 +22,9 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from rpt.monitor.store import FILENAME, MetricsReader
+from rpt.monitor.store import FILENAME, TABLES, MetricsReader
 
 STATIC = Path(__file__).parent / "static"
-TABLES = ("train", "ranks", "evals", "depths", "positions", "comm", "state", "stragglers", "profile")
 
 
 def plotly_js() -> Path:

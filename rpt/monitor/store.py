@@ -44,6 +44,7 @@ CREATE TABLE IF NOT EXISTS profile (step INTEGER, rank INTEGER, steps INTEGER, w
     comm_s REAL, overlap_s REAL, idle_s REAL, PRIMARY KEY (step, rank));
 """
 FILENAME = "metrics.sqlite"
+TABLES = ("train", "ranks", "evals", "depths", "positions", "comm", "state", "stragglers", "profile")  # readable
 
 
 def _clean(v):
@@ -118,7 +119,7 @@ class MetricsReader:
         self.db.row_factory = sqlite3.Row
 
     def rows(self, table: str, after: int = -1) -> list[dict]:
-        if table not in ("train", "ranks", "evals", "depths", "positions", "comm", "state", "stragglers", "profile"):
+        if table not in TABLES:
             raise ValueError(f"unknown table {table}")
         try:
             cur = self.db.execute(f"SELECT * FROM {table} WHERE step > ? ORDER BY step", (after,))

@@ -1,6 +1,7 @@
 """What a run asks for, applied from outside the model, in order: the pipeline stage (the model built with the
-parts this rank owns), exact BPTT in chunks (train.bptt_chunk), activation checkpointing, compile, then data parallelism (FSDP2 shards, or DDP or a comm
-mode of rpt.comm) and the pipeline's schedule around what it wrapped. The model code has no branch for any of them."""
+parts this rank owns), exact BPTT in chunks (train.bptt_chunk), activation checkpointing, compile, then data
+parallelism (FSDP2 shards, or DDP or a comm mode of rpt.comm) and the pipeline's schedule around what it wrapped.
+The model code has no branch for any of them."""
 
 from __future__ import annotations
 

@@ -212,7 +212,12 @@ class PipelineEval(nn.Module):
         super().__init__()
         self.__dict__["pipe"] = pipeline
         self.model = pipeline.model
-        self.cfg, self.loop = self.model.cfg, self.model.loop  # a looped model's, where this rank holds its core
+        self.cfg = self.model.cfg
+
+    @property
+    def loop(self):
+        """A looped model's loop, where this rank holds its core (what a validation watches)."""
+        return self.model.loop
 
     def forward(self, x, state=None, reset=None, targets=None, depth=None):
         """`state`: each stage's, in a list (a looped model's grows with a depth beyond its slots)."""
