@@ -282,10 +282,13 @@ class TrainConfig(_Section):
 
 @dataclass
 class ParallelConfig(_Section):
-    """Layer pipeline parallelism and FSDP2 sharding; plain data parallelism (replicas) takes the remaining ranks."""
+    """Layer pipeline parallelism, FSDP2 sharding and context parallelism; plain data parallelism (replicas) takes
+    the remaining ranks."""
 
     pp: Union[int, Literal["auto"]] = 1   # pipeline stages; "auto": the fewest whose memory fits (rpt plan)
     fsdp: Union[int, Literal["auto"]] = 1  # ranks that shard each stage's parameters, gradients and optimiser state
+    cp: int = 1                           # context parallelism: ranks that split each window's time axis (one group
+    #                                       reads the same rows; rpt/parallel/context.py)
     fsdp_reshard_microsteps: bool = False  # accumulation: reshard the parameters after every micro-step's backward
     microbatches: int = 1                 # micro-batches per step through the pipeline (batch_size divisible)
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
@@ -293,6 +296,7 @@ class ParallelConfig(_Section):
 
     def check(self) -> None:
         _positive("parallel.microbatches", self.microbatches)
+        _positive("parallel.cp", self.cp)
         if isinstance(self.pp, int):
             _positive("parallel.pp", self.pp)
         if isinstance(self.fsdp, int):

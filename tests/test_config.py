@@ -117,6 +117,25 @@ def test_fsdp_settings_that_cannot_work_are_refused_with_the_fix(overrides, mess
     assert message in info.value.message and fix in info.value.fix
 
 
+@pytest.mark.parametrize("overrides, message, fix", [
+    (["train.seq_len=63"], "not divisible by parallel.cp = 2", "train.seq_len = 62"),
+    (["model.attention_every=2", "model.attention_window=64"], "shorter than model.attention_window = 64",
+     "train.seq_len >= 128"),
+    (["parallel.pp=2", "model.n_layers=4"], "parallel.pp = 2", "train.bptt_chunk alone"),
+    (["parallel.fsdp=2"], "parallel.fsdp = 2", "drop them"),
+    (["train.bptt_chunk=16"], "train.bptt_chunk = 16", "drop them"),
+    (["model.loop_core=1", "model.n_layers=3"], "model.loop_core = 1", "drop them"),
+    (["model.activation_checkpointing=true"], "activation_checkpointing", "drop them"),
+    (["comm.mode=diloco"], "comm.mode = 'diloco'", "drop them"),
+    (["parallel.cp=0"], "parallel.cp", ""),
+])
+def test_context_parallel_settings_that_cannot_work_are_refused_with_the_fix(overrides, message, fix):
+    load(None, ["parallel.cp=2", "train.seq_len=64", "model.attention_every=2", "model.attention_window=32"])
+    with pytest.raises(RptError) as info:
+        load(None, ["parallel.cp=2", "train.seq_len=64", *overrides])
+    assert message in info.value.message and fix in info.value.fix
+
+
 def test_malformed_toml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[model\ncell = lstm\n")

@@ -1,6 +1,7 @@
 """What a run asks for, applied from outside the model, in order: the pipeline stage (the model built with the
-parts this rank owns), exact BPTT in chunks (train.bptt_chunk), activation checkpointing, compile, then data
-parallelism (FSDP2 shards, or DDP or a comm mode of rpt.comm) and the pipeline's schedule around what it wrapped.
+parts this rank owns), this rank's piece of each window (parallel.cp), exact BPTT in chunks (train.bptt_chunk),
+activation checkpointing, compile, then data parallelism (FSDP2 shards, or DDP or a comm mode of rpt.comm) and the
+pipeline's schedule around what it wrapped.
 The model code has no branch for any of them."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from rpt.models import RecurrentLM
 from rpt.models.lm import Block
 from rpt.parallel import fsdp, pipeline
 from rpt.parallel.bptt import chunk_windows
+from rpt.parallel.context import ContextGroup, split_windows
 from rpt.parallel.mesh import Mesh
 from rpt.parallel.pipeline_runner import PipelineRunner
 from rpt.parallel.runner import Runner
@@ -33,6 +35,9 @@ def parallelize(cfg, plan, rank: int, world_size: int, device: torch.device, dis
     model = RecurrentLM(cfg.model, pipeline.parts_of(plan, mesh.pp_rank) if staged else None)
     if not sharded:  # FSDP moves each unit to the device as it shards it: a GPU never holds the whole stage
         model = model.to(device)
+    cp = cfg.parallel.cp if distributed else 1
+    if cp > 1:  # a group of cp ranks reads the same rows; the gradients are averaged over every rank
+        split_windows(model, ContextGroup(cp, rank, world_size))
     if t.bptt_chunk:
         chunk_windows(model, t.bptt_chunk)
     if cfg.model.activation_checkpointing:
@@ -42,21 +47,23 @@ def parallelize(cfg, plan, rank: int, world_size: int, device: torch.device, dis
     pipe = None
     if staged:
         pipe = pipeline.Pipeline(model, plan, mesh, t.batch_size, t.seq_len, device, cfg.parallel.schedule)
-    dp_rank, dp_size = (mesh.dp_rank, mesh.dp) if mesh else (rank, world_size)
+    dp_rank, dp_size = (mesh.dp_rank, mesh.dp) if mesh else (rank // cp, world_size // cp)
     if sharded:  # FSDP2 in place of DDP: the stage (or the model) is the root
         root = pipe.stages[0] if pipe else model
         fsdp.shard(root, model, mesh, t.precision, device)
         sync = fsdp.FSDPSync(root, model, mesh, 1 if pipe else t.grad_accum, cfg.parallel.fsdp_reshard_microsteps)
     else:
-        sync = build_sync(model, cfg.comm, rank=dp_rank, world_size=dp_size, distributed=distributed,
-                          powersgd_start=t.warmup_steps, seed=t.seed, group=mesh.dp_group if mesh else None,
+        sync = build_sync(model, cfg.comm, rank=dp_rank if mesh else rank, world_size=dp_size if mesh else world_size,
+                          distributed=distributed, powersgd_start=t.warmup_steps, seed=t.seed, group=mesh.dp_group if mesh else None,
                           parts=pipe.stages if pipe else None, predictions=comm_choice)
     if pipe:  # the schedule runs each stage as data parallelism wrapped it (one DDP each), or as it is
         pipe.build_schedule(sync.module if isinstance(sync.module, list) else pipe.stages)
     layout = {"pp": mesh.pp, "dp": mesh.replicas, "fsdp": mesh.fsdp} if mesh else {"pp": 1, "dp": dp_size, "fsdp": 1}
+    if cp > 1:
+        layout["cp"] = cp
     if pipe:
         return PipelineRunner(pipe, sync, t, device, dp_rank, dp_size, layout, probe=not sharded)
-    return Runner(model, sync, t, device, dp_rank, dp_size, layout, probe=not sharded)
+    return Runner(model, sync, t, device, dp_rank, dp_size, layout, probe=not sharded and cp == 1)
 
 
 def choose_layout(cfg, rank: int, world_size: int, device: torch.device, local_world: int = 1):

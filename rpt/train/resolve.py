@@ -122,6 +122,9 @@ def resolve_comm(cfg: Config, d: Dist, plan) -> dict | None:
     if plan is not None:
         cfg.set("comm.mode", "allreduce", origin="a pipeline or FSDP mesh: all-reduce over its data-parallel ranks")
         return None
+    if cfg.parallel.cp != 1:
+        cfg.set("comm.mode", "allreduce", origin="context parallelism: all-reduce over every rank")
+        return None
     from rpt.comm.sync import choose_mode
     from rpt.parallel.plan import gradient_bytes
 
@@ -150,8 +153,12 @@ def check_world(cfg: Config, d: Dist) -> None:
 
 
 def check_layout(cfg: Config, world_size: int) -> None:
-    """Refuse, before anything is built or written, a pipeline degree the ranks cannot form."""
-    pp = cfg.parallel.pp
+    """Refuse, before anything is built or written, a pipeline or context degree the ranks cannot form."""
+    pp, cp = cfg.parallel.pp, cfg.parallel.cp
+    if world_size % cp:
+        raise RptError(f"world size {world_size} is not divisible by parallel.cp = {cp}",
+                       f"run a multiple of {cp} ranks (e.g. --nproc {cp * max(1, world_size // cp)}), "
+                       "or choose a parallel.cp that divides the world size")
     if pp != "auto" and world_size % int(pp):
         raise RptError(f"world size {world_size} is not divisible by parallel.pp = {pp}",
                        f"run a multiple of {pp} ranks (e.g. --nproc {pp * max(1, world_size // int(pp))}), "
@@ -176,6 +183,8 @@ def check(cfg: Config) -> None:
                        "leave train.eval_depths empty, or loop the model (docs/depth.md)")
     if p.pp != 1:
         _check_pipeline(cfg)
+    if p.cp != 1:
+        _check_context(cfg)
     if p.fsdp != 1:
         if c.mode not in ("allreduce", "auto") or c.compression != "none" or c.adaptive:
             raise RptError(f"parallel.fsdp = {p.fsdp!r} with comm.mode = '{c.mode}', compression = "
@@ -215,6 +224,31 @@ def _check_pipeline(cfg: Config) -> None:
         raise RptError(f"train.grad_accum = {t.grad_accum} with parallel.pp = {p.pp}: the pipeline's "
                        "micro-batches are its gradient accumulation",
                        "set train.grad_accum = 1 and parallel.microbatches to the micro-batch count")
+
+
+def _check_context(cfg: Config) -> None:
+    """Context parallelism (rpt/parallel/context.py): a window its ranks can split, beside data parallelism only."""
+    m, t, p, c = cfg.model, cfg.train, cfg.parallel, cfg.comm
+    piece = t.seq_len // p.cp
+    if t.seq_len % p.cp:
+        raise RptError(f"train.seq_len = {t.seq_len} is not divisible by parallel.cp = {p.cp}",
+                       f"use a window that splits evenly, e.g. train.seq_len = {max(1, piece) * p.cp}")
+    if m.attention_every and piece < m.attention_window:
+        raise RptError(f"parallel.cp = {p.cp} splits train.seq_len = {t.seq_len} into pieces of {piece} tokens, "
+                       f"shorter than model.attention_window = {m.attention_window}",
+                       f"use train.seq_len >= {p.cp * m.attention_window}, or a smaller cp or attention window")
+    joined = [what for what, on in ((f"parallel.pp = {p.pp}", p.pp != 1), (f"parallel.fsdp = {p.fsdp}", p.fsdp != 1),
+                                    (f"model.loop_core = {m.loop_core}", bool(m.loop_core)),
+                                    (f"train.bptt_chunk = {t.bptt_chunk}", bool(t.bptt_chunk)),
+                                    ("model.activation_checkpointing", m.activation_checkpointing),
+                                    (f"train.compile = {t.compile!r}", bool(t.compile)),
+                                    (f"comm.mode = '{c.mode}'", c.mode not in ("allreduce", "auto")),
+                                    ("comm.adaptive", c.adaptive)) if on]
+    if joined:
+        raise RptError(f"parallel.cp = {p.cp} with {', '.join(joined)}: context parallelism runs beside data "
+                       "parallelism (all-reduce) only; the others recompute or re-split a forward whose pieces "
+                       "exchange states with other ranks", "drop them, or use train.bptt_chunk alone for a long "
+                       "window on one rank (docs/long-sequences.md)")
 
 
 def _check_comm(cfg: Config) -> None:

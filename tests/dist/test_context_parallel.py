@@ -1,0 +1,44 @@
+"""Context parallelism (parallel.cp) on real gloo processes: a window split over ranks gives the losses, the state
+after it and the gradients of the whole window in one process, for every cell (with resets inside the window and an
+attention block), and a run trains as one process does."""
+
+from __future__ import annotations
+
+import pytest
+
+from context_workers import window_against_one_process
+from harness import run_ranks
+from pipeline_workers import train_runs
+from test_pipeline import assert_same_training, reference
+
+CELLS = ["lstm", "gru", "modlstm", "mingru", "minlstm"]
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_a_window_split_over_ranks_equals_one_process(tmp_path, cp):
+    cells = CELLS if cp == 2 else ["lstm", "mingru"]  # three ranks: a state crosses two edges
+    ranks = run_ranks(window_against_one_process, cp, tmp_path, cells, cp, timeout=120)
+    for rank, found in enumerate(ranks):
+        for cell in cells:
+            got = found[cell]
+            assert got["nats"] < 1e-12 and got["state"] < 1e-12, (rank, cell, got)
+            assert got["grads"] < 1e-12 * max(1.0, got["grad_scale"]), (rank, cell, got)
+            if rank == 0:  # a validation's losses come back whole on the group's first rank
+                assert got["eval"] < 1e-12, (cell, got)
+            else:
+                assert got["eval"] is None
+
+
+ATTENTION = ["model.attention_every=2", "model.attention_window=8"]
+
+
+def test_training_with_cp_equals_one_process(tiny_data, tmp_path):
+    runs = [("lstm", ["parallel.cp=2", *ATTENTION, "train.grad_accum=2"], False),
+            ("mingru", ["parallel.cp=2", "model.cell=mingru"], False)]
+    ranks = run_ranks(train_runs, 2, tmp_path / "ranks", str(tiny_data), str(tmp_path), runs, timeout=240)
+    for name, overrides, _ in runs:
+        ref_losses, ref_params = reference(tiny_data, tmp_path, f"ref-{name}",
+                                           *[o for o in overrides if not o.startswith("parallel.cp")])
+        for r in ranks:
+            assert_same_training({"losses": ranks[0][name]["losses"], "params": r[name]["params"]}, ref_losses,
+                                 ref_params)
