@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from rpt.models.cells.minrnn import _BUILT_IN, _MinRNN
-from rpt.models.lm import map_state
+from rpt.models.lm import at_least_fp32, map_state
 from rpt.kernels.cpu.products import linear
 from rpt.ops.minrnn import sequence
 from rpt.ops.minrnn.scan import linear_scan
@@ -54,14 +54,18 @@ class ContextGroup:
         return slice(self.rank * n, (self.rank + 1) * n)
 
     def send(self, tensors, tag: int, dst: int) -> None:
+        """States and their gradients travel in float32 or wider (each side's dtype may differ under autocast)."""
         for i, t in enumerate(tensors):
-            t = t.detach().contiguous()
+            t = at_least_fp32(t.detach()).contiguous()
             self._sending.append((dist.isend(t, dst, group=self.group, tag=4 * tag + i), t))
 
     def receive(self, like, tag: int, src: int) -> list[torch.Tensor]:
-        got = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
-        for i, t in enumerate(got):
-            dist.recv(t, src, group=self.group, tag=4 * tag + i)
+        """Tensors of `like`'s shapes and dtypes, from `src`."""
+        got = []
+        for i, t in enumerate(like):
+            buffer = torch.empty(t.shape, dtype=at_least_fp32(t).dtype, device=t.device)
+            dist.recv(buffer, src, group=self.group, tag=4 * tag + i)
+            got.append(buffer.to(t.dtype))
         return got
 
     def settle(self) -> None:

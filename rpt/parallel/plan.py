@@ -12,8 +12,8 @@ even stage costs wins (12 equal blocks on 3 stages: 4 + 4 + 4).
 
 Memory per rank (fp32 master weights, gradients and AdamW state, 16 bytes per parameter; the
 parameter-server modes move the optimiser state as they do in training; FSDP keeps 1 / fsdp of all three and
-gathers one unit at a time) plus activations of the
-micro-batches in flight: 1F1B keeps min(m, pp - s) on stage s, GPipe all m. The output layer's
+gathers one unit at a time) plus activations of the micro-batches in flight (of a window's piece, with
+context parallelism): 1F1B keeps min(m, pp - s) on stage s, GPipe all m. The output layer's
 logits (and their softmax for the loss) are charged to the last stage.
 """
 
@@ -63,6 +63,8 @@ class Plan:
     mode: str = "allreduce"       # the comm.mode counted (auto: as allreduce); "fsdp" when fsdp > 1
     fsdp_bytes_per_step: dict = field(default_factory=dict)  # all_gather, reduce_scatter, replica_all_reduce
     loop_blocks: tuple[int, int] = (0, 0)  # a looped model's core [start, stop): always inside one stage
+    cp: int = 1                   # ranks that split each window (context parallelism; pp = fsdp = 1)
+    context_bytes_per_step: int = 0  # states and their gradients a middle rank of a cp group sends per step
 
     @property
     def replicas(self) -> int:
@@ -85,8 +87,9 @@ class Plan:
 
     @property
     def bytes_per_step(self) -> int:
-        """What the busiest rank sends a step in the mode the config asks for, pipeline activations included."""
-        return self.grad_bytes_per_step[self.mode] + self.pipeline_bytes_per_step
+        """What the busiest rank sends a step in the mode the config asks for, pipeline activations and context
+        states included."""
+        return self.grad_bytes_per_step[self.mode] + self.pipeline_bytes_per_step + self.context_bytes_per_step
 
 
 def balance(costs: list[float], stages: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
@@ -184,12 +187,14 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
               fsdp: int = 1, model=None) -> Plan:
     """The plan for `pp` stages, each sharded over `fsdp` ranks; `costs` measured at start by training, else
     counted FLOPs; `model`: the meta model, when the caller has built it."""
-    if world_size % pp or (world_size // pp) % fsdp:
-        raise RptError(f"world size {world_size} is not divisible by parallel.pp x parallel.fsdp = {pp} x {fsdp}",
-                       "choose pipeline and FSDP degrees whose product divides the number of ranks")
+    cp = cfg.parallel.cp
+    if world_size % (pp * cp) or (world_size // pp) % fsdp:
+        raise RptError(f"world size {world_size} is not divisible by parallel.pp x parallel.fsdp x parallel.cp = "
+                       f"{pp} x {fsdp} x {cp}", "choose pipeline, FSDP and context degrees whose product divides "
+                       "the number of ranks")
     model = model if model is not None else _meta_model(cfg)
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    dp, micro = world_size // pp, p.microbatches
+    dp, micro = world_size // (pp * cp), p.microbatches
     costs = costs or counted_costs(cfg, model)
     looped = loop_factors(m)  # a looped model's core blocks: run r times forward, k times backward
     block_costs = [costs.block[b.attn is not None] * looped.get(int(k), (1.0, 1.0))[0]
@@ -199,7 +204,7 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
     n = pp * v  # stages of the pipeline; rank r runs stages r, r + pp, ...
     core = (m.loop_prelude, m.loop_prelude + m.loop_core) if m.loop_core else (0, 0)
     counts = balance_keeping(block_costs, n, embed_cost, head_cost, core)
-    tokens_per_micro = t.batch_size // micro * t.seq_len
+    tokens_per_micro = t.batch_size // micro * t.seq_len // cp  # a cp rank runs its piece of each window
     embed_params = model.embed.weight.numel()
     block_params = [sum(q.numel() for q in b.parameters()) for b in model.blocks.values()]
     stages, start = [], 0
@@ -233,20 +238,43 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
         start += count
     busiest = max(range(pp), key=lambda r: sum(c.params for c in stages[r::pp]))
     grad = 4 * sum(c.params for c in stages[busiest::pp])
-    share = (dp - 1) * grad // dp if dp > 1 else 0
+    synced = dp * cp  # a cp group's ranks average their gradients with every other rank's
+    share = (synced - 1) * grad // synced if synced > 1 else 0
     if fsdp > 1:
         kept = 4 * sum(block_params[c.blocks[1] - 1] for c in stages[busiest::pp])  # last blocks: gathered once
         by_kind = fsdp_wire_bytes(grad, fsdp, dp // fsdp, t.grad_accum, kept, p.fsdp_reshard_microsteps)
         grad_bytes = {"fsdp": sum(by_kind.values())}
     else:
         by_kind = {}
-        grad_bytes = {"allreduce": allreduce_wire_bytes(grad, dp) if dp > 1 else 0,
-                      "ps": (dp - 1) * grad if dp > 1 else 0,   # the server sends every worker the parameters
-                      "ps-sharded": 2 * share}                   # gradients to the owners, parameters back
+        grad_bytes = {"allreduce": allreduce_wire_bytes(grad, synced) if synced > 1 else 0,
+                      "ps": (synced - 1) * grad if synced > 1 else 0,  # the server sends every worker the parameters
+                      "ps-sharded": 2 * share}                          # gradients to the owners, parameters back
     pipe_bytes = 2 * 4 * t.batch_size * t.seq_len * m.d_model if pp > 1 else 0
     mode = "fsdp" if fsdp > 1 else cfg.comm.mode if cfg.comm.mode in grad_bytes else "allreduce"
     return Plan(world_size, pp, dp, micro, p.schedule, model.num_params(), stages, grad_bytes, pipe_bytes,
-                device_memory, (pp - 1) / (v * micro + pp - 1), costs.unit, v, fsdp, mode, by_kind, core)
+                device_memory, (pp - 1) / (v * micro + pp - 1), costs.unit, v, fsdp, mode, by_kind, core, cp,
+                context_bytes(model, t.batch_size, cp))
+
+
+def context_bytes(model, rows: int, cp: int) -> int:
+    """What a middle rank of a cp group sends a step (rpt/parallel/context.py), fp32: a scan cell's all-gather of
+    (product of a, last state) and the all-reduce of its gradient; every other cell's and attention's state to
+    the next rank, and the gradient of the state it received to the one before."""
+    if cp == 1:
+        return 0
+    from rpt.models.cells.minrnn import _MinRNN
+
+    total = 0
+    for block in model.blocks.values():
+        width = sum(block.cell.state_sizes())
+        if isinstance(block.cell, _MinRNN):
+            ends = 4 * 2 * rows * width
+            total += ends * (cp - 1) + allreduce_wire_bytes(cp * ends, cp)
+        else:
+            total += 2 * 4 * rows * width
+        if block.attn is not None:
+            total += 2 * 4 * rows * block.attn.window * (2 * block.attn.d_model + 1)
+    return total
 
 
 def balance_keeping(costs: list[float], stages: int, first_extra: float, last_extra: float,
@@ -341,6 +369,7 @@ def format_plan(plan: Plan) -> str:
     gib = lambda b: f"{b / GiB:,.2f}"  # noqa: E731
     cost_head, scale = ("GFLOP/tok", 1e-9) if plan.cost_unit == "FLOP" else ("us/tok", 1e6)
     data = f"dp {plan.replicas} x fsdp {plan.fsdp}" if plan.fsdp > 1 else f"dp {plan.dp}"
+    data = f"cp {plan.cp} x {data}" if plan.cp > 1 else data
     lines = [f"world size {plan.world_size}: pp {plan.pp} x {data}, {plan.microbatches} micro-batches, "
              f"{plan.schedule}; {plan.params:,} parameters; bubble (theory) {plan.bubble_theory:.1%}",
              f"{'stage':>5} {'rank':>4} {'blocks':>9} {'params':>15} {cost_head:>10} {'weights':>9} {'grads':>9} "
@@ -356,8 +385,12 @@ def format_plan(plan: Plan) -> str:
     if plan.fsdp_bytes_per_step:
         grads += " (" + ", ".join(f"{kind.replace('_', ' ')} {b / 2**20:,.1f}"
                                   for kind, b in plan.fsdp_bytes_per_step.items()) + ")"
-    over = "FSDP's all-gathers, reduce-scatters and replica all-reduce" if plan.fsdp > 1 else "dp"
+    over = ("FSDP's all-gathers, reduce-scatters and replica all-reduce" if plan.fsdp > 1
+            else "every rank (cp x dp)" if plan.cp > 1 else "dp")
     lines.append(f"gradient bytes sent per step by the busiest rank over {over}: {grads}")
+    if plan.cp > 1:
+        lines.append(f"context states + gradients sent per step by a middle rank of a cp group: "
+                     f"{plan.context_bytes_per_step / 2**20:,.2f} MiB")
     if plan.pp > 1:
         lines.append(f"pipeline activations + gradients sent per step by a middle stage: "
                      f"{plan.pipeline_bytes_per_step / 2**20:,.1f} MiB")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def window_against_one_process(cells: list[str], cp: int) -> dict:
-    """For each cell: a model with an attention block, a window with resets inside it, in float64. This rank runs
+def window_against_one_process(cells: list[str], cp: int, bf16: bool = False) -> dict:
+    """For each cell: a model with an attention block, a window with resets inside it, in float64 (or float32
+    under bf16 autocast, `bf16`). This rank runs
     its piece under context parallelism; the whole window also runs here in one piece. Returns, per cell, the
     largest differences of the losses, the state after the window and the gradients (summed over the group)."""
     import torch.distributed as dist
@@ -26,9 +27,10 @@ def window_against_one_process(cells: list[str], cp: int) -> dict:
             cfg = ModelConfig(vocab_size=50, d_model=16, n_layers=3, cell=cell, attention_every=2,
                               attention_window=4, attention_heads=2, mlp_ratio=2.0)
             torch.manual_seed(0)
-            ref = RecurrentLM(cfg).double()
+            dtype = torch.float32 if bf16 else torch.float64
+            ref = RecurrentLM(cfg).to(dtype)
             torch.manual_seed(0)
-            model = RecurrentLM(cfg).double()
+            model = RecurrentLM(cfg).to(dtype)
             split_windows(model, group)
             g = torch.Generator().manual_seed(1)
             B, T = 2, 8 * cp
@@ -37,9 +39,12 @@ def window_against_one_process(cells: list[str], cp: int) -> dict:
             reset = torch.zeros(B, T, dtype=torch.bool)
             reset[0, 3], reset[1, T // cp] = True, True  # inside a piece, and at a piece's first token
             state = map_state(lambda t: torch.randn(t.shape, generator=g, dtype=t.dtype), ref.init_state(B))
-            nats_ref, state_ref = ref(x, state, reset, y)
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+            with autocast:
+                nats_ref, state_ref = ref(x, state, reset, y)
             nats_ref.sum().backward()
-            nats, new = model(x, state, reset, y)
+            with autocast:
+                nats, new = model(x, state, reset, y)
             nats.sum().backward()
             grads = {}
             for name, p in model.named_parameters():
@@ -47,7 +52,7 @@ def window_against_one_process(cells: list[str], cp: int) -> dict:
                 dist.all_reduce(grad)
                 grads[name] = grad
             piece = slice(group.rank * T // cp, (group.rank + 1) * T // cp)
-            with torch.no_grad():
+            with torch.no_grad(), autocast:
                 whole, _ = model(x, state, reset, y)
             diff = lambda a, b: float((a - b).abs().max())
             out[cell] = {

@@ -29,6 +29,16 @@ def test_a_window_split_over_ranks_equals_one_process(tmp_path, cp):
                 assert got["eval"] is None
 
 
+def test_under_bf16_autocast_the_pieces_agree_with_one_process_to_its_precision(tmp_path):
+    """States and their gradients cross the edges in float32 whatever dtype each side holds them in."""
+    ranks = run_ranks(window_against_one_process, 2, tmp_path, CELLS, 2, True, timeout=120)
+    for rank, found in enumerate(ranks):
+        for cell in CELLS:
+            got = found[cell]
+            assert got["nats"] < 1e-2 and got["state"] < 1e-2, (rank, cell, got)
+            assert got["grads"] < 1e-2 * got["grad_scale"], (rank, cell, got)
+
+
 ATTENTION = ["model.attention_every=2", "model.attention_window=8"]
 
 

@@ -62,3 +62,29 @@ def test_a_chunk_that_does_not_divide_the_window_is_refused_with_the_fix():
     with pytest.raises(RptError, match="does not divide") as refused:
         TrainConfig(seq_len=64, bptt_chunk=24).check()
     assert "train.bptt_chunk = 16" in refused.value.fix
+
+
+def test_a_looped_model_in_chunks_gives_the_plain_backwards_gradients_at_the_steps_depth():
+    """Depth recurrence: one depth for the whole window (every chunk runs it), the state holding every
+    (iteration, block) slot from chunk to chunk."""
+    def looped(chunk: int = 0) -> RecurrentLM:
+        torch.manual_seed(0)
+        model = RecurrentLM(ModelConfig(cell="lstm", n_layers=3, d_model=16, vocab_size=V, loop_prelude=1,
+                                        loop_core=1, loop_backprop=2, dropout=0.0)).double()
+        if chunk:
+            chunk_windows(model, chunk)
+        return model
+
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+    results = []
+    for chunk in (0, 16):
+        model = looped(chunk)
+        nats, _ = model(x, targets=y, depth=3)
+        nats.sum().backward()
+        results.append((nats.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (plain, plain_grads), (chunked, grads) = results
+    torch.testing.assert_close(chunked, plain, atol=1e-10, rtol=1e-10)
+    assert grads.keys() == plain_grads.keys() and len(grads) > 0
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], atol=1e-9, rtol=1e-8, msg=lambda m: f"{name}: {m}")

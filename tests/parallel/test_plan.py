@@ -9,7 +9,7 @@ import pytest
 
 from rpt.config import Config
 from rpt.errors import RptError
-from rpt.parallel.plan import activation_bytes_per_token, balance, choose_plan, counted_costs, make_plan
+from rpt.parallel.plan import activation_bytes_per_token, balance, choose_plan, counted_costs, format_plan, make_plan
 from rpt.train.resolve import check
 
 GiB = 2**30
@@ -215,3 +215,18 @@ def test_rpt_plan_for_a_hundred_billion_parameters_on_4096_ranks_in_80_gib():
     assert plan["pp"] * plan["dp"] == 4096 and plan["fsdp"] > 1  # 16 bytes a parameter cannot sit on one rank
     assert plan["stages"][0]["memory"]["weights"] * plan["fsdp"] >= 4 * plan["params"] / plan["pp"] * 0.99
     assert int(out.rsplit("maxrss_kb", 1)[1]) / 2**20 < 2.0
+
+
+def test_context_parallelism_splits_each_windows_activations_and_counts_the_state_exchange():
+    lstm = ["model.attention_every=2", "model.attention_window=16", "train.seq_len=64"]
+    one = make_plan(_cfg(*lstm), 4, 1, 64 * GiB)
+    two = make_plan(_cfg(*lstm, "parallel.cp=2"), 4, 1, 64 * GiB)
+    assert (one.dp, two.dp, two.cp) == (4, 2, 2)
+    assert two.stages[0].memory["activations"] == pytest.approx(one.stages[0].memory["activations"] / 2, rel=0.01)
+    assert two.grad_bytes_per_step == one.grad_bytes_per_step  # the gradients are averaged over every rank alike
+    cfg = _cfg(*lstm)
+    B, D, W, layers = cfg.train.batch_size, cfg.model.d_model, 16, cfg.model.n_layers
+    # each block: (h, c) to the next rank and its gradient back; every second block the attention's window too
+    assert two.context_bytes_per_step == layers * 2 * 4 * B * 2 * D + layers // 2 * 2 * 4 * B * W * (2 * D + 1)
+    assert one.context_bytes_per_step == 0
+    assert "cp 2 x dp 2" in format_plan(two) and "context states" in format_plan(two)
