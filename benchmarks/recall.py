@@ -7,13 +7,14 @@ the whole sequence in chunks of 64 (train.bptt_chunk: rpt/parallel/bptt.py). The
 accuracy is on fresh sequences.
 
     .venv/bin/python benchmarks/recall.py [--cells lstm,mingru] [--distances 512,2048] [--minutes 10]
-        [--curriculum] [--only windows|exact]
+        [--curriculum] [--only windows|exact] [--forget-bias B] [--lr 3e-3] [--d-model 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,11 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 KEYS, VALUES, NOISE = 16, 8, 16  # token ids: keys, then values, then distractors
 
 
-def batch(rows: int, distance: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs [rows, distance + 3], the values to recall [rows])."""
+def batch(rows: int, distance: int, g: torch.Generator, like_values: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs [rows, distance + 3], the values to recall [rows]). `like_values`: the distractors are value tokens
+    too, so only the key says which one to keep (the write itself must be learned)."""
     key = torch.randint(0, KEYS, (rows,), generator=g)
     value = torch.randint(0, VALUES, (rows,), generator=g)
-    noise = KEYS + VALUES + torch.randint(0, NOISE, (rows, distance), generator=g)
+    noise = (KEYS if like_values else KEYS + VALUES) + torch.randint(0, VALUES if like_values else NOISE,
+                                                                    (rows, distance), generator=g)
     return torch.cat([key[:, None], KEYS + value[:, None], noise, key[:, None]], 1), KEYS + value
 
 
@@ -45,30 +48,50 @@ def answer_nats(model, x: torch.Tensor, value: torch.Tensor, window: int, exact:
     return nats[:, -1]
 
 
-def accuracy(model, distance: int, g: torch.Generator, rows: int = 512) -> float:
-    x, value = batch(rows, distance, g)
+def accuracy(model, distance: int, g: torch.Generator, rows: int = 512, like_values: bool = False) -> float:
+    x, value = batch(rows, distance, g, like_values)
     with torch.no_grad():
         logits, _ = model(x)
     return float((logits[:, -1].argmax(-1) == value).float().mean())
 
 
-def train(cell: str, distance: int, exact: bool, minutes: float, window: int = 64, curriculum: bool = False) -> dict:
-    """`curriculum`: the distance doubles from 32 every 250 steps up to `distance` (accuracy always at `distance`)."""
+def remember_longer(model, bias: float) -> None:
+    """Start the cell's carry near 1: a = sigmoid(bias) (lstm: model.forget_bias; minGRU: the update gate's bias at
+    -bias; minLSTM: forget at +bias, input at -bias), so that a gradient survives hundreds of steps at the start."""
+    from rpt.models.cells.minrnn import MinGRU, MinLSTM
+
+    for block in model.blocks.values():
+        cell, H = block.cell, block.cell.d_hidden
+        with torch.no_grad():
+            if isinstance(cell, MinGRU):
+                cell.in_proj.bias[:H] = -bias
+            elif isinstance(cell, MinLSTM):
+                cell.in_proj.bias[:H], cell.in_proj.bias[H:2 * H] = bias, -bias
+
+
+def train(cell: str, distance: int, exact: bool, minutes: float, window: int = 64, curriculum: bool = False,
+          forget_bias: float | None = None, lr: float = 3e-3, d_model: int = 64, like_values: bool = False,
+          layers: int = 1) -> dict:
+    """`curriculum`: the distance doubles from 32 every 250 steps up to `distance` (accuracy always at `distance`);
+    `forget_bias`: the carry's starting bias (remember_longer), else each cell's own."""
     from rpt.config import ModelConfig
     from rpt.models.lm import RecurrentLM
     from rpt.parallel.bptt import chunk_windows
 
     torch.manual_seed(0)
-    model = RecurrentLM(ModelConfig(cell=cell, n_layers=1, d_model=64, vocab_size=KEYS + VALUES + NOISE,
-                                    dropout=0.0, mlp_ratio=0))
+    options = {"forget_bias": forget_bias} if forget_bias is not None and cell in ("lstm", "modlstm") else {}
+    model = RecurrentLM(ModelConfig(cell=cell, n_layers=layers, d_model=d_model, vocab_size=KEYS + VALUES + NOISE,
+                                    dropout=0.0, mlp_ratio=0, **options))
+    if forget_bias is not None:
+        remember_longer(model, forget_bias)
     if exact:
         chunk_windows(model, window)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     g, held = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
     began, steps, best = time.perf_counter(), 0, 0.0
     while time.perf_counter() - began < 60 * minutes:
         now = min(distance, 32 * 2 ** (steps // 250)) if curriculum else distance
-        x, value = batch(32, now, g)
+        x, value = batch(32, now, g, like_values)
         loss = answer_nats(model, x, value, window, exact).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -76,8 +99,12 @@ def train(cell: str, distance: int, exact: bool, minutes: float, window: int = 6
         opt.step()
         steps += 1
         if steps % 50 == 0:
-            best = max(best, accuracy(model, distance, torch.Generator().manual_seed(3)))
-    return {"steps": steps, "accuracy": accuracy(model, distance, held), "best_probe": best}
+            probe = accuracy(model, distance, torch.Generator().manual_seed(3), like_values=like_values)
+            best = max(best, probe)
+            if steps % 200 == 0:  # the way there, on stderr
+                print(f"  step {steps}: D {now}, loss {loss.item():.3f}, accuracy at {distance} {probe:.3f}",
+                      file=sys.stderr, flush=True)
+    return {"steps": steps, "accuracy": accuracy(model, distance, held, like_values=like_values), "best_probe": best}
 
 
 def main() -> None:
@@ -87,6 +114,11 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=10)
     p.add_argument("--curriculum", action="store_true", help="train at distances doubling from 32")
     p.add_argument("--only", choices=["windows", "exact"], help="one of the two trainings")
+    p.add_argument("--forget-bias", type=float, help="start each cell's carry at sigmoid(this) (remember_longer)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--like-values", action="store_true", help="distractors drawn from the value tokens")
     args = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     print(f"commit {commit.strip()}; chance {1 / VALUES:.3f}; {args.minutes:g} min of training each", flush=True)
@@ -94,7 +126,9 @@ def main() -> None:
     for cell in args.cells.split(","):
         for distance in map(int, args.distances.split(",")):
             for exact in [m == "exact" for m in ([args.only] if args.only else ["windows", "exact"])]:
-                r = train(cell, distance, exact, args.minutes, curriculum=args.curriculum)
+                r = train(cell, distance, exact, args.minutes, curriculum=args.curriculum,
+                          forget_bias=args.forget_bias, lr=args.lr, d_model=args.d_model,
+                          like_values=args.like_values, layers=args.layers)
                 how = "exact BPTT, chunks of 64" if exact else "windows of 64, state carried"
                 print(f"| {cell} | {distance:,} | {how} | {r['steps']:,} | {r['accuracy']:.3f} |", flush=True)
 
