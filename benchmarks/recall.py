@@ -7,7 +7,8 @@ the whole sequence in chunks of 64 (train.bptt_chunk: rpt/parallel/bptt.py). The
 accuracy is on fresh sequences.
 
     .venv/bin/python benchmarks/recall.py [--cells lstm,mingru] [--distances 512,2048] [--minutes 10]
-        [--curriculum] [--only windows|exact] [--forget-bias B] [--lr 3e-3] [--d-model 64]
+        [--curriculum] [--only windows|exact] [--forget-bias B] [--lr 3e-3] [--d-model 64] [--layers 1]
+        [--like-values] [--stop-at ACCURACY]
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def remember_longer(model, bias: float) -> None:
 
 def train(cell: str, distance: int, exact: bool, minutes: float, window: int = 64, curriculum: bool = False,
           forget_bias: float | None = None, lr: float = 3e-3, d_model: int = 64, like_values: bool = False,
-          layers: int = 1) -> dict:
+          layers: int = 1, stop_at: float = 0.0) -> dict:
     """`curriculum`: the distance doubles from 32 every 250 steps up to `distance` (accuracy always at `distance`);
     `forget_bias`: the carry's starting bias (remember_longer), else each cell's own."""
     from rpt.config import ModelConfig
@@ -101,10 +102,13 @@ def train(cell: str, distance: int, exact: bool, minutes: float, window: int = 6
         if steps % 50 == 0:
             probe = accuracy(model, distance, torch.Generator().manual_seed(3), like_values=like_values)
             best = max(best, probe)
+            if stop_at and probe >= stop_at:  # learned: the held-out accuracy below says how well
+                break
             if steps % 200 == 0:  # the way there, on stderr
                 print(f"  step {steps}: D {now}, loss {loss.item():.3f}, accuracy at {distance} {probe:.3f}",
                       file=sys.stderr, flush=True)
-    return {"steps": steps, "accuracy": accuracy(model, distance, held, like_values=like_values), "best_probe": best}
+    return {"steps": steps, "accuracy": accuracy(model, distance, held, like_values=like_values), "best_probe": best,
+            "minutes": (time.perf_counter() - began) / 60}
 
 
 def main() -> None:
@@ -118,19 +122,21 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--stop-at", type=float, default=0.0, help="end a training once its probe accuracy reaches this")
     p.add_argument("--like-values", action="store_true", help="distractors drawn from the value tokens")
     args = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     print(f"commit {commit.strip()}; chance {1 / VALUES:.3f}; {args.minutes:g} min of training each", flush=True)
-    print("| cell | D | training | steps | accuracy |\n|---|---|---|---|---|", flush=True)
+    print("| cell | D | training | steps | minutes | accuracy |\n|---|---|---|---|---|---|", flush=True)
     for cell in args.cells.split(","):
         for distance in map(int, args.distances.split(",")):
             for exact in [m == "exact" for m in ([args.only] if args.only else ["windows", "exact"])]:
                 r = train(cell, distance, exact, args.minutes, curriculum=args.curriculum,
                           forget_bias=args.forget_bias, lr=args.lr, d_model=args.d_model,
-                          like_values=args.like_values, layers=args.layers)
+                          like_values=args.like_values, layers=args.layers, stop_at=args.stop_at)
                 how = "exact BPTT, chunks of 64" if exact else "windows of 64, state carried"
-                print(f"| {cell} | {distance:,} | {how} | {r['steps']:,} | {r['accuracy']:.3f} |", flush=True)
+                print(f"| {cell} | {distance:,} | {how} | {r['steps']:,} | {r['minutes']:.1f} | {r['accuracy']:.3f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -52,3 +52,15 @@ def test_training_with_cp_equals_one_process(tiny_data, tmp_path):
         for r in ranks:
             assert_same_training({"losses": ranks[0][name]["losses"], "params": r[name]["params"]}, ref_losses,
                                  ref_params)
+
+
+def test_cp_by_dp_trains_as_one_process_over_both_groups_rows(tiny_data, tmp_path):
+    """Four ranks as two cp groups of two: each group reads its own rows, both ranks of a group the same ones; the
+    gradients averaged over all four are one process's over both groups' rows."""
+    runs = [("cpdp", ["parallel.cp=2", "model.cell=minlstm", *ATTENTION], False)]
+    ranks = run_ranks(train_runs, 4, tmp_path / "ranks", str(tiny_data), str(tmp_path), runs, timeout=240)
+    ref_losses, ref_params = reference(tiny_data, tmp_path, "ref", "train.batch_size=8", "model.cell=minlstm",
+                                       *ATTENTION)
+    for r in ranks:
+        assert_same_training({"losses": ranks[0]["cpdp"]["losses"], "params": r["cpdp"]["params"]}, ref_losses,
+                             ref_params)
