@@ -8,7 +8,7 @@ accuracy is on fresh sequences.
 
     .venv/bin/python benchmarks/recall.py [--cells lstm,mingru] [--distances 512,2048] [--minutes 10]
         [--curriculum] [--only windows|exact] [--forget-bias B] [--lr 3e-3] [--d-model 64] [--layers 1]
-        [--like-values] [--stop-at ACCURACY]
+        [--like-values] [--stop-at ACCURACY] [--start D0]
 """
 
 from __future__ import annotations
@@ -72,8 +72,10 @@ def remember_longer(model, bias: float) -> None:
 
 def train(cell: str, distance: int, exact: bool, minutes: float, window: int = 64, curriculum: bool = False,
           forget_bias: float | None = None, lr: float = 3e-3, d_model: int = 64, like_values: bool = False,
-          layers: int = 1, stop_at: float = 0.0) -> dict:
+          layers: int = 1, stop_at: float = 0.0, start: int = 0) -> dict:
     """`curriculum`: the distance doubles from 32 every 250 steps up to `distance` (accuracy always at `distance`);
+    `start`: train at this distance first, doubling it each time the accuracy there reaches 0.9 (a window of 64
+    never sees a whole sequence when it is above 61);
     `forget_bias`: the carry's starting bias (remember_longer), else each cell's own."""
     from rpt.config import ModelConfig
     from rpt.models.lm import RecurrentLM
@@ -90,8 +92,9 @@ def train(cell: str, distance: int, exact: bool, minutes: float, window: int = 6
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     g, held = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
     began, steps, best = time.perf_counter(), 0, 0.0
+    now = min(distance, start) if start else distance  # the distance trained at
     while time.perf_counter() - began < 60 * minutes:
-        now = min(distance, 32 * 2 ** (steps // 250)) if curriculum else distance
+        now = min(distance, 32 * 2 ** (steps // 250)) if curriculum else now
         x, value = batch(32, now, g, like_values)
         loss = answer_nats(model, x, value, window, exact).mean()
         opt.zero_grad(set_to_none=True)
@@ -104,6 +107,9 @@ def train(cell: str, distance: int, exact: bool, minutes: float, window: int = 6
             best = max(best, probe)
             if stop_at and probe >= stop_at:  # learned: the held-out accuracy below says how well
                 break
+            if start and now < distance and accuracy(model, now, torch.Generator().manual_seed(4), 256,
+                                                     like_values) >= 0.9:
+                now = min(distance, 2 * now)  # learned at this distance: twice as far
             if steps % 200 == 0:  # the way there, on stderr
                 print(f"  step {steps}: D {now}, loss {loss.item():.3f}, accuracy at {distance} {probe:.3f}",
                       file=sys.stderr, flush=True)
@@ -123,6 +129,8 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--stop-at", type=float, default=0.0, help="end a training once its probe accuracy reaches this")
+    p.add_argument("--start", type=int, default=0,
+                   help="train at this distance first, doubling it once learned (accuracy 0.9 there)")
     p.add_argument("--like-values", action="store_true", help="distractors drawn from the value tokens")
     args = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
@@ -133,7 +141,8 @@ def main() -> None:
             for exact in [m == "exact" for m in ([args.only] if args.only else ["windows", "exact"])]:
                 r = train(cell, distance, exact, args.minutes, curriculum=args.curriculum,
                           forget_bias=args.forget_bias, lr=args.lr, d_model=args.d_model,
-                          like_values=args.like_values, layers=args.layers, stop_at=args.stop_at)
+                          like_values=args.like_values, layers=args.layers, stop_at=args.stop_at,
+                          start=args.start)
                 how = "exact BPTT, chunks of 64" if exact else "windows of 64, state carried"
                 print(f"| {cell} | {distance:,} | {how} | {r['steps']:,} | {r['minutes']:.1f} | {r['accuracy']:.3f} |",
                       flush=True)
