@@ -8,7 +8,7 @@ before the step (after a 64-token warm-up step), and its seconds per token. Rows
 of `--chunk`, and both at `--cost-window`, where both fit, for the time per token.
 
     .venv/bin/python benchmarks/long_sequences.py [--long 65536] [--chunk 1024] [--plain 1024,8192]
-        [--cost-window 8192] [--allocator trainer|mmap]
+        [--cost-window 8192] [--allocator trainer|mmap] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -74,6 +74,14 @@ def measure(window: int, chunk: int, allocator: str) -> dict:
     return r
 
 
+def median_of(runs: int, window: int, chunk: int, allocator: str) -> dict:
+    """`measure` in `runs` fresh processes: the median peak and the median time (each figure on its own)."""
+    found = [measure(window, chunk, allocator) for _ in range(runs)]
+    mid = lambda key: sorted(r[key] for r in found)[len(found) // 2]  # noqa: E731
+    return {"window": window, "chunk": chunk, "peak_bytes": mid("peak_bytes"), "seconds": mid("seconds"),
+            "us_per_token": mid("us_per_token")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--long", type=int, default=65536)
@@ -82,6 +90,7 @@ def main() -> None:
     p.add_argument("--cost-window", type=int, default=8192)
     p.add_argument("--allocator", choices=["trainer", "mmap"], default="trainer",
                    help="trainer: each mode under rpt train's setting; mmap: large blocks returned to the OS in both")
+    p.add_argument("--repeat", type=int, default=3, help="fresh processes per measurement: their medians count")
     p.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
@@ -90,11 +99,13 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     print(f"commit {commit.strip()}; lstm 4 x 512, vocabulary {V:,} (shortlist 2,048), batch 1, {os.cpu_count()} cores, "
           f"allocator: {args.allocator}")
-    plain = {w: measure(w, 0, args.allocator) for w in map(int, args.plain.split(","))}
-    long = measure(args.long, args.chunk, args.allocator)
+    n = args.repeat
+    plain = {w: median_of(n, w, 0, args.allocator) for w in map(int, args.plain.split(","))}
+    long = median_of(n, args.long, args.chunk, args.allocator)
     base = plain[min(plain)]
-    cost_plain = plain.get(args.cost_window) or measure(args.cost_window, 0, args.allocator)
-    cost_chunked = measure(args.cost_window, args.chunk, args.allocator)
+    cost_plain = plain.get(args.cost_window) or median_of(n, args.cost_window, 0, args.allocator)
+    cost_chunked = median_of(n, args.cost_window, args.chunk, args.allocator)
+    print(f"\nmedians of {n} fresh processes each")
     print(f"\n| run | window | peak above start | x plain {min(plain):,} | us per token |\n|---|---|---|---|---|")
     for r in [*plain.values(), long, cost_chunked]:
         name = "plain" if not r["chunk"] else f"exact BPTT, chunks of {r['chunk']:,}"
