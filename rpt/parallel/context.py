@@ -32,6 +32,9 @@ from rpt.ops.minrnn.scan import linear_scan
 from rpt.ops.precision import as_fp32
 
 
+TAGS = 16  # message tags per sub-layer: one per tensor of its state
+
+
 class ContextGroup:
     """This rank's place among the `size` ranks that share its windows (consecutive global ranks), their process
     group and the point-to-point sends still in flight."""
@@ -57,14 +60,15 @@ class ContextGroup:
         """States and their gradients travel in float32 or wider (each side's dtype may differ under autocast)."""
         for i, t in enumerate(tensors):
             t = at_least_fp32(t.detach()).contiguous()
-            self._sending.append((dist.isend(t, dst, group=self.group, tag=4 * tag + i), t))
+            self._sending.append((dist.isend(t, dst, group=self.group, tag=TAGS * tag + i), t))
 
     def receive(self, like, tag: int, src: int) -> list[torch.Tensor]:
         """Tensors of `like`'s shapes and dtypes, from `src`."""
         got = []
         for i, t in enumerate(like):
-            buffer = torch.empty(t.shape, dtype=at_least_fp32(t).dtype, device=t.device)
-            dist.recv(buffer, src, group=self.group, tag=4 * tag + i)
+            wire = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype  # as `send` sends it
+            buffer = torch.empty(t.shape, dtype=wire, device=t.device)
+            dist.recv(buffer, src, group=self.group, tag=TAGS * tag + i)
             got.append(buffer.to(t.dtype))
         return got
 
