@@ -8,7 +8,7 @@ before the step (after a 64-token warm-up step), and its seconds per token. Rows
 of `--chunk`, and both at `--cost-window`, where both fit, for the time per token.
 
     .venv/bin/python benchmarks/long_sequences.py [--long 65536] [--chunk 1024] [--plain 1024,8192]
-        [--cost-window 8192] [--allocator trainer|mmap] [--repeat 3]
+        [--cost-window 8192] [--allocator trainer|mmap|heap] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ def rss() -> int:
 
 
 def one(window: int, chunk: int, allocator: str) -> dict:
-    """One forward and backward in this process, under the trainer's allocator setting for it (rpt/runtime.py) or
-    with large blocks returned to the OS for both ("mmap"): peak bytes above the start, and seconds."""
+    """One forward and backward in this process, under the trainer's allocator setting for it (rpt/runtime.py),
+    with large blocks returned to the OS for both ("mmap"), or freed memory kept in the heap for both ("heap"): peak
+    bytes above the start, and seconds."""
     from rpt.runtime import keep_freed_memory, return_large_blocks
 
-    return_large_blocks() if chunk or allocator == "mmap" else keep_freed_memory()
+    mmap = allocator == "mmap" or (allocator == "trainer" and chunk)
+    return_large_blocks() if mmap else keep_freed_memory()
     import torch
 
     from rpt.config import ModelConfig
@@ -88,8 +90,9 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--plain", default="1024,8192")
     p.add_argument("--cost-window", type=int, default=8192)
-    p.add_argument("--allocator", choices=["trainer", "mmap"], default="trainer",
-                   help="trainer: each mode under rpt train's setting; mmap: large blocks returned to the OS in both")
+    p.add_argument("--allocator", choices=["trainer", "mmap", "heap"], default="trainer",
+                   help="trainer: each mode under rpt train's setting; mmap: large blocks returned to the OS in both; "
+                        "heap: freed memory kept in the heap in both")
     p.add_argument("--repeat", type=int, default=3, help="fresh processes per measurement: their medians count")
     p.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
