@@ -85,3 +85,21 @@ def make_cfg(tiny_data):
 def solo() -> Dist:
     """One process on the CPU: no process group."""
     return Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+@pytest.fixture
+def cut_and_resumed(make_cfg, tmp_path, solo):
+    """`run(*overrides) -> (full, resumed)`: a run of 6 steps, and the same run cut at its step-3 checkpoint and
+    resumed (not yet run on: its trainer at step 3)."""
+    from rpt.train.trainer import Trainer
+
+    def run(*overrides: str):
+        given = (*overrides, "checkpoint.interval=3")
+        full = Trainer(make_cfg(*given, "train.max_steps=6"), tmp_path / "full", solo, show_progress=False)
+        full.run()
+        Trainer(make_cfg(*given, "train.max_steps=3"), tmp_path / "cut", solo, show_progress=False).run()
+        resumed = Trainer(make_cfg(*given, "train.max_steps=6"), tmp_path / "cut", solo, resume=True,
+                          show_progress=False)
+        assert resumed.step == 3
+        return full, resumed
+    return run

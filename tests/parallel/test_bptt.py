@@ -107,17 +107,10 @@ def test_under_bf16_autocast_the_chunks_agree_with_the_plain_backward_to_its_pre
         torch.testing.assert_close(grad, plain_grads[name], atol=2e-2 * scale, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
-def test_a_chunked_bf16_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(make_cfg, tmp_path, solo):
+def test_a_chunked_bf16_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(cut_and_resumed):
     """The carried state and the optimiser travel in the checkpoint: cut at step 3 and resumed, bit-identical."""
-    from rpt.train.trainer import Trainer
-
-    run = ("train.bptt_chunk=4", "train.precision=bf16", "train.schedule=constant", "train.warmup_steps=0",
-           "checkpoint.interval=3")
-    full = Trainer(make_cfg(*run, "train.max_steps=6"), tmp_path / "full", solo, show_progress=False)
-    full.run()
-    Trainer(make_cfg(*run, "train.max_steps=3"), tmp_path / "cut", solo, show_progress=False).run()
-    resumed = Trainer(make_cfg(*run, "train.max_steps=6"), tmp_path / "cut", solo, resume=True, show_progress=False)
-    assert resumed.step == 3
+    full, resumed = cut_and_resumed("train.bptt_chunk=4", "train.precision=bf16", "train.schedule=constant",
+                                    "train.warmup_steps=0")
     resumed.run()
     for a, b in zip(full.runner.model.parameters(), resumed.runner.model.parameters()):
         assert torch.equal(a, b)

@@ -59,17 +59,11 @@ def test_momentum_outside_its_range_is_refused(make_cfg):
         make_cfg("train.optimizer=sgd", "train.momentum=1.0")
 
 
-def test_an_sgd_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(make_cfg, tmp_path, solo):
+def test_an_sgd_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(cut_and_resumed):
     """The momentum buffers travel in the checkpoint: cut at step 3 and resumed, the weights end bit-identical."""
-    from rpt.train.trainer import Trainer
-
-    sgd = ("train.optimizer=sgd", "train.lr=0.5", "train.schedule=constant", "train.warmup_steps=0",
-           "checkpoint.interval=3")
-    full = Trainer(make_cfg(*sgd, "train.max_steps=6"), tmp_path / "full", solo, show_progress=False)
-    full.run()
-    Trainer(make_cfg(*sgd, "train.max_steps=3"), tmp_path / "cut", solo, show_progress=False).run()
-    resumed = Trainer(make_cfg(*sgd, "train.max_steps=6"), tmp_path / "cut", solo, resume=True, show_progress=False)
-    assert resumed.step == 3 and any(s["momentum_buffer"].abs().sum() > 0 for s in resumed.runner.optimizer.state.values())
+    full, resumed = cut_and_resumed("train.optimizer=sgd", "train.lr=0.5", "train.schedule=constant",
+                                    "train.warmup_steps=0")
+    assert any(s["momentum_buffer"].abs().sum() > 0 for s in resumed.runner.optimizer.state.values())
     resumed.run()
     for a, b in zip(full.runner.model.parameters(), resumed.runner.model.parameters()):
         assert torch.equal(a, b)
