@@ -1,8 +1,7 @@
 """What a run asks for, applied from outside the model, in order: the pipeline stage (the model built with the
 parts this rank owns), this rank's piece of each window (parallel.cp), exact BPTT in chunks (train.bptt_chunk),
 activation checkpointing, compile, then data parallelism (FSDP2 shards, or DDP or a comm mode of rpt.comm) and the
-pipeline's schedule around what it wrapped.
-The model code has no branch for any of them."""
+pipeline's schedule around what it wrapped. The model code has no branch for any of them."""
 
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ def parallelize(cfg, plan, rank: int, world_size: int, device: torch.device, dis
     model = RecurrentLM(cfg.model, pipeline.parts_of(plan, mesh.pp_rank) if staged else None)
     if not sharded:  # FSDP moves each unit to the device as it shards it: a GPU never holds the whole stage
         model = model.to(device)
-    cp = cfg.parallel.cp if distributed else 1
+    cp = cfg.parallel.cp  # > 1 only on a world it divides (resolve.check_layout)
     if cp > 1:  # a group of cp ranks reads the same rows; the gradients are averaged over every rank
         split_windows(model, ContextGroup(cp, rank, world_size))
     if t.bptt_chunk:
@@ -53,8 +52,9 @@ def parallelize(cfg, plan, rank: int, world_size: int, device: torch.device, dis
         fsdp.shard(root, model, mesh, t.precision, device)
         sync = fsdp.FSDPSync(root, model, mesh, 1 if pipe else t.grad_accum, cfg.parallel.fsdp_reshard_microsteps)
     else:
-        sync = build_sync(model, cfg.comm, rank=dp_rank if mesh else rank, world_size=dp_size if mesh else world_size,
-                          distributed=distributed, powersgd_start=t.warmup_steps, seed=t.seed, group=mesh.dp_group if mesh else None,
+        sync = build_sync(model, cfg.comm, rank=dp_rank if mesh else rank,  # without a mesh: every rank (cp x dp)
+                          world_size=dp_size if mesh else world_size, distributed=distributed,
+                          powersgd_start=t.warmup_steps, seed=t.seed, group=mesh.dp_group if mesh else None,
                           parts=pipe.stages if pipe else None, predictions=comm_choice)
     if pipe:  # the schedule runs each stage as data parallelism wrapped it (one DDP each), or as it is
         pipe.build_schedule(sync.module if isinstance(sync.module, list) else pipe.stages)

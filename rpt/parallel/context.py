@@ -24,13 +24,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from rpt.kernels.cpu.products import linear
 from rpt.models.cells.minrnn import _BUILT_IN, _MinRNN
 from rpt.models.lm import at_least_fp32, map_state
-from rpt.kernels.cpu.products import linear
 from rpt.ops.minrnn import sequence
 from rpt.ops.minrnn.scan import linear_scan
 from rpt.ops.precision import as_fp32
-
 
 TAGS = 16  # message tags per sub-layer: one per tensor of its state
 

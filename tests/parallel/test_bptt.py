@@ -114,3 +114,20 @@ def test_a_chunked_bf16_run_resumed_from_its_checkpoint_ends_as_the_uninterrupte
     resumed.run()
     for a, b in zip(full.runner.model.parameters(), resumed.runner.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_activation_checkpointing_inside_the_chunks_keeps_the_plain_backwards_gradients():
+    from rpt.parallel.apply import checkpoint_blocks
+
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+    grads = []
+    for chunk, recompute in ((0, False), (16, True)):
+        model = model_of("lstm", chunk)
+        if recompute:
+            checkpoint_blocks(model)
+        nats, _ = model(x, targets=y)
+        nats.sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grad, grads[0][name], atol=1e-9, rtol=1e-8, msg=lambda m: f"{name}: {m}")
