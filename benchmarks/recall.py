@@ -91,7 +91,7 @@ def train(cell: str, distance: int, exact: bool, minutes: float, window: int = 6
         chunk_windows(model, window)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     g, held = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
-    began, steps, best = time.perf_counter(), 0, 0.0
+    began, steps = time.perf_counter(), 0
     now = min(distance, start) if start else distance  # the distance trained at
     while time.perf_counter() - began < 60 * minutes:
         now = min(distance, 32 * 2 ** (steps // 250)) if curriculum else now
@@ -105,7 +105,6 @@ def train(cell: str, distance: int, exact: bool, minutes: float, window: int = 6
         if steps % 50 == 0:
             probe = accuracy(model, distance, torch.Generator().manual_seed(3), max(64, 512 * 512 // distance),
                              like_values)  # fewer rows at long distances: the probe costs no more than at 512
-            best = max(best, probe)
             if stop_at and probe >= stop_at:  # learned: the held-out accuracy below says how well
                 break
             if start and now < distance and accuracy(model, now, torch.Generator().manual_seed(4), 256,
@@ -114,7 +113,7 @@ def train(cell: str, distance: int, exact: bool, minutes: float, window: int = 6
             if steps % 200 == 0:  # the way there, on stderr
                 print(f"  step {steps}: D {now}, loss {loss.item():.3f}, accuracy at {distance} {probe:.3f}",
                       file=sys.stderr, flush=True)
-    return {"steps": steps, "accuracy": accuracy(model, distance, held, like_values=like_values), "best_probe": best,
+    return {"steps": steps, "accuracy": accuracy(model, distance, held, like_values=like_values),
             "minutes": (time.perf_counter() - began) / 60}
 
 
