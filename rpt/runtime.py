@@ -9,8 +9,10 @@ jemalloc or tcmalloc through LD_PRELOAD; this needs no extra library. A no-op of
 units' parameters are gathered and freed in turn, and a heap that keeps every freed block grew to more than
 DDP's whole state (benchmarks/RESULTS.md). Nor with `train.bptt_chunk`: a long window's chunks leave small
 long-lived blocks (boundary states, losses) between their large freed ones, and that heap grew with the window
-(2.8x a 1,024-token window's peak at 65,536 tokens); `return_large_blocks()` instead hands blocks of 1 MiB and
-more back to the OS as they are freed, and the peak stays flat in the window, for about a third more time a token
+(2.8x a 1,024-token window's peak at 65,536 tokens); `pool_large_blocks()` instead gives blocks of 2 MiB and more
+from rpt's page pool (rpt/kernels/cpu/page_pool.cpp), which reuses a chunk's pages in the next whatever their
+sizes, and keeps the heap setting for the rest; where the native library cannot be built, `return_large_blocks()`
+hands large blocks back to the OS as they are freed, which keeps the peak flat for about a third more time a token
 (benchmarks/RESULTS.md, "Long sequences").
 """
 
@@ -37,6 +39,19 @@ def return_large_blocks(threshold: int = 1 << 20) -> bool:
     """Serve blocks of `threshold` bytes and more by mmap, each returned to the OS when freed (a fixed threshold:
     glibc's own rises to 32 MiB once such a block is freed); True when it took effect."""
     return _mallopt((M_MMAP_THRESHOLD, threshold))
+
+
+def pool_large_blocks(threshold: int = 2 << 20) -> str:
+    """Blocks of `threshold` bytes and more from rpt's page pool and smaller ones from a heap that keeps them
+    ("pool"); large blocks returned to the OS as they are freed where the pool cannot be built ("mmap")."""
+    from rpt.kernels.cpu.build import built_loops
+
+    ops = built_loops()
+    if ops is not None and ops.use_page_pool(threshold):
+        keep_freed_memory()
+        return "pool"
+    return_large_blocks()
+    return "mmap"
 
 
 def _mallopt(*settings: tuple[int, int]) -> bool:

@@ -53,7 +53,7 @@ from rpt.parallel.interrupt import StopRequest
 from rpt.parallel.runner import StepRecord
 from rpt.parallel import launch
 from rpt.parallel.launch import Dist, restart_count
-from rpt.runtime import keep_freed_memory, return_large_blocks
+from rpt.runtime import keep_freed_memory, pool_large_blocks
 from rpt.train import faults
 from rpt.train.averaging import WeightAverage
 from rpt.train.budget import Budget
@@ -87,12 +87,13 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None,
                  show_progress: bool = True) -> dict:
     """What every rank runs, alone, under torchrun or as one of the workers `--nproc` launches (a top-level
     function, so that the launcher can start it in a fresh process). Each rank logs to RUN_DIR/logs/rankR.log."""
+    d = launch.setup(device)
     if cfg.train.bptt_chunk:  # a long window's chunks would fragment a heap that keeps every block
-        return_large_blocks()
+        if d.device.type == "cpu":
+            pool_large_blocks()
     elif cfg.parallel.fsdp == 1:  # FSDP frees each unit's gathered parameters: they go back to the OS
         keep_freed_memory()
     run_dir = Path(run_dir)
-    d = launch.setup(device)
     setup_logging(run_dir, d.rank)
     try:
         return Trainer(cfg, run_dir, d, resume=resume, show_progress=show_progress).run()
