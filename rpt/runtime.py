@@ -12,7 +12,7 @@ long-lived blocks (boundary states, losses) between their large freed ones, and 
 (2.8x a 1,024-token window's peak at 65,536 tokens); `pool_large_blocks()` instead gives blocks of 2 MiB and more
 from rpt's page pool (rpt/kernels/cpu/page_pool.cpp), which reuses a chunk's pages in the next whatever their
 sizes, and keeps the heap setting for the rest; where the native library cannot be built, `return_large_blocks()`
-hands large blocks back to the OS as they are freed, which keeps the peak flat for about a third more time a token
+hands large blocks back to the OS as they are freed, which keeps the peak flat for half again the time a token
 (benchmarks/RESULTS.md, "Long sequences").
 """
 

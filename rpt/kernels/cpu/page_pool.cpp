@@ -3,7 +3,7 @@
 //
 // Why our own: glibc either keeps freed blocks in its heap, where the small blocks that outlive a chunk (boundary
 // states, losses) split the large free ones and the heap grows with the window, or maps large blocks and unmaps
-// them when freed, so every chunk page-faults its memory in again (a third more time a token); torch has no CPU
+// them when freed, so every chunk page-faults its memory in again (half again the time a token); torch has no CPU
 // caching allocator that can be switched on from Python, and jemalloc or tcmalloc must be preloaded before the
 // process starts (figures: benchmarks/RESULTS.md, "Long sequences"). Here blocks of `threshold` bytes and more are
 // whole 2 MiB pages of their own mappings. A freed block's pages stay mapped and held; a request takes the
