@@ -86,7 +86,8 @@ class PagePool final : public c10::Allocator {
     char* p = reserve(size);
     size_t filled = 0;
     while (filled < size && !free_.empty()) {
-      auto r = std::max_element(free_.begin(), free_.end(), [](const Range& a, const Range& b) { return a.size < b.size; });
+      auto r = std::max_element(free_.begin(), free_.end(),
+                                [](const Range& a, const Range& b) { return a.size < b.size; });
       size_t piece = std::min(r->size, size - filled);
       if (mremap(r->at, piece, piece, MREMAP_MAYMOVE | MREMAP_FIXED, p + filled) == MAP_FAILED) break;
       r->at += piece;
