@@ -376,9 +376,11 @@ def format_plan(plan: Plan) -> str:
              f"{'optim':>9} {'gathered':>9} {'activ.':>9} {'total GiB':>10}"]
     for s in plan.stages:
         mem = s.memory
-        lines.append(f"{s.index:>5} {s.index % plan.pp:>4} {f'{s.blocks[0]}-{s.blocks[1] - 1}':>9} {s.params:>15,} {s.cost * scale:>10.3f} "
-                     f"{gib(mem['weights']):>9} {gib(mem['grads']):>9} {gib(mem['optimizer']):>9} {gib(mem['gathered']):>9} "
-                     f"{gib(mem['activations']):>9} {gib(mem['total']):>10}")
+        blocks = f"{s.blocks[0]}-{s.blocks[1] - 1}"
+        lines.append(f"{s.index:>5} {s.index % plan.pp:>4} {blocks:>9} {s.params:>15,} {s.cost * scale:>10.3f} "
+                     + " ".join(f"{gib(mem[key]):>9}" for key in ("weights", "grads", "optimizer", "gathered",
+                                                                   "activations"))
+                     + f" {gib(mem['total']):>10}")
     lines.append(f"peak per rank (its stages together) {gib(plan.peak_memory)} GiB of {gib(plan.device_memory)} GiB: "
                  + ("fits" if plan.fits else "DOES NOT FIT (90% rule)"))
     grads = ", ".join(f"{mode} {b / 2**20:,.1f} MiB" for mode, b in plan.grad_bytes_per_step.items())

@@ -259,6 +259,13 @@ def test_the_dashboard_renders_the_runs_and_shows_new_steps_live(recorded, tmp_p
         listed = driver.execute_script("return [...document.querySelectorAll('#stragglers tbody tr')]"
                                        ".map(r => r.cells[1].textContent)")
         assert listed == ["1"] * 5
+        # a row written after the page read its step still comes: a final validation at a periodic one's step
+        val_steps = "return document.getElementById('val').data.filter(t => t.name.startsWith(arguments[0])).map(t => t.x)"
+        writer.write_eval({"step": 5, "time": time.time(), "final": False, "loss": 2.9, "ppl": 18.0, "bpb": 2.0})
+        wait.until(lambda d: d.execute_script(val_steps, "live val (") == [[2, 5]])
+        writer.write_eval({"step": 5, "time": time.time(), "final": True, "loss": 2.8, "ppl": 16.0, "bpb": 1.9})
+        wait.until(lambda d: d.execute_script(val_steps, "live final (") == [[5]])
+        assert driver.execute_script(val_steps, "live val (") == [[2, 5]]  # each row once
     finally:
         driver.quit()
         writer.close()

@@ -21,7 +21,12 @@ async function poll() {
       }
       Object.assign(run, info);
       for (const t of TABLES) {
-        const fresh = await (await api(`runs/${info.id}/${t}?after=${run.last[t]}`)).json();
+        // rows of the last step read may still come (another rank's, a final validation after a periodic one at
+        // the same step): ask from that step again and keep the rows not held yet
+        const from = run.last[t];
+        const held = new Set(run.rows[t].filter(p => p.step === from).map(p => JSON.stringify(p)));
+        const fresh = (await (await api(`runs/${info.id}/${t}?after=${from - 1}`)).json())
+          .filter(p => !held.has(JSON.stringify(p)));
         if (fresh.length) {
           run.rows[t] = run.rows[t].concat(fresh);
           run.last[t] = fresh[fresh.length - 1].step;
