@@ -232,7 +232,11 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
         cost = (sum(block_costs[start:start + count]) + (embed_cost if s == 0 else 0)
                 + (head_cost if s == n - 1 else 0))
         activations = (act * in_flight + recompute) * tokens_per_micro
-        units = block_params[start:start + count] + [embed_params if s == 0 else 0, head]  # FSDP's units
+        # FSDP's units (rpt/parallel/fsdp.py): each block outside a loop's core, an untied embedding and head; the
+        # root gathers the rest at once (the core, which runs as one loop, the norms, a tied embedding)
+        units = [block_params[b] for b in range(start, start + count) if not core[0] <= b < core[1]]
+        units += [embed_params if s == 0 else 0, head] if not (m.tie_embeddings and pp == 1) else []
+        units.append(params - sum(units))
         stages.append(StagePlan(s, (start, start + count), cost, params,
                                 _memory(params, activations, cfg.comm.mode, dp, fsdp, max(units))))
         start += count

@@ -93,6 +93,23 @@ def test_a_looped_model_counts_its_core_at_the_depths_it_runs():
     assert looped.params == plain.params + 2 * 64 * 64 + 2 * 64  # the adapter and the loop's two norms
 
 
+def test_fsdp_gathers_a_looped_models_core_as_one_unit():
+    """FSDP shards each block outside the core as its own unit; the core runs as one loop, so the root unit holds
+    it whole (with the tied embedding): that is what a rank gathers at once."""
+    from rpt.parallel.plan import _meta_model
+
+    loop = ["model.loop_prelude=2", "model.loop_core=4", "model.loop_mean=3", "model.loop_sampler=fixed"]
+    plan = make_plan(_cfg(*loop), 2, 1, 64 * GiB, fsdp=2)
+    model = _meta_model(_cfg(*loop))
+    root = sum(p.numel() for k, b in model.blocks.items() if 2 <= int(k) < 6 for p in b.parameters()) + \
+        sum(p.numel() for part in (model.loop, model.norm, model.embed) for p in part.parameters())
+    assert plan.stages[0].memory["gathered"] == 3 * 4 * root
+    plain = make_plan(_cfg(), 2, 1, 64 * GiB, fsdp=2)  # without a loop: the largest of the blocks and the root
+    assert plain.stages[0].memory["gathered"] == 3 * 4 * max(
+        sum(p.numel() for p in model.blocks["0"].parameters()), sum(p.numel() for p in model.embed.parameters())
+        + sum(p.numel() for p in model.norm.parameters()))
+
+
 def test_a_pipeline_keeps_a_looped_models_core_inside_one_stage():
     loop = ["model.n_layers=6", "model.loop_prelude=1", "model.loop_core=3", "model.loop_mean=4"]
     for pp in (2, 3, 4):
