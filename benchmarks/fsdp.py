@@ -39,11 +39,11 @@ def worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str,
     torch.set_num_threads(1)
     from rpt.config import Config
     from rpt.parallel import launch
-    from rpt.runtime import keep_freed_memory
+    from rpt.runtime import keep_freed_memory, pool_large_blocks
     from rpt.train.trainer import Trainer
 
-    if "parallel.fsdp=2" not in overrides:
-        keep_freed_memory()  # as `rpt train` does (not under FSDP)
+    # as `rpt train` does: FSDP's gathered units from rpt's page pool, DDP's freed blocks kept in the heap
+    pool_large_blocks() if "parallel.fsdp=2" in overrides else keep_freed_memory()
     d = launch.setup("cpu")
     try:
         cfg = Config.load(None, overrides)

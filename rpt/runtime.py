@@ -5,15 +5,17 @@ new activation buffer of a training step page-faults its memory back in: on the 
 that costs 5-25% of a recurrent layer's forward+backward (measured with benchmarks/cells.py;
 nn.LSTM itself gains 20%). Telling malloc to serve large blocks from its heap and not to trim
 it keeps the pages mapped across steps. PyTorch's CPU tuning guide reaches the same effect with
-jemalloc or tcmalloc through LD_PRELOAD; this needs no extra library. A no-op off glibc. Not under FSDP: its
-units' parameters are gathered and freed in turn, and a heap that keeps every freed block grew to more than
-DDP's whole state (benchmarks/RESULTS.md). Nor with `train.bptt_chunk`: a long window's chunks leave small
-long-lived blocks (boundary states, losses) between their large freed ones, and that heap grew with the window
-(2.8x a 1,024-token window's peak at 65,536 tokens); `pool_large_blocks()` instead gives blocks of 2 MiB and more
-from rpt's page pool (rpt/kernels/cpu/page_pool.cpp), which reuses a chunk's pages in the next whatever their
-sizes, and keeps the heap setting for the rest; where the native library cannot be built, `return_large_blocks()`
-hands large blocks back to the OS as they are freed, which keeps the peak flat for half again the time a token
-(benchmarks/RESULTS.md, "Long sequences").
+jemalloc or tcmalloc through LD_PRELOAD; this needs no extra library. A no-op off glibc.
+
+`pool_large_blocks()`, for `train.bptt_chunk` and FSDP on the CPU: a long window's chunks, and FSDP's units (their
+parameters gathered and freed in turn), free and reallocate large blocks all step long, and a heap that keeps
+every freed block fragments and grows (with the window: 2.8x a 1,024-token window's peak at 65,536 tokens; under
+FSDP past DDP's whole state), while glibc's default returns them to the OS, so that each one page-faults in again.
+Blocks of 2 MiB and more then come from rpt's page pool (rpt/kernels/cpu/page_pool.cpp), which hands freed pages
+to later blocks whatever their sizes and holds no more than the most in use at once; smaller ones from the heap
+setting. Where the native library cannot be built, `return_large_blocks()` hands blocks of 1 MiB and more back to
+the OS as they are freed: flat memory for half again the time (benchmarks/RESULTS.md, "Long sequences" and
+"FSDP").
 """
 
 from __future__ import annotations

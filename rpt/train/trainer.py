@@ -88,10 +88,10 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None,
     """What every rank runs, alone, under torchrun or as one of the workers `--nproc` launches (a top-level
     function, so that the launcher can start it in a fresh process). Each rank logs to RUN_DIR/logs/rankR.log."""
     d = launch.setup(device)
-    if cfg.train.bptt_chunk:  # a long window's chunks would fragment a heap that keeps every block
-        if d.device.type == "cpu":
+    if cfg.train.bptt_chunk or cfg.parallel.fsdp != 1:  # chunks and FSDP's units free large blocks in turn, which
+        if d.device.type == "cpu":  # would fragment a heap that keeps every block: rpt's page pool reuses them
             pool_large_blocks()
-    elif cfg.parallel.fsdp == 1:  # FSDP frees each unit's gathered parameters: they go back to the OS
+    else:
         keep_freed_memory()
     run_dir = Path(run_dir)
     setup_logging(run_dir, d.rank)

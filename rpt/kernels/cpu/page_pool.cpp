@@ -1,9 +1,11 @@
 // A CPU allocator for large blocks that keeps the pages of freed blocks and builds later blocks from them, for
-// exact BPTT in chunks (train.bptt_chunk): each chunk allocates and frees the same few hundred MiB again.
+// exact BPTT in chunks (train.bptt_chunk: each chunk allocates and frees the same few hundred MiB again) and FSDP
+// (each unit's parameters gathered and freed in turn).
 //
 // Why our own: glibc either keeps freed blocks in its heap, where the small blocks that outlive a chunk (boundary
-// states, losses) split the large free ones and the heap grows with the window, or maps large blocks and unmaps
-// them when freed, so every chunk page-faults its memory in again (half again the time a token); torch has no CPU
+// states, losses) split the large free ones and the heap grows with the window (under FSDP past DDP's whole
+// state), or maps large blocks and unmaps them when freed, so every chunk page-faults its memory in again (half
+// again the time a token; FSDP at less than half DDP's speed); torch has no CPU
 // caching allocator that can be switched on from Python, and jemalloc or tcmalloc must be preloaded before the
 // process starts (figures: benchmarks/RESULTS.md, "Long sequences"). Here blocks of `threshold` bytes and more are
 // whole 2 MiB pages of their own mappings. A freed block's pages stay mapped and held; a request takes the
