@@ -15,7 +15,7 @@ Blocks of 2 MiB and more then come from rpt's page pool (rpt/kernels/cpu/page_po
 to later blocks whatever their sizes and holds no more than the most in use at once; smaller ones from the heap
 setting. Where the native library cannot be built, `return_large_blocks()` hands blocks of 1 MiB and more back to
 the OS as they are freed: flat memory for half again the time (benchmarks/RESULTS.md, "Long sequences" and
-"FSDP").
+"Sharding and resizing").
 """
 
 from __future__ import annotations
