@@ -10,6 +10,7 @@ trainer's setting falls back to returning large blocks to the OS.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ BLOCKS = """
 import json, torch
 from rpt.runtime import pool_large_blocks
 assert pool_large_blocks() == "pool"
-stats = lambda: dict(zip(["used", "held", "high_water", "whole", "assembled", "moved", "ranges"],
+stats = lambda: dict(zip(["used", "held", "high_water", "moved"],
                          torch.ops.rpt_loops.page_pool_stats()))
 out = {}
 a, b, c = torch.full((3 * 2**18,), 1.0), torch.full((2**18,), 2.0), torch.full((2**19,), 3.0)  # 3, 1 and 2 MiB
@@ -53,7 +54,7 @@ print(json.dumps(out))
 
 def _run(code: str, *args: str) -> dict:
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -78,7 +79,7 @@ pool = sys.argv[1] == "pool"
 if pool:
     assert pool_large_blocks() == "pool"
 torch.manual_seed(0)
-model = RecurrentLM(ModelConfig(cell="lstm", n_layers=2, d_model=256, vocab_size=8192, head_shortlist=512))
+model = RecurrentLM(ModelConfig(cell="lstm", n_layers=2, d_model=256, vocab_size=8192, head_shortlist=512)).double()
 chunk_windows(model, 128)
 g = torch.Generator().manual_seed(1)
 out = {}
@@ -98,7 +99,7 @@ def test_a_chunked_backward_under_the_pool_gives_the_same_gradients_in_flat_memo
     pooled, plain = _run(CHUNKED, "pool"), _run(CHUNKED, "plain")
     for window in ("512", "2048"):
         for key in ("grads", "grad_norms"):
-            assert pooled[window][key] == pytest.approx(plain[window][key], rel=1e-6, abs=1e-9)
+            assert pooled[window][key] == pytest.approx(plain[window][key], rel=1e-9, abs=1e-12)  # float64
     # 4 chunks then 16: the pool holds one chunk's working set (its high water), not the window's
     assert 0 < pooled["2048"]["held"] <= pooled["512"]["held"] * 1.1
 

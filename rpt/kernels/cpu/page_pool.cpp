@@ -65,7 +65,7 @@ class PagePool final : public c10::Allocator {
 
   std::vector<int64_t> stats() {
     std::lock_guard<std::mutex> hold(lock_);
-    return {int64_t(used_), int64_t(held_), int64_t(high_water_), whole_, assembled_, moved_, int64_t(free_.size())};
+    return {int64_t(used_), int64_t(held_), int64_t(high_water_), moved_};
   }
 
  private:
@@ -79,7 +79,6 @@ class PagePool final : public c10::Allocator {
     best->at += size;
     best->size -= size;
     if (best->size == 0) free_.erase(best);
-    whole_++;
     return p;
   }
 
@@ -99,7 +98,6 @@ class PagePool final : public c10::Allocator {
       if (r->size == 0) free_.erase(r);
     }
     held_ += size - filled;
-    assembled_++;
     return p;
   }
 
@@ -143,8 +141,7 @@ class PagePool final : public c10::Allocator {
   std::vector<Range> free_;                   // held pages no block uses (a few dozen ranges)
   std::unordered_map<void*, size_t> in_use_;  // block -> its bytes
   size_t used_ = 0, held_ = 0, high_water_ = 0;
-  int64_t whole_ = 0, assembled_ = 0, moved_ = 0;
-
+  int64_t moved_ = 0;  // held ranges moved into fresh mappings
 };
 
 PagePool* pool = nullptr;  // never deleted: blocks may be freed until the process ends
@@ -179,8 +176,8 @@ bool use_page_pool(int64_t threshold) {
 #endif
 }
 
-// [bytes in use, bytes held, most bytes ever in use, blocks cut from one held range, blocks assembled in a fresh
-// mapping, ranges moved into them, held ranges free]; empty before use_page_pool.
+// [bytes in use, bytes held, most bytes ever in use, held ranges moved into fresh mappings]; empty before
+// use_page_pool.
 std::vector<int64_t> page_pool_stats() {
 #ifdef __linux__
   if (pool != nullptr) return pool->stats();
