@@ -102,26 +102,8 @@ def _add_model_io(sub) -> None:
     p.set_defaults(func=_cmd_lm_eval)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rpt", description="Pretrain deep recurrent language models.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    _add_prepare(sub)
-
-    p = sub.add_parser("train", help="train a model (one process, --nproc N local processes, or under torchrun)",
-                       description="Train a recurrent language model. Everything the run writes goes into --run-dir.")
-    _add_config_flags(p)
-    p.add_argument("--run-dir", type=Path, help="where the run writes (default: runs/CONFIG-TIMESTAMP)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in --run-dir from its newest complete checkpoint (its config.toml unless --config)")
-    p.add_argument("--nproc", type=int, default=1, help="launch this many local worker processes (data parallel)")
-    p.add_argument("--profile", metavar="START:END",
-                   help="torch.profiler traces of these steps on every rank, into RUN_DIR/traces/ (monitor.profile)")
-    p.add_argument("--max-restarts", type=int, default=0, help="restart failed workers this often, from the newest checkpoint")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.set_defaults(func=_cmd_train)
-
+def _add_eval_generate(sub) -> None:
+    """rpt eval and rpt generate: a run's checkpoint scored and sampled."""
     p = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run's checkpoint")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
@@ -151,6 +133,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=_cmd_generate)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rpt", description="Pretrain deep recurrent language models.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_prepare(sub)
+
+    p = sub.add_parser("train", help="train a model (one process, --nproc N local processes, or under torchrun)",
+                       description="Train a recurrent language model. Everything the run writes goes into --run-dir.")
+    _add_config_flags(p)
+    p.add_argument("--run-dir", type=Path, help="where the run writes (default: runs/CONFIG-TIMESTAMP)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --run-dir from its newest complete checkpoint (its config.toml unless --config)")
+    p.add_argument("--nproc", type=int, default=1, help="launch this many local worker processes (data parallel)")
+    p.add_argument("--profile", metavar="START:END",
+                   help="torch.profiler traces of these steps on every rank, into RUN_DIR/traces/ (monitor.profile)")
+    p.add_argument("--max-restarts", type=int, default=0, help="restart failed workers this often, from the newest checkpoint")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.set_defaults(func=_cmd_train)
+
+    _add_eval_generate(sub)
     _add_model_io(sub)
 
     p = sub.add_parser("topology", help="measure latency and bandwidth between ranks; predict each comm mode's cost",
@@ -256,12 +260,11 @@ def _cmd_train(args) -> None:
         raise RptError("--set train.init_from with --resume: a resumed run continues from its own checkpoint",
                        "drop --set train.init_from to resume; to start from other weights, start a new run "
                        "(another --run-dir) with it")
-    if args.resume and config_path is None:
+    run_file = args.resume and config_path is None  # the run's own config.toml, with the origins it records
+    if run_file:
         config_path = str(args.run_dir / "config.toml")
     overrides = args.overrides + ([f"monitor.profile={args.profile}"] if args.profile else [])
-    if config_path is None:  # no preset: the default recipe chooses what --set does not give
-        overrides = ["train.recipe=auto", *overrides]
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides, run_file=run_file)
     run_dir = args.run_dir or default_run_dir(args.config)
     _check_writable(run_dir)
     if args.max_restarts and not (cfg.checkpoint.interval or cfg.checkpoint.interval_minutes):
@@ -301,15 +304,19 @@ def _runs_nearby(run_dir: Path) -> str:
     return (f"did you mean {parent / close[0]}? " if close else "") + f"runs in {parent}: {listed}"
 
 
-def load_config(path: str | None, overrides: list[str]):
-    """The configuration every command uses: Config.load, the checks that span sections (rpt/train/resolve.py),
-    then the model's cell and gate names against the registry (with model.imports found in the working directory
-    or beside the config file), so that `rpt config` refuses what `rpt train` would."""
+NO_PRESET = {"train.recipe": ("auto", "no --config: the default recipe chooses what --set does not give")}
+
+
+def load_config(path: str | None, overrides: list[str], run_file: bool = False):
+    """The configuration every command uses: Config.load (without a file: the default recipe on), the checks that
+    span sections (rpt/train/resolve.py), then the model's cell and gate names against the registry (with
+    model.imports found in the working directory or beside the config file), so that `rpt config` refuses what
+    `rpt train` would. `run_file`: `path` is the run's own config.toml (a resume)."""
     from rpt.config import Config
     from rpt.models.registry import check_names
     from rpt.train.resolve import check
 
-    cfg = Config.load(path, overrides)
+    cfg = Config.load(path, overrides, run_file=run_file, implied=NO_PRESET if path is None else None)
     check(cfg)
     check_names(cfg.model, [Path(path).parent] if path else [])
     return cfg
@@ -336,7 +343,13 @@ def _cmd_eval(args) -> None:
     print(f"{r['checkpoint']} ({r['about']})\n"
           f"whole validation split{at}: val loss {r['loss']:.4f}  ppl {r['ppl']:.2f}  bpb {r['bpb']:.4f}  "
           f"({r['tokens']:,} tokens, {r['bytes']:,} bytes)")
-    for b in r.get("by_position", []):
+    bins = r.get("by_position", [])
+    if bins and not any(b["tokens"] for b in bins):
+        print("  by position: no token's position is known: the validation split holds no document start (no "
+              "end-of-text token), so nothing says where its documents begin. Prepare the data from several files "
+              "or jsonl records (rpt prepare), so that whole documents are held out, to measure it")
+        return
+    for b in bins:
         where = f"{b['from']:,}-{b['to']:,}" if b["to"] else f"{b['from']:,}-"
         bpb = f"{b['bpb']:.4f}" if b["bpb"] is not None else "-"
         print(f"  position {where:>12}  bpb {bpb}  ({b['tokens']:,} tokens)")
@@ -400,7 +413,7 @@ def _cmd_monitor(args) -> None:
 
 
 def _cmd_config(args) -> None:
-    cfg = load_config(args.config, args.overrides if args.config else ["train.recipe=auto", *args.overrides])
+    cfg = load_config(args.config, args.overrides)
     for note in cfg.notes:  # what loading changed or warns of, as `rpt train` says it at start
         print(f"# {note}", file=sys.stderr)
     if args.config is not None:  # each value with where it came from (the file, --set, the default)

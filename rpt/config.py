@@ -156,6 +156,17 @@ class ModelConfig(_Section):
                                "use a value such as 0.1, or 0 for none")
         if self.loop_core:
             self._check_loop()
+        else:
+            self._no_loop()
+
+    def _no_loop(self) -> None:
+        """Loop options without a loop would be ignored (a plain model trains): refused."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("loop_")}
+        set_ = [f"model.{k} = {getattr(self, k)!r}" for k, v in defaults.items() if getattr(self, k) != v]
+        if set_:
+            raise RptError(f"{', '.join(set_)} without model.loop_core: a model without a loop would ignore "
+                           f"{'it' if len(set_) == 1 else 'them'}", "set model.loop_core to the number of blocks to "
+                           "loop (docs/depth.md), or leave the loop options out")
 
     def _check_loop(self) -> None:
         for name in ("loop_prelude", "loop_core", "loop_max"):
@@ -165,12 +176,17 @@ class ModelConfig(_Section):
             raise RptError(f"model.loop_prelude + loop_core = {self.loop_prelude + self.loop_core} is more than "
                            f"model.n_layers = {self.n_layers} (the coda is the blocks after them)",
                            f"use loop_prelude + loop_core <= {self.n_layers}, or more layers")
-        low = 1.0 if self.loop_sampler != "poisson-lognormal" else 1.0 + 1e-6
-        if not low <= self.loop_mean <= self.loop_cap:
-            raise RptError(f"model.loop_mean = {self.loop_mean} is outside [{1 if low == 1 else '1 (exclusive)'}, "
-                           f"loop_max = {self.loop_cap}]" + (": the Poisson-lognormal draw is 1 + Poisson(l) with a "
-                                                             "mean l = loop_mean - 1 > 0" if low > 1 else ""),
-                           "use a mean such as 4, or loop_sampler = 'fixed' for one depth")
+        poisson = self.loop_sampler == "poisson-lognormal"
+        if self.loop_mean < 1 or (poisson and self.loop_mean <= 1):
+            raise RptError(f"model.loop_mean = {self.loop_mean} is " + (
+                "not above 1: the Poisson-lognormal draw is 1 + Poisson(l) with a mean l = loop_mean - 1 > 0" if poisson
+                else "below 1: the core runs at least once"),
+                f"use a mean such as {min(4, self.loop_max) if self.loop_max > 1 else 4}" +
+                (", or loop_sampler = 'fixed' for one depth" if poisson else ""))
+        if self.loop_mean > self.loop_cap:
+            raise RptError(f"model.loop_mean = {self.loop_mean} is above the cap on the depth, model.loop_max = "
+                           f"{self.loop_max}", f"use loop_mean <= {self.loop_max}, or loop_max = 0 (4 x loop_mean) "
+                           f"or above {self.loop_mean:g}")
         if self.loop_backprop > self.loop_cap:
             raise RptError(f"model.loop_backprop = {self.loop_backprop} is above the cap on the depth "
                            f"(loop_max = {self.loop_cap})", f"use loop_backprop <= {self.loop_cap}, or a larger loop_max")
@@ -430,22 +446,30 @@ class Config(_Section):
 
     # ----------------------------------------------------------------- building
     @classmethod
-    def load(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> "Config":
-        """Defaults, then the TOML file at `path`, then `section.key=value` overrides, then each section's checks;
-        frozen (a thawed() copy may be changed)."""
+    def load(cls, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+             run_file: bool = False, implied: dict[str, tuple[Any, str]] | None = None) -> "Config":
+        """Defaults, then `implied` ({section.key: (value, origin)}: what the command itself sets), then the TOML
+        file at `path`, then `section.key=value` overrides, then each section's checks; frozen (a thawed() copy
+        may be changed). `run_file`: `path` is a run's own config.toml (a resume), whose values keep the origins
+        its comments give, and the overrides are marked as the resume's."""
         cfg = cls()
         cfg.origins = {}
+        for key, (value, origin) in (implied or {}).items():
+            cfg.set(key, value, origin=origin)
         in_file = []
         if path is not None:
             tree = read_toml(path)
             cfg.update(tree, origin=str(path))
             in_file = [f"{name}.{key}" for name, values in tree.items() if isinstance(values, dict) for key in values]
+            if run_file:
+                cfg.origins = {k: v for k, v in cfg.origins.items() if k not in in_file}
+                cfg.origins.update(read_origins(path))
         given = []
         for item in overrides:
             key, value = parse_override(item)
-            cfg.set(key, value, origin="--set")
+            cfg.set(key, value, origin="--set with --resume" if run_file else "--set")
             given.append(key)
-        cfg.notes = cfg._replace_budgets(given) + cfg._path_or_mix(in_file, given)
+        cfg.notes = cfg._replace_budgets(given, in_file) + cfg._path_or_mix(in_file, given)
         cfg.given = frozenset(in_file + given)
         cfg.validate()
         cfg.notes += cfg._past_the_budget()
@@ -470,24 +494,27 @@ class Config(_Section):
     def frozen(self) -> bool:
         return self._frozen
 
-    def _replace_budgets(self, given: list[str]) -> list[str]:
+    def _replace_budgets(self, given: list[str], in_file: list[str]) -> list[str]:
         """A budget given with --set replaces the budgets of the file and the defaults, so that a preset's
-        max_steps cannot end a run the user gave 300 seconds; budgets given together with --set all hold."""
+        max_steps cannot end a run the user gave 300 seconds; budgets given together with --set all hold. Said
+        for the file's budgets (a default the user never set goes quietly)."""
         named = [key for key in BUDGETS if key in given]
         if not named:
             return []
         notes = []
         for key in BUDGETS:
             if key not in named and self.get(key):
-                notes.append(f"{key} = {self.get(key)} is off: a budget given with --set ({', '.join(named)}) "
-                             "replaces the others (give both with --set to keep both)")
+                if key in in_file:
+                    notes.append(f"{key} = {self.get(key)} is off: a budget given with --set ({', '.join(named)}) "
+                                 "replaces the others (give both with --set to keep both)")
                 self.set(key, 0, origin="off: a budget given with --set replaces it")
         return notes
 
     def _past_the_budget(self) -> list[str]:
         """Warnings for what a step budget leaves unreached: the warm-up's end, a profiled range."""
         t, steps, said = self.train, self.train.max_steps, []
-        if steps and t.warmup_steps > steps:
+        chooses_warmup = t.recipe == "auto" and "train.warmup_steps" not in self.given  # (the recipe sizes it)
+        if steps and t.warmup_steps > steps and not chooses_warmup:
             said.append(f"warning: train.warmup_steps = {t.warmup_steps} is beyond train.max_steps = {steps}: the "
                         f"learning rate never reaches train.lr = {t.lr:g} (lower warmup_steps, e.g. to {steps // 10})")
         if steps and self.monitor.profile and int(self.monitor.profile.partition(":")[0]) > steps:
@@ -554,7 +581,7 @@ class Config(_Section):
                 section = line.strip("[]")
             elif " = " in line and section in _sections():
                 key = f"{section}.{line.split(' = ', 1)[0]}"
-                line = f"{line}  # {self.origins.get(key, 'default')}"
+                line = f"{line}{ORIGIN}{self.origins.get(key, 'default')}"
             lines.append(line)
         return "\n".join(lines) + "\n"
 
@@ -585,6 +612,33 @@ def read_toml(path: str | Path) -> dict:
     except tomllib.TOMLDecodeError as exc:
         raise RptError(f"{path} is not valid TOML: {exc}",
                        "strings need quotes (cell = \"lstm\"), lists brackets ([0.9, 0.95]), sections [name]") from None
+
+
+ORIGIN = "  # "  # what parts a value from its origin in a run's config.toml (Config.to_toml(origins=True))
+
+
+def read_origins(path: str | Path) -> dict[str, str]:
+    """{section.key: origin} from the comments of a run's config.toml (none for the defaults): the line's last
+    ORIGIN mark whose left side is a whole TOML value, so that a string holding the mark stays whole."""
+    origins, section = {}, ""
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        if " = " not in line or section not in _sections():
+            continue
+        key, rest = line.split(" = ", 1)
+        parts = rest.split(ORIGIN)
+        for cut in range(len(parts) - 1, 0, -1):
+            try:
+                tomllib.loads("v = " + ORIGIN.join(parts[:cut]))
+            except tomllib.TOMLDecodeError:
+                continue
+            origin = ORIGIN.join(parts[cut:])
+            if origin != "default":
+                origins[f"{section}.{key}"] = origin
+            break
+    return origins
 
 
 def parse_override(item: str) -> tuple[str, str]:

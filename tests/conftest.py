@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import typing
 from pathlib import Path
 
 # Triton's kernels run through its interpreter here (tests/kernels/test_triton_*.py): triton reads the flag once, so
@@ -61,11 +62,12 @@ def small_corpus(tmp_path_factory, shakespeare_text) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory, small_corpus) -> Path:
-    """The small corpus prepared with a 300-token vocabulary (hash split, 20% validation)."""
+    """The small corpus prepared with a 300-token vocabulary (hash split, about 10% validation: every run's final
+    evaluation reads the whole split, and the suite runs hundreds)."""
     from rpt.data.prepare import PrepareOptions, prepare
 
     out = tmp_path_factory.mktemp("data") / "tiny"
-    prepare(PrepareOptions(out=out, inputs=[str(small_corpus)], vocab_size=300, val_fraction=0.2, progress=False))
+    prepare(PrepareOptions(out=out, inputs=[str(small_corpus)], vocab_size=300, val_fraction=0.1, progress=False))
     return out
 
 
@@ -102,4 +104,29 @@ def cut_and_resumed(make_cfg, tmp_path, solo):
                           show_progress=False)
         assert resumed.step == 3
         return full, resumed
+    return run
+
+
+class Ran(typing.NamedTuple):
+    """What a command gave: as subprocess.CompletedProcess names it, and unpacked (status, stdout, stderr)."""
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys):
+    """`cli(*args)`: `rpt ARGS` through its entry point in this process (a command a test runs after a training:
+    a process of its own would spend most of the test importing torch)."""
+    from rpt.cli import main
+
+    def run(*args: str) -> Ran:
+        capsys.readouterr()
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as exit:
+            code = exit.code
+        out, err = capsys.readouterr()
+        return Ran(code, out, err)
     return run

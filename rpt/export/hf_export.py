@@ -113,11 +113,18 @@ def hf_config(cfg, model, eot: int, tokenizer_sha256: str):
 
 
 def _model_card(out: Path, about: str, config) -> str:
+    loop = "" if not config.loop_core else f"""
+Its blocks {config.loop_prelude + 1}-{config.loop_prelude + config.loop_core} are a looped core (depth recurrence):
+they run `num_steps` times a token, {config.loop_depth} by default (`loop_depth` in config.json, the mean it trained
+at); more iterations spend more compute on each token. Choose the depth per call, as Huginn's model takes it:
+`model(ids, num_steps=8)`, `model.generate(ids, max_new_tokens=50, num_steps=8)`, or for lm-evaluation-harness
+`--model_args pretrained=DIR,trust_remote_code=True,loop_depth=8` (`rpt lm-eval DIR --depth 8`).
+"""
     return f"""# {out.name} (rpt)
 
 A recurrent language model trained with rpt: {config.n_layers} x {config.d_model} {config.cell}, vocabulary
 {config.vocab_size}; {about}.
-
+{loop}
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 tok = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)

@@ -12,7 +12,9 @@ configuration, which from_pretrained sets), its training mean where not given.
 
 from __future__ import annotations
 
+import functools
 import json
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -25,22 +27,26 @@ def run_lm_eval(path: str | Path, tasks: list[str], include_path: str | None = N
                 checkpoint: str = "best", max_length: int | None = None, depth: int | None = None) -> dict:
     """lm-eval's results dict (with the per-request samples when `log_samples`)."""
     try:
-        from lm_eval import simple_evaluate
-        from lm_eval.tasks import TaskManager
+        from lm_eval import evaluator, simple_evaluate
     except ImportError:
         raise RptError("rpt lm-eval needs lm-evaluation-harness",
                        "pip install 'rpt[hf]' (or: pip install 'lm-eval>=0.4.9,<0.5')") from None
+    evaluator.get_git_commit_hash = quiet_git_hash
     path = Path(path)
     with tempfile.TemporaryDirectory(prefix="rpt-export-") as tmp:
-        if (path / "config.toml").is_file():  # a run directory: export its checkpoint first
+        if (path / "config.toml").is_file():  # a run directory: its depth checked, then its checkpoint exported
+            from rpt.config import Config
             from rpt.export.hf_export import export_run
+            from rpt.train.run import check_depth as check_run_depth
 
+            if depth is not None:
+                check_run_depth(Config.load(path / "config.toml").model, depth)
             path = Path(export_run(path, Path(tmp) / "export", checkpoint)["out"])
         elif not is_export(path):
             raise RptError(f"{path} is neither an rpt export nor a run directory",
                            "pass a folder `rpt export` wrote, or a run directory (runs/NAME) to export first")
         check_depth(path, depth)
-        manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+        manager = task_manager(include_path)
         unknown = [t for t in tasks if t not in manager.all_tasks]
         if unknown:
             raise RptError(f"lm-eval knows no task {', '.join(map(repr, unknown))}",
@@ -54,14 +60,39 @@ def run_lm_eval(path: str | Path, tasks: list[str], include_path: str | None = N
 
 
 def check_depth(export: Path, depth: int | None) -> None:
-    """Refuse a depth for an export without a loop, and a depth below 1."""
+    """Refuse a depth for an export without a loop, below 1, and above DEPTH_FACTOR x the most it trained at."""
     if depth is None:
         return
-    if not json.loads((export / "config.json").read_text()).get("loop_core", 0):
+    from rpt.train.run import DEPTH_FACTOR
+
+    config = json.loads((export / "config.json").read_text())
+    if not config.get("loop_core", 0):
         raise RptError(f"--depth {depth} for a model without a loop (loop_core = 0 in its config.json)",
                        "leave out --depth: only a looped model (docs/depth.md) runs at a chosen depth")
     if depth < 1:
         raise RptError(f"--depth {depth}: a looped model runs its core at least once", "use --depth 1 or more")
+    if depth > DEPTH_FACTOR * config["loop_slots"]:
+        raise RptError(f"--depth {depth:,}: more than {DEPTH_FACTOR} x the most iterations the model trained at "
+                       f"(loop_slots = {config['loop_slots']} in its config.json)",
+                       f"use --depth {DEPTH_FACTOR * config['loop_slots']} or less")
+
+
+@functools.lru_cache(maxsize=4)
+def task_manager(include_path: str | None):
+    """lm-eval's index of its tasks (and those of `include_path`): building it reads every task's YAML, seconds
+    each time, so a process that evaluates several times (a sweep over depths) builds it once."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path) if include_path else TaskManager()
+
+
+def quiet_git_hash() -> str | None:
+    """lm-eval records the git commit of the working directory, asking git with its stderr left on the terminal,
+    where a directory outside a repository printed "fatal: not a git repository": the same question, quietly."""
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return None
 
 
 def summary(results: dict) -> str:

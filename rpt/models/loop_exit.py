@@ -41,9 +41,17 @@ class Exit:
         try:
             value = float(threshold)
         except ValueError:
-            raise RptError(f"--exit {text!r} has no threshold after the criterion",
+            problem = f"its threshold {threshold.strip()!r} is not a number" if threshold.strip() else \
+                "it has no threshold after the criterion"
+            raise RptError(f"--exit {text!r}: {problem}",
                            "write --exit CRITERION:THRESHOLD, e.g. --exit kl:5e-4 or --exit change:0.01") from None
         return cls(criterion.strip(), value)
+
+    def check(self, model_cfg) -> None:
+        """Refuse, before anything runs, a rule the model cannot take (`model_cfg`: its ModelConfig)."""
+        if self.criterion == "shortlist" and not model_cfg.head_shortlist:
+            raise RptError("--exit shortlist: this model's head has no shortlist (model.head_shortlist = 0)",
+                           "use --exit kl:THRESHOLD or --exit change:THRESHOLD")
 
     @property
     def iterations(self) -> int:

@@ -97,10 +97,14 @@ def create_app(run_dirs: list[Path], token: str | None = None) -> Starlette:
         Route("/api/runs/{run:int}/{table}", rows),
     ])
 
+    return _with_token(app, token) if token is not None else app
+
+
+def _with_token(app, token: str):
+    """`app` behind a token check on every HTTP request: ?token=, a bearer header, or the cookie that a page opened
+    with ?token= sets, so that the page's own stylesheet, scripts and API calls carry it."""
     async def guarded(scope, receive, send):
-        """The token check around every HTTP request: ?token=, a bearer header, or the cookie that a page opened
-        with ?token= sets, so that the page's own stylesheet, scripts and API calls carry it."""
-        if scope["type"] == "http" and token is not None:
+        if scope["type"] == "http":
             request = Request(scope, receive)
             cookie = f"rpt_monitor_{(scope.get('server') or ('', 0))[1]}"  # one per port: monitors side by side
             in_query = request.query_params.get("token")

@@ -23,6 +23,7 @@ class Budget:
         self.segment: tuple[float, float] | None = None  # (progress, lr) where an extension began
         self.current_lr = cfg.lr  # the rate of the last step
         self.saved: dict | None = None  # a checkpoint's budget state, until resume() continues from it
+        self.rescale = 1.0  # a resumed run's share of its new budget per share of the old (resume())
 
     def limits(self) -> dict:
         return {k: getattr(self.cfg, k) for k in KEYS if getattr(self.cfg, k)}
@@ -73,27 +74,41 @@ class Budget:
         self.saved = state
 
     def resume(self, step: int, tokens: int, elapsed: float, refuse_spent: bool) -> str | None:
-        """Continue from the loaded budget state; returns a line to print when the run is being extended.
-        `refuse_spent`: a run whose budget is already spent is refused (resuming it would only re-evaluate)."""
-        saved = self.saved
+        """Continue from the loaded budget state; returns a line to print when the run is being extended (then
+        `rescale` is what turns a share of the old budget into one of the new). `refuse_spent`: a run whose budget
+        is already spent is refused (resuming it would only re-evaluate)."""
+        saved, self.rescale = self.saved, 1.0
         ended = self.ended_by(step, tokens, elapsed)
         if ended and refuse_spent:
             raise RptError(f"this run already spent its budget ({ended}; it is at step {step:,}, {tokens:,} tokens, "
-                           f"{elapsed:.0f} s)", "extend it with a larger budget, e.g. --set "
-                           f"train.max_steps={2 * step} or --set train.max_time={max(60, round(2 * elapsed))}")
+                           f"{elapsed:.0f} s)", f"extend it with a larger budget, e.g. {self.larger(step, elapsed)}")
         if saved is None:  # nothing loaded: the schedule as configured
             return None
         self.segment = saved["segment"]
-        if saved["limits"] == self.limits() or step < self.cfg.warmup_steps:
+        if saved["limits"] == self.limits():
             return None
         start = self.progress(step, tokens, elapsed)
+        spent = {"max_steps": step, "max_tokens": tokens, "max_time": elapsed}
+        before = max(spent[k] / v for k, v in saved["limits"].items())
+        self.rescale = start / before if before > 0 else 1.0
+        if step < self.cfg.warmup_steps:
+            return None
         self.segment = (start, saved["lr"])
         old = ", ".join(f"train.{k} = {v:g}" for k, v in saved["limits"].items())
         floor = min(saved["lr"], self.cfg.lr * self.cfg.min_lr_ratio)
         rule = ("stays constant" if self.cfg.schedule == "constant" else
                 f"continues from {saved['lr']:.2e} down to {floor:.2e} over the rest ({self.cfg.schedule})")
-        return (f"extending the run from {old} to {self.describe().removeprefix('budget: ')}: the learning rate "
+        verb = "extending" if start < before else "shortening" if start > before else "changing"
+        return (f"{verb} the run from {old} to {self.describe().removeprefix('budget: ')}: the learning rate "
                 f"{rule}; it never jumps back up")
+
+    def larger(self, step: int, elapsed: float) -> str:
+        """The --set that doubles the budget in force (what the fix of a spent or stopped run suggests)."""
+        if self.cfg.max_time:
+            return f"--set train.max_time={max(60, round(2 * max(elapsed, self.cfg.max_time)))}"
+        if self.cfg.max_tokens:
+            return f"--set train.max_tokens={2 * self.cfg.max_tokens}"
+        return f"--set train.max_steps={2 * max(step, self.cfg.max_steps)}"
 
 
 def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
@@ -101,12 +116,14 @@ def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
 
     `progress` in [0, 1] is how much of the run's budget is spent: the largest of
     steps / max_steps, tokens / max_tokens and seconds / max_time among the budgets set, so the
-    decay ends with the run whichever budget ends it.
+    decay ends with the run whichever budget ends it. The warm-up's rise ends where it meets the decay: a run
+    whose budget gives fewer steps than its warm-up was sized for (a slower machine) still decays.
     """
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
     floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * decay(progress, cfg.schedule)
+    curve = floor + (cfg.lr - floor) * decay(progress, cfg.schedule)
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return min(cfg.lr * (step + 1) / cfg.warmup_steps, curve)
+    return curve
 
 
 def decay(progress: float, schedule: str) -> float:

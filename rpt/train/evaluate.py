@@ -1,9 +1,13 @@
-"""Validation loss, perplexity and bits per byte, over the validation split (or its first eval_tokens).
+"""Validation loss, perplexity and bits per byte, over the validation split (or the heads of some of its streams).
 
-Every data-parallel rank reads its own contiguous streams of the split, carrying the recurrent state from
-window to window as training does; the sums of nats, tokens and UTF-8 bytes are then added
-across ranks. Bits per byte = total nats / bytes / ln 2, with each target token's exact byte
-length, so it compares models across tokenizers (the end-of-document token has 0 bytes).
+The split is scored in one fixed layout, whatever the training batch, window or world size: it is cut into
+streams (`eval_streams`: at most EVAL_STREAMS contiguous streams of at least STREAM_TOKENS tokens; where documents
+are marked, each cut moved to the next document start within a quarter of a stream), each read from a fresh
+state with the recurrent state carried from window to window, so every token after the first is scored once,
+with the same context. The batch and the window only group that computation: the data-parallel ranks take the
+streams in turn, longest first, in groups of up to batch_size rows, and windows of seq_len tokens (the ends
+padded, and not counted). Bits per byte = total nats / bytes / ln 2, with each target token's exact byte length,
+so it compares models across tokenizers (the end-of-document token has 0 bytes).
 """
 
 from __future__ import annotations
@@ -19,55 +23,96 @@ from rpt.errors import RptError
 from rpt.models.loop import LoopWatch, eval_depths
 from rpt.train.loop_health import LoopHealth
 
+EVAL_STREAMS = 256  # the most streams the validation split is cut into
+STREAM_TOKENS = 1024  # the fewest tokens a stream holds: a shorter split is cut into fewer
+HEAD_TOKENS = 256  # a periodic validation's tokens of each stream it reads
+AT_LEAST_EVERY = 1 / 3  # under a time budget, the largest share of it between two periodic validations
+
+
+def eval_streams(tokens, eot_id: int | None, max_tokens: int = 0) -> np.ndarray:
+    """[S, 2]: each stream's first and end input position (stream s reads tokens[a:b] and predicts tokens[a+1:b+1]).
+    `eot_id`: where documents are marked, each cut moves to the next document start within a quarter of a stream;
+    `max_tokens`: a periodic validation's share: the first max_tokens / P tokens of P streams spread evenly over
+    the S (P = max_tokens / HEAD_TOKENS, at most S)."""
+    n = len(tokens) - 1  # the targets
+    count = max(1, min(EVAL_STREAMS, n // STREAM_TOKENS))
+    cuts = [i * n // count for i in range(count + 1)]
+    if eot_id is not None:  # (within a quarter of a stream: lengths stay within that of each other)
+        for i in range(1, count):
+            cuts[i] = next_document_start(tokens, eot_id, cuts[i], cuts[i] + (cuts[i + 1] - cuts[i]) // 4)
+    streams = np.array(list(zip(cuts[:-1], cuts[1:])), dtype=np.int64).reshape(-1, 2)
+    if max_tokens:
+        read = max(1, min(count, max_tokens // HEAD_TOKENS))
+        streams = streams[np.arange(read) * count // read]
+        streams[:, 1] = np.minimum(streams[:, 1], streams[:, 0] + max(1, max_tokens // read))
+    return streams
+
+
+def next_document_start(tokens, eot_id: int, begin: int, end: int, chunk: int = 1 << 16) -> int:
+    """The first position in [begin, end) that holds the end-of-text token (which opens a document); `begin`
+    where there is none."""
+    for at in range(begin, end, chunk):
+        found = np.flatnonzero(np.asarray(tokens[at:min(end, at + chunk)]) == eot_id)
+        if len(found):
+            return at + int(found[0])
+    return begin
+
 
 @torch.no_grad()
 def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size: int, seq_len: int,
              device: torch.device, rank: int = 0, world_size: int = 1, max_tokens: int = 0,
              eot_id: int | None = None, autocast=nullcontext, depth: int | None = None,
              by_position: bool = False) -> dict:
-    """`depth`: a looped model's iterations (its default, loop_mean, where None); `by_position`: also
-    bits per byte by the target's position in its document (`by_position`: bins of POSITION_EDGES)."""
+    """The split's score in the fixed layout (`eval_streams`); `batch_size` rows and `seq_len` tokens a forward.
+    `depth`: a looped model's iterations (its default, loop_mean, where None); `by_position`: also bits per byte
+    by the target's position in its document (bins of POSITION_EDGES)."""
     was_training = model.training
     model.eval()
-    n, T = len(tokens), seq_len
-    check_fits(n, world_size, T)
-    B = max(1, min(batch_size, (n - 1) // (world_size * T)))
-    stream_len = (n - 1) // (world_size * B)
-    windows = stream_len // T
-    if max_tokens:
-        windows = max(1, min(windows, max_tokens // (world_size * B * T)))
-    starts = (np.arange(rank * B, rank * B + B, dtype=np.int64) * stream_len)[:, None] + np.arange(T + 1)
+    check_fits(len(tokens))
+    streams = eval_streams(tokens, eot_id, max_tokens)
+    T, per_rank = seq_len, math.ceil(len(streams) / world_size)
+    groups = math.ceil(per_rank / batch_size)
+    B = math.ceil(per_rank / groups)
+    # the longest first, dealt out in turn: each rank's group g holds rows of about one length, the same for
+    # every rank, and runs as many windows as the longest of them (every rank the same count: the pipeline's and
+    # FSDP's collectives); padding rows are empty streams
+    dealt = np.zeros((groups * B * world_size, 2), dtype=np.int64)
+    dealt[:len(streams)] = streams[np.argsort(streams[:, 0] - streams[:, 1], kind="stable")]
+    windows = [math.ceil(int(dealt[g * B * world_size, 1] - dealt[g * B * world_size, 0]) / T) for g in range(groups)]
     lengths = torch.from_numpy(byte_lengths.astype(np.int64))
-    nats = torch.zeros((), dtype=torch.float64, device=device)
-    n_bytes = torch.zeros((), dtype=torch.float64, device=device)
-    n_tokens = torch.zeros((), dtype=torch.float64, device=device)
-    state = None
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, bytes, tokens
     bins = len(POSITION_EDGES) + 1
     binned = torch.zeros(3, bins, dtype=torch.float64)  # nats, bytes, tokens by position bin
-    # each row's position before its window: unknown (below 1) until its first document start, where documents are
-    # marked; from the stream's start where they are not
-    carried = torch.full((B,), 0 if eot_id is None else -2 ** 40, dtype=torch.long)
-    for k in range(windows):
-        window = torch.from_numpy(tokens[starts + k * T].astype(np.int64))
-        x, y = window[:, :-1], window[:, 1:]
-        reset = (x == eot_id) if eot_id is not None else None
-        with autocast():
-            losses, state = model(x.to(device), state, None if reset is None else reset.to(device), y.to(device),
-                                  **({} if depth is None else {"depth": depth}))
-        if losses is None:  # a pipeline stage before the last: it passed its activations on
-            continue
-        nats += losses.sum().double()
-        n_bytes += lengths[y].sum().double().to(device)
-        n_tokens += y.numel()
-        if by_position:
-            position = positions(x, eot_id, carried)
-            carried = position[:, -1]
-            known = position >= 1
-            where = torch.bucketize(position[known], torch.tensor(POSITION_EDGES))
-            for row, values in enumerate((losses.detach().cpu()[known].double(), lengths[y][known].double(),
-                                          torch.ones(int(known.sum()), dtype=torch.float64))):
-                binned[row].index_add_(0, where, values)
-    counts = torch.cat([torch.stack([nats, n_bytes, n_tokens]), binned.flatten().to(device)])
+    for rows, group_windows in zip(dealt[rank::world_size].reshape(groups, B, 2), windows):
+        state = None
+        # each row's position before its window: unknown (below 1) until its first document start, where documents
+        # are marked; from the stream's start where they are not
+        carried = torch.full((B,), 0 if eot_id is None else -2 ** 40, dtype=torch.long)
+        for k in range(group_windows):
+            offsets = k * T + np.arange(T + 1)
+            at = np.minimum(rows[:, :1] + offsets, len(tokens) - 1)
+            window = torch.from_numpy(np.asarray(tokens[at]).astype(np.int64))
+            valid = torch.from_numpy(offsets[None, :-1] < (rows[:, 1:] - rows[:, :1]))  # [B, T]: not padding
+            x, y = window[:, :-1], window[:, 1:]
+            reset = (x == eot_id) if eot_id is not None else None
+            with autocast():
+                losses, state = model(x.to(device), state, None if reset is None else reset.to(device),
+                                      y.to(device), **({} if depth is None else {"depth": depth}))
+            if losses is None:  # a pipeline stage before the last: it passed its activations on
+                continue
+            nats = losses.double() * valid.to(device)
+            byte_count = (lengths[y] * valid).double()
+            sums += torch.stack([nats.sum(), byte_count.sum().to(device),
+                                 valid.sum().double().to(device)])
+            if by_position:
+                position = positions(x, eot_id, carried)
+                carried = position[:, -1]
+                known = (position >= 1) & valid
+                where = torch.bucketize(position[known], torch.tensor(POSITION_EDGES))
+                for row, values in enumerate((nats.cpu()[known], byte_count[known],
+                                              torch.ones(int(known.sum()), dtype=torch.float64))):
+                    binned[row].index_add_(0, where, values)
+    counts = torch.cat([sums, binned.flatten().to(device)])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(counts)  # over every rank: pipeline stages without logits add zeros
     total_nats, total_bytes, total_tokens = counts[:3].tolist()
@@ -99,12 +144,11 @@ def positions(x: torch.Tensor, eot_id: int | None, carried: torch.Tensor) -> tor
     return torch.where(start >= 0, t - start + 1, after)
 
 
-def check_fits(n: int, world_size: int, seq_len: int) -> None:
-    """Refuse a validation split of `n` tokens too short for one window per rank (world_size x seq_len + 1)."""
-    if n < world_size * seq_len + 1:
-        raise RptError(f"the validation split ({n:,} tokens) is shorter than evaluation needs: {world_size} "
-                       f"rank(s) x train.seq_len {seq_len} + 1 = {world_size * seq_len + 1:,} tokens",
-                       "prepare with a larger --val-fraction, or lower train.seq_len")
+def check_fits(n: int) -> None:
+    """Refuse a validation split with nothing to predict (fewer than two tokens)."""
+    if n < 2:
+        raise RptError(f"the validation split holds {n} token(s): nothing to predict",
+                       "prepare with a larger --val-fraction (rpt prepare), or more text")
 
 
 class Evaluation:
@@ -126,10 +170,18 @@ class Evaluation:
         self.stale: str | None = None  # why the run stops early (train.early_stop), decided at each validation
         self.health = LoopHealth(cfg.loop_ignored_after)  # a looped model's failures, warned about once each
         self.warnings: list[str] = []  # what the last periodic validation calls for, until taken
-        check_fits(len(data.tokens("val")), world_size, cfg.seq_len)  # before step 1, not after the budget
+        check_fits(len(data.tokens("val")))  # before step 1, not after the budget
 
-    def should_evaluate(self, step: int) -> bool:
-        return bool(self.cfg.eval_interval) and step % self.cfg.eval_interval == 0
+    def should_evaluate(self, step: int, progress: float, align: int = 1) -> bool:
+        """Every eval_interval steps; and under a time budget (whose steps depend on the machine's pace) at least
+        every AT_LEAST_EVERY of the budget (`progress`, its spent share) since the last validation, at a step that
+        is a multiple of `align` (DiLoCo's outer steps), so that a slower machine than expected still validates."""
+        if not self.cfg.eval_interval:
+            return False
+        if step % self.cfg.eval_interval == 0:
+            return True
+        since = progress - (self.last["progress"] if self.last else 0.0)
+        return bool(self.cfg.max_time) and since >= AT_LEAST_EVERY and step % align == 0
 
     def run(self, model, step: int, final: bool) -> dict:
         """A validation of `model`; a looped one's also at each of its evaluation depths (`by_depth`: loss and bpb
@@ -179,6 +231,21 @@ class Evaluation:
             return None
         return (f"train.early_stop = {self.cfg.early_stop:g}: no better validation for that share of the budget "
                 f"(the best at step {self.best['step']:,}, loss {self.best['loss']:.4f})")
+
+    def rescale_progress(self, factor: float) -> None:
+        """A resume under another budget: the kept validations' shares of the old budget become shares of the new."""
+        for record in (self.last, self.best):
+            if record is not None and "progress" in record:
+                record["progress"] *= factor
+        self.stale = self._staleness()
+
+    def restart_patience(self, progress: float) -> None:
+        """An early-stopped run extended: the early stop's patience starts afresh at `progress` (the best so far
+        counts as found there)."""
+        for record in (self.last, self.best):
+            if record is not None:
+                record["progress"] = progress
+        self.stale = None
 
     def take_warnings(self) -> list[str]:
         warnings, self.warnings = self.warnings, []

@@ -27,7 +27,8 @@ class LoopHealth:
             self.said.add("ignored")
             lines.append(f"warning: the loop is being ignored: validation at depth {result['depth']} (model.loop_mean) "
                          f"is {default['bpb']:.4f} bits per byte, no better than at depth 1 ({shallow['bpb']:.4f}), "
-                         f"after {spent:.0%} of the budget; more iterations buy nothing (docs/depth.md: what helps)")
+                         f"after {spent:.0%} of the budget; more iterations buy nothing (docs/depth.md, 'Reading "
+                         "the depth curve', says what helps)")
         if loop and loop["token_spread"] < COLLAPSED and "collapse" not in self.said:
             self.said.add("collapse")
             lines.append(f"warning: the tokens' states have collapsed: their spread is {loop['token_spread']:.3f} "

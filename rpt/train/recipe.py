@@ -2,20 +2,23 @@
 `train.recipe = "auto"`).
 
 First the head: a two-level softmax's shortlist where it costs at most half a full softmax (token frequencies
-of the training split). Then rank 0 times an optimiser step of one size on this machine (random tokens drawn as
-often as the corpus has them, the run's batch shape), scales that speed by FLOPs to a ladder of sizes (and
-times the size it picks), reads the corpus's training tokens, and from the budget derives how many passes over
-the data each size would make. A corpus the budget passes over many times is over-fitted long before the
-budget ends, so the recipe regularises by the passes (dropout, embedding dropout, weight drop; SGD with
-momentum for AdamW; early stopping armed); a corpus larger than the budget gets none of them, and the widest
-model that still sees enough tokens per parameter (width before depth). Where the chosen size makes more than
-FREE_PASSES passes, compute is to spare: the family becomes the stack with sliding-window attention in every 2nd
-block, and the sizes are timed again with it; under FREE_PASSES the compute is short, and steps of
-COMPUTE_BOUND_BATCH rows (4 x the default's) reach a lower loss in the same time, the sizes timed again with
-them (a step budget keeps its batch). A regulariser the cell does not take
-(weight drop beside lstm) is left out. The periodic validation is sized to cost a small share of the budget.
-Every choice is printed with its reason, written into the run's config.toml, and a key given with --set (or by
-a file) is never touched.
+of the training split). Then rank 0 times optimiser steps of one size on this machine, once (random tokens drawn
+as often as the corpus has them, the run's batch shape: measure_speed), scales that speed by FLOPs to a
+ladder of sizes and families, reads the corpus's training tokens, and from the budget derives how many passes
+over the data each would make. A corpus the budget passes over many times is over-fitted long before the budget
+ends, so the recipe regularises by the passes (dropout, embedding dropout, weight drop; SGD with momentum for
+AdamW; early stopping armed); a corpus larger than the budget gets none of them, and the widest model that still
+sees enough tokens per parameter (width before depth). Where the plain stack and the stack with sliding-window
+attention in every 2nd block both make more than FREE_PASSES passes, compute is to spare and the family takes the
+attention; where the run at COMPUTE_BOUND_BATCH rows a step (4 x the default's) makes fewer, the compute is short
+and those larger steps reach a lower loss in the same time (a step budget keeps its batch). Each decision is made
+on the passes of the configuration it leads to, so every line printed agrees. A regulariser the cell does not
+take (weight drop beside lstm) is left out. The periodic validation is sized to cost a small share of the budget
+(and, where the steps are known, to come at least MIN_VALIDATIONS times), the warm-up to at most a tenth of the
+steps the budget gives. Every
+choice is printed with its reason, written into the run's config.toml, and a key given with --set (or by a file)
+is never touched. The recipe's time is outside train.max_time (which budgets training), and at most RECIPE_SHARE
+of it.
 The rules and the runs that set them: benchmarks/RESULTS.md, "Quality per second against peers" (issue 22).
 """
 
@@ -48,17 +51,22 @@ ATTENTION_EVERY = 2  # the family: sliding-window attention in every 2nd block o
 COMPUTE_BOUND_BATCH = 64  # rows a step where the budget makes under FREE_PASSES passes (4 x the default's)
 HEAD_SAVING = 2.0  # a two-level softmax only where its expected cost is at most 1 / this of the full one
 EVAL_SHARE = 0.025  # of the budget, for the recipe's own timing and the periodic validations together
-RECIPE_SHARE = 0.05  # of a time budget: the most the recipe's measuring may take (then sizes go by FLOPs)
+RECIPE_SHARE = 0.05  # of a time budget: the most the recipe may take (outside the budget)
+RESERVE = 0.8  # of that share, what the measuring plans for: the rest for a step that runs longer than the one before
 PROBE_LEN = 8  # tokens a row of the first, short measuring steps (a whole window's step may not fit the share)
 MIN_EVAL_SHARE = 0.01  # what the validations keep however long the timing took
 EVAL_TOKENS = 4096  # of a periodic validation (the whole split when that is smaller)
 FORWARD_SHARE = 0.4  # a validation token's cost against a training token's (forward only, no optimiser)
+MIN_VALIDATIONS = 4  # periodic validations a run of known steps (a step or token budget) makes at least
+WARMUP_STEPS, WARMUP_SHARE = 50, 0.1  # the learning rate's warm-up: 50 steps, at most a tenth of the run's
+MEASURED_STEPS = 4  # whole windows' steps of the one size measured, at most (until two in a row agree)
+AGREE = 0.25  # two steps' speeds within this of each other agree
 
 
-# every key the recipe may choose (a key a file or --set gives is left alone); a time budget it shortens by its own time
+# every key the recipe may choose (a key a file or --set gives is left alone)
 CHOOSES = frozenset({"model.n_layers", "model.d_model", "model.head_shortlist", "model.attention_every",
                      "train.batch_size", *REGULARISERS, *MANY_PASSES_OPTIMIZER, "train.early_stop",
-                     "train.eval_tokens", "train.eval_interval"})
+                     "train.eval_tokens", "train.eval_interval", "train.warmup_steps"})
 
 
 @dataclass(frozen=True)
@@ -119,11 +127,26 @@ def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, token
     choices.append(Choice("train.early_stop", 0.25 if passes > 1 else 0.0,
                           "armed: validation will stop improving before the budget ends" if passes > 1 else
                           "off: less than one pass, validation keeps improving"))
+    steps = tokens_of_size(size) / tokens_per_step  # what the budget gives at this speed
+    if facts is not None:
+        facts["steps"] = steps
     eval_tokens = min(EVAL_TOKENS, val_tokens)
     share = max(MIN_EVAL_SHARE, EVAL_SHARE - spent)
-    steps = max(1, math.ceil(eval_tokens * FORWARD_SHARE / (share * tokens_per_step)))
-    why = f"a validation of {eval_tokens:,} tokens every {steps} steps costs about {share:.1%} of training"
-    choices += [Choice("train.eval_tokens", eval_tokens, why), Choice("train.eval_interval", steps, why)]
+    interval = max(1, math.ceil(eval_tokens * FORWARD_SHARE / (share * tokens_per_step)))
+    # a short run: its validations, not their share, decide; where the steps are known (under a time budget, at the
+    # machine's pace, the trainer validates at least every third of the budget: rpt/train/evaluate.py)
+    if "seconds" not in budget and interval > steps / MIN_VALIDATIONS:
+        interval = max(1, math.ceil(steps / MIN_VALIDATIONS))
+        why = (f"a validation of {eval_tokens:,} tokens every {interval} steps: at least {MIN_VALIDATIONS} in "
+               f"the {steps:,.0f} steps the budget gives" if interval * MIN_VALIDATIONS <= steps else
+               f"a validation of {eval_tokens:,} tokens every {interval} steps of the {steps:,.0f} the budget gives")
+    else:
+        why = f"a validation of {eval_tokens:,} tokens every {interval} steps costs about {share:.1%} of training"
+    choices += [Choice("train.eval_tokens", eval_tokens, why), Choice("train.eval_interval", interval, why)]
+    warmup = min(WARMUP_STEPS, max(1, int(steps * WARMUP_SHARE)))
+    choices.append(Choice("train.warmup_steps", warmup, f"at most {WARMUP_SHARE:.0%} of the {steps:,.0f} steps "
+                          "the budget gives, so that the learning rate decays over the rest" if warmup < WARMUP_STEPS
+                          else f"{WARMUP_STEPS} of the {steps:,.0f} steps the budget gives"))
     return [c for c in choices if c.key not in given]
 
 
@@ -152,38 +175,43 @@ def head_choice(cfg, counts: np.ndarray) -> list[Choice]:
     return [shortlist_for(counts)]
 
 
-def family_choice(cfg, passes: float) -> list[Choice]:
-    """The model family for a run that makes `passes` over its data (timed without attention): where that is
-    more than FREE_PASSES, the data, not the compute, limits it, and the recurrent stack spends the compute to
-    spare on sliding-window attention in every ATTENTION_EVERY-th block (exact recall of the last window's
-    tokens, which a fixed-size state only approximates); below, attention's cost buys less than the tokens it
-    takes. Left alone where the user chose attention (or none) or the size, whose blocks it would share."""
+def family_choice(cfg, plain: float, attended: float) -> list[Choice]:
+    """The model family, from the passes over the data the plain stack makes and those the stack with attention
+    in every ATTENTION_EVERY-th block makes (each at the size the recipe picks for it): where both are more than
+    FREE_PASSES the data, not the compute, limits the run, and the stack spends the compute to spare on
+    sliding-window attention (exact recall of the last window's tokens, which a fixed-size state only
+    approximates); otherwise attention's cost buys less than the tokens it takes. Left alone where the user chose
+    attention (or none) or the size, whose blocks it would share."""
     if {"model.attention_every", "model.n_layers", "model.d_model"} & cfg.given:
         return []
-    if passes > FREE_PASSES:
-        return [Choice("model.attention_every", ATTENTION_EVERY, f"{passes:.1f} passes without it: compute to "
-                       f"spare, which attention every {ATTENTION_EVERY}nd block turns into better held-out text "
-                       "(benchmarks/RESULTS.md, issue 44); the size is timed again with it")]
-    return [Choice("model.attention_every", 0, f"{passes:.1f} passes: compute is short, and attention's cost "
-                   "would buy less than the tokens it takes")]
+    if plain > FREE_PASSES and attended > FREE_PASSES:
+        return [Choice("model.attention_every", ATTENTION_EVERY, f"{attended:.1f} passes with it ({plain:.1f} "
+                       f"without): compute to spare, which attention every {ATTENTION_EVERY}nd block turns into "
+                       "better held-out text (benchmarks/RESULTS.md, issue 44)")]
+    why = (f"{plain:.1f} passes: compute is short" if plain <= FREE_PASSES else
+           f"{plain:.1f} passes without it, but {attended:.1f} with it: no compute to spare")
+    return [Choice("model.attention_every", 0, why + ", and attention's cost would buy less than the tokens it "
+                   "takes")]
 
 
-def batch_choice(cfg, passes: float, rank_tokens: int) -> list[Choice]:
-    """The rows a step for a run that makes `passes` over its data (timed at the configured batch): under
-    FREE_PASSES the compute, not the data, limits it, and COMPUTE_BOUND_BATCH rows a step (4,096 tokens at the
-    default window) reach a lower loss in the same time than the default's 16 (steps of less noise, and more
-    tokens a second from the larger matrix products); beyond, the data limits it and the smaller batches' more
-    steps are kept. Left alone where given, under a step budget (whose steps' size the user chose with it),
-    where the batch would not divide into the run's micro-batches, or where a rank's `rank_tokens` are too few
-    for that many streams of two windows each (the stream loader's least)."""
-    if "train.batch_size" in cfg.given or "steps" in budget_of(cfg.train) or \
-            COMPUTE_BOUND_BATCH % cfg.train.grad_accum or COMPUTE_BOUND_BATCH % cfg.parallel.microbatches or \
-            rank_tokens <= COMPUTE_BOUND_BATCH * 2 * cfg.train.seq_len:
-        return []
+def batch_open(cfg, rank_tokens: int) -> bool:
+    """Whether the recipe may choose the rows a step: not where given, under a step budget (whose steps' size the
+    user chose with it), where the batch would not divide into the run's micro-batches, or where a rank's
+    `rank_tokens` are too few for COMPUTE_BOUND_BATCH streams of two windows each (the stream loader's least)."""
+    return not ("train.batch_size" in cfg.given or "steps" in budget_of(cfg.train) or
+                COMPUTE_BOUND_BATCH % cfg.train.grad_accum or COMPUTE_BOUND_BATCH % cfg.parallel.microbatches or
+                rank_tokens <= COMPUTE_BOUND_BATCH * 2 * cfg.train.seq_len)
+
+
+def batch_choice(cfg, passes: float) -> list[Choice]:
+    """The rows a step, from the passes over the data the run makes at COMPUTE_BOUND_BATCH rows (where the recipe
+    may choose them: batch_open): under FREE_PASSES the compute, not the data, limits it, and COMPUTE_BOUND_BATCH
+    rows a step (4,096 tokens at the default window) reach a lower loss in the same time than the default's 16
+    (steps of less noise, and more tokens a second from the larger matrix products); beyond, the data limits it
+    and the smaller batches' more steps are kept."""
     if passes < FREE_PASSES:
-        return [Choice("train.batch_size", COMPUTE_BOUND_BATCH, f"{passes:.1f} passes at {cfg.train.batch_size} "
-                       f"rows a step: compute is short, and larger steps reach a lower loss in the same time "
-                       "(benchmarks/RESULTS.md, issue 44); the size is timed again with it")]
+        return [Choice("train.batch_size", COMPUTE_BOUND_BATCH, f"{passes:.1f} passes: compute is short, and larger "
+                       "steps reach a lower loss in the same time (benchmarks/RESULTS.md, issue 44)")]
     return [Choice("train.batch_size", cfg.train.batch_size, f"{passes:.1f} passes: the data limits the run, "
                    "and smaller batches' more steps generalise better")]
 
@@ -191,9 +219,12 @@ def batch_choice(cfg, passes: float, rank_tokens: int) -> list[Choice]:
 def measure_speed(cfg, size, device: torch.device, counts: np.ndarray, limit: float) -> tuple[float, bool]:
     """(training tokens per second of one size, whether measured on whole windows). Optimiser steps (forward,
     backward, AdamW) on random tokens of the run's batch shape, drawn as often as `counts` (per token id) has them
-    (a two-level head's cost depends on how often the targets fall outside its shortlist): two on the first
-    PROBE_LEN tokens of each row (the first pays one-time costs; the second gives a speed), then up to two on
-    whole windows (the last one's speed counts), each only where that speed says it ends within `limit` s."""
+    (a two-level head's cost depends on how often the targets fall outside its shortlist): two on PROBE_LEN tokens
+    of each row (the first pays the one-time costs), each next on twice as many up to the whole window, taken only
+    where twice the last step's time fits in what is left of `limit` s (a short step's time is mostly fixed costs,
+    which under contention swell: scaling it by the tokens misjudged whole windows 20-fold); then whole windows
+    until two in a row agree within AGREE, at most MEASURED_STEPS of them. The speed: the median of the whole
+    windows' steps, else the longest step's."""
     from rpt.models import RecurrentLM
 
     B, T = cfg.train.batch_size, cfg.train.seq_len
@@ -207,7 +238,7 @@ def measure_speed(cfg, size, device: torch.device, counts: np.ndarray, limit: fl
                           generator=torch.Generator().manual_seed(0)).view(B, T + 1).to(device)
 
     def step(t: int) -> float:
-        """One optimiser step over the first t tokens of every row; its tokens per second."""
+        """One optimiser step over the first t tokens of every row; its seconds."""
         step_began = time.perf_counter()
         nats, _ = model(x[:, :t], targets=x[:, 1:t + 1])
         nats.mean().backward()
@@ -215,16 +246,21 @@ def measure_speed(cfg, size, device: torch.device, counts: np.ndarray, limit: fl
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return B * t / (time.perf_counter() - step_began)
+        return time.perf_counter() - step_began
 
-    short = min(T, PROBE_LEN)
-    speed = [step(short) for _ in range(2)][-1]
-    whole = False
-    for _ in range(2):
-        if B * T / speed > limit - (time.perf_counter() - began):
-            break
-        speed, whole = step(T), True
-    return speed, whole
+    t = min(T, PROBE_LEN)
+    step(t)  # the one-time costs (the first use of each kernel): not the machine's pace
+    speed = B * t / (last := step(t))
+    while t < T and 2 * last <= limit - (time.perf_counter() - began):
+        t = min(T, 2 * t)
+        speed = B * t / (last := step(t))
+    if t < T:
+        return speed, False
+    whole = [speed]
+    while len(whole) < MEASURED_STEPS and last <= limit - (time.perf_counter() - began) and \
+            not (len(whole) >= 2 and abs(whole[-1] / whole[-2] - 1) <= AGREE):
+        whole.append(B * T / (last := step(T)))
+    return float(np.median(whole)), True
 
 
 def contention(cores_busy_elsewhere: float, threads: int, cores: int) -> str | None:
@@ -309,10 +345,6 @@ def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, counts: np.ndarr
     seconds = time.perf_counter() - began
     notes = [f"the default recipe ({seconds:.1f} s; --set any of these to choose it yourself):"]
     notes += [f"  {c.key} = {c.value}: {c.why}" for c in choices] + [f"  note: {r}" for r in remarks]
-    if cfg.train.max_time:
-        cfg.set("train.max_time", round(max(1.0, cfg.train.max_time - seconds), 1),
-                origin=f"the budget less the default recipe's own time ({seconds:.1f} s)")
-        notes.append(f"  train.max_time = {cfg.train.max_time:g}: the budget less the recipe's own time")
     cfg.notes = [*cfg.notes, *notes]
     cfg.validate()
     return seconds
@@ -320,27 +352,32 @@ def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, counts: np.ndarr
 
 def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.ndarray,
                  world_size: int = 1) -> tuple[list[Choice], list]:
-    """Speeds by FLOPs from one measured size (the run's own, or 2 x 256), the chosen size measured too, within
-    the recipe's share of a time budget; and remarks on the measuring, where it was cut short or contended."""
+    """The choices, and remarks on the measuring (where it was cut short or contended). One size is measured
+    (Timing); every configuration's speed follows from it by FLOPs, and each decision (the family, the batch) is
+    made on the passes of the configuration it leads to, so that every line the recipe prints agrees."""
     began = time.perf_counter()
-    measure = type(cfg)()  # the run's settings with the data's vocabulary, for timing
     head = head_choice(cfg, counts)
     given_attention = cfg.model.attention_every if "model.attention_every" in cfg.given else 0
-    measure.model = dataclasses.replace(cfg.model, **{"vocab_size": len(counts), "attention_every":
-                                       given_attention, **{"head_shortlist": c.value for c in head}})
-    measure.train = cfg.train
-    timing = Timing(cfg.train, measure, device, counts, began)
-    facts = {}
-    sized = _sized(cfg, timing, train_tokens, val_tokens, facts)
-    family = family_choice(cfg, facts["passes"])
-    batch = batch_choice(cfg, facts["passes"], train_tokens // world_size)
-    if family and family[0].value:
-        measure.model = dataclasses.replace(measure.model, attention_every=family[0].value)
-        sized = _sized(cfg, timing, train_tokens, val_tokens)
-    elif batch and batch[0].value != cfg.train.batch_size:
-        measure.train = dataclasses.replace(cfg.train, batch_size=batch[0].value)
-        timing.per_step = batch[0].value * cfg.train.seq_len
-        sized = _sized(cfg, timing, train_tokens, val_tokens)
+    model = dataclasses.replace(cfg.model, vocab_size=len(counts), attention_every=given_attention,
+                                **{"head_shortlist": c.value for c in head})
+    timing = Timing(cfg, model, device, counts, began)
+
+    def plan(attention: int, batch: int) -> tuple[list[Choice], dict]:
+        facts = {}
+        return _sized(cfg, timing, attention, batch, train_tokens, val_tokens, facts), facts
+
+    sized, facts = plan(given_attention, cfg.train.batch_size)
+    family = batch = []
+    if not {"model.attention_every", "model.n_layers", "model.d_model"} & cfg.given:
+        attended, with_it = plan(ATTENTION_EVERY, cfg.train.batch_size)
+        family = family_choice(cfg, facts["passes"], with_it["passes"])
+        if family[0].value:
+            sized, facts = attended, with_it
+    if batch_open(cfg, train_tokens // world_size):
+        larger, at_larger = plan(given_attention, COMPUTE_BOUND_BATCH)
+        batch = batch_choice(cfg, facts["passes"] if family and family[0].value else at_larger["passes"])
+        if batch[0].value == COMPUTE_BOUND_BATCH:
+            sized = larger
     choices = family + batch + head + sized
     if cfg.comm.mode == "diloco":  # the replicas agree only at outer steps, where validations must fall
         every = cfg.comm.diloco_steps
@@ -351,29 +388,42 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.nda
 
 
 class Timing:
-    """The recipe's measurements of sizes on this machine, all within RECIPE_SHARE of a time budget: a size is
-    measured only while the measurement is expected to fit in what is left of it, and stopped where it does not."""
+    """The recipe's one measurement of speed on this machine: the run's own size where given, else REFERENCE, at
+    the run's batch shape and the family as given, within RECIPE_SHARE of a time budget (measure_speed). Every
+    other size, family and batch takes that speed scaled by FLOPs (a larger batch the same tokens a second, which
+    on a CPU it exceeds: the passes it gives are a floor). Measured once, at the first use, and only under a time
+    budget (the others need no speed)."""
 
-    def __init__(self, train, measure, device, counts: np.ndarray, began: float):
-        self.measure, self.device, self.counts, self.began = measure, torch.device(device), counts, began
-        self.allowance = RECIPE_SHARE * train.max_time if train.max_time else math.inf
-        self.per_step = train.batch_size * train.seq_len
-        self.cut: list[str] = []  # the sizes whose measurement was cut short
+    REFERENCE = (2, 256)
+
+    def __init__(self, cfg, model, device, counts: np.ndarray, began: float):
+        self.cfg, self.model, self.device, self.counts, self.began = cfg, model, torch.device(device), counts, began
+        self.allowance = RECIPE_SHARE * cfg.train.max_time if cfg.train.max_time else math.inf
+        self.size = (cfg.model.n_layers, cfg.model.d_model) if {"model.d_model", "model.n_layers"} & cfg.given \
+            else self.REFERENCE
+        self.measured: float | None = None  # tokens per second of self.size as measured
+        self.flops_of: dict = {}  # (attention_every, size) -> FLOPs a token
+        self.cut: list[str] = []  # the measurement cut short
         self.cores = CoreUse()
 
-    def left(self) -> float:
-        return self.allowance - (time.perf_counter() - self.began)
+    def speeds(self, sizes, attention: int) -> dict:
+        """Training tokens per second of each size of the family with `attention`."""
+        if self.measured is None:
+            run = type(self.cfg)()
+            run.model, run.train = self.model, self.cfg.train
+            left = RESERVE * self.allowance - (time.perf_counter() - self.began)
+            self.measured, whole = measure_speed(run, self.size, self.device, self.counts, left)
+            if not whole:
+                self.cut.append(f"{self.size[0]} x {self.size[1]} from steps of {PROBE_LEN} tokens a row "
+                                f"({self.measured:,.0f} tokens/s)")
+        measured = self.flops(self.model.attention_every, self.size)
+        return {s: self.measured * measured / self.flops(attention, s) for s in sizes}
 
-    def speed(self, size, estimate: float | None = None) -> float | None:
-        """Tokens per second of `size` measured here; `estimate` (by FLOPs) is kept, and None returned, where a
-        warm-up and a timed step at that speed would not fit in what is left."""
-        if estimate is not None and 2 * self.per_step / estimate > self.left():
-            self.cut.append(f"{size[0]} x {size[1]} (not measured: its FLOPs' estimate kept)")
-            return None
-        speed, whole = measure_speed(self.measure, size, self.device, self.counts, self.left())
-        if not whole:
-            self.cut.append(f"{size[0]} x {size[1]} (from steps of {PROBE_LEN} tokens a row: {speed:,.0f} tokens/s)")
-        return speed
+    def flops(self, attention: int, size) -> int:
+        if (attention, size) not in self.flops_of:
+            family = dataclasses.replace(self.model, attention_every=attention)
+            self.flops_of[attention, size] = flops_of(family, size, self.counts)
+        return self.flops_of[attention, size]
 
     def remarks(self) -> list[str]:
         said = []
@@ -386,29 +436,12 @@ class Timing:
         return said
 
 
-def _sized(cfg, timing: Timing, train_tokens: int, val_tokens: int, facts: dict | None = None) -> list:
-    budget = budget_of(cfg.train)
-    per_step, began = timing.per_step, timing.began
-    own = (cfg.model.n_layers, cfg.model.d_model)
-    if "model.d_model" in cfg.given or "model.n_layers" in cfg.given:
-        speeds = {own: timing.speed(own) if "seconds" in budget else 1.0}
-        return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent_since(began, budget),
-                      facts)
-    if "seconds" not in budget:
-        return choose(train_tokens, val_tokens, budget, dict.fromkeys(LADDER, 1.0), per_step, cfg.given, 0.0, facts)
-    reference = (2, 256)
-    speed = timing.speed(reference)
-    flops = {size: flops_of(timing.measure.model, size, timing.counts) for size in LADDER}
-    speeds = {size: speed * flops[reference] / flops[size] for size in LADDER}
-    picked = max([s for s in LADDER if fits(s, budget, speeds[s], per_step)] or [LADDER[0]],
-                 key=lambda s: recurrent_params(*s))
-    if picked != reference and (measured := timing.speed(picked, speeds[picked])) is not None:
-        speeds[picked] = measured  # measured: FLOPs leave out what does not scale with them
-        if not fits(picked, budget, speeds[picked], per_step):  # slower than its FLOPs said: a size smaller
-            speeds = {s: v for s, v in speeds.items() if recurrent_params(*s) < recurrent_params(*picked)} or {
-                picked: speeds[picked]}
-    return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent_since(began, budget), facts)
-
-
-def spent_since(began: float, budget: dict) -> float:
-    return (time.perf_counter() - began) / budget["seconds"] if "seconds" in budget else 0.0
+def _sized(cfg, timing: Timing, attention: int, batch: int, train_tokens: int, val_tokens: int,
+           facts: dict) -> list[Choice]:
+    """The size and what follows from its passes, for the family with `attention` at `batch` rows a step."""
+    budget, per_step = budget_of(cfg.train), batch * cfg.train.seq_len
+    own = "model.d_model" in cfg.given or "model.n_layers" in cfg.given
+    sizes = [timing.size] if own else list(LADDER)
+    speeds = timing.speeds(sizes, attention) if "seconds" in budget else dict.fromkeys(sizes, 1.0)
+    spent = (time.perf_counter() - timing.began) / budget["seconds"] if "seconds" in budget else 0.0
+    return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent, facts)

@@ -51,7 +51,7 @@ def resolve(cfg: Config, d: Dist, run_dir: Path, resume: bool = False,
     work, recipe_seconds = cfg.thawed(), 0.0
     if work.train.recipe == "auto" and not resume:
         if restarted and (run_dir / "config.toml").is_file():  # the choices this run made at its start
-            work = Config.load(run_dir / "config.toml").thawed()
+            work = Config.load(run_dir / "config.toml", run_file=True).thawed()
         else:
             recipe_seconds = _apply_recipe(work, d)
     check_world(work, d)

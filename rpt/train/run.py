@@ -95,7 +95,7 @@ def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str |
 
 def check_depth(m, depth: int | None) -> int | None:
     """The test-time depth of a looped model: `depth`, or its loop_mean (rounded) where None; refused for a model
-    without a loop, and below 1."""
+    without a loop, below 1, and above DEPTH_FACTOR x the most it trained at."""
     if depth is None:
         return round(m.loop_mean) if m.loop_core else None
     if not m.loop_core:
@@ -104,16 +104,25 @@ def check_depth(m, depth: int | None) -> int | None:
     if depth < 1:
         raise RptError(f"--depth {depth}: a looped model runs its core at least once",
                        f"use --depth 1 or more (its training mean was {m.loop_mean:g})")
+    if depth > DEPTH_FACTOR * m.loop_cap:
+        raise RptError(f"--depth {depth:,}: more than {DEPTH_FACTOR} x the most iterations the model trained at "
+                       f"(model.loop_max = {m.loop_cap}); each costs a pass of the core a token, and each one beyond "
+                       f"{m.loop_cap} a state of its own", f"use --depth {DEPTH_FACTOR * m.loop_cap} or less (its "
+                       f"training mean was {m.loop_mean:g}; a looped model's gains end well before)")
     return depth
 
 
+DEPTH_FACTOR = 4  # the deepest test-time depth: this many times the most iterations the model trained at (loop_max)
+
+
 def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                  seed: int | None, checkpoint: str, device: str | None, out=sys.stdout,
+                  seed: int | None, checkpoint: str, device: str | None, out=None,
                   depth: int | None = None, exit: str | None = None, shared: bool = False) -> str:
     """Stream the prompt, then the generated text as it is sampled, to `out`; returns the generated text. `depth`:
     a looped model's iterations per token; `exit` ("kl:5e-4"): end them early, at most `depth` (4 x loop_mean by
     default); `shared`: keep one state for all iterations (rpt/models/loop_exit.py, docs/depth.md)."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    out = out or sys.stdout  # (the stream of the moment, not the one of the import)
     from rpt.data.tokenizer import eot_id, token_bytes
     from rpt import kernels
     from rpt.kernels.cpu.products import generating
@@ -123,6 +132,8 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
     if (rule or shared) and not cfg.model.loop_core:
         raise RptError(f"{'--exit' if rule else '--shared-state'} for a model without a loop (model.loop_core = 0)",
                        "leave it out: only a looped model (docs/depth.md) has iterations to end or share")
+    if rule is not None:
+        rule.check(cfg.model)
     depth = check_depth(cfg.model, depth if depth is not None or rule is None else 4 * round(cfg.model.loop_mean))
     dev = next(model.parameters()).device
     ids = [eot_id(tokenizer)] + tokenizer.encode(prompt, add_special_tokens=False).ids  # a document starts with EOT

@@ -112,8 +112,10 @@ class Telemetry:
         comm = self._comm_window_figures()
         bubble = self.runner.take_bubble()  # a pipeline's idle share since the last line; {} without one
         sources = {f"tokens/{name}": n for name, n in by_source.items()}
+        apart = phases["eval"] + phases["checkpoint"]  # validations and checkpoints: not training, reported apart
         train = {"kind": "train", "step": step, "tokens": where["tokens"], "loss": mean_loss,
-                 "grad_norm": record.grad_norm.item(), "lr": lr, "tokens_per_s": window_tokens / wall,
+                 "grad_norm": record.grad_norm.item(), "lr": lr, "tokens_per_s": window_tokens / max(wall - apart, 1e-9),
+                 "eval_s": phases["eval"], "checkpoint_s": phases["checkpoint"],
                  "skipped_steps": skipped_steps, "time": time.time(), **comm, **bubble, **sources,
                  **({} if record.depth is None else {"depth": record.depth})}
         log.info(json.dumps(train))
@@ -124,7 +126,7 @@ class Telemetry:
                                  lr=f"{lr:.2e}")
             where = self.with_eta(where)
             if self.bar.disable and self.show_progress:  # stdout is no terminal (tee, nohup, SLURM): a plain line
-                print(progress_line(where, mean_loss, lr, train["tokens_per_s"]), flush=True)
+                print(progress_line(where, mean_loss, lr, train["tokens_per_s"], phases["eval"]), flush=True)
             self.store.set_meta(progress=where)  # the dashboard's "step X of Y, ETA"
             self._append_jsonl(train)
 
@@ -277,12 +279,15 @@ def mean_across_ranks(value: torch.Tensor, d) -> float:
     return value.item()
 
 
-def progress_line(where: dict, loss: float, lr: float, tokens_per_s: float) -> str:
+def progress_line(where: dict, loss: float, lr: float, tokens_per_s: float, eval_s: float = 0.0) -> str:
+    """A log line off a terminal; `tokens_per_s`: training's own (validations and checkpoints left out), and
+    `eval_s`: the validations' seconds since the last line."""
     step = f"step {where['step']:,}" + (f"/{where['max_steps']:,}" if where["max_steps"] else "")
     eta = where["eta_s"]
     eta_text = "?" if eta is None else f"{int(eta // 60)}:{int(eta % 60):02d}"
     return (f"{step}  {100 * where['spent']:.0f}% of {where['budget']}  loss {loss:.4f}  lr {lr:.2e}  "
-            f"{tokens_per_s:,.0f} tokens/s  ETA {eta_text}")
+            f"{tokens_per_s:,.0f} tokens/s" + (f" (+{eval_s:.1f} s validating)" if eval_s >= 0.05 else "")
+            + f"  ETA {eta_text}")
 
 
 def _mean_by_key(dicts: list[dict]) -> dict:

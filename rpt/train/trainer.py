@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from rpt import kernels
 from rpt.config import Config
 from rpt.data.dataset import raise_bad_id
 from rpt.data.stream import TokenStream
@@ -45,6 +46,7 @@ from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
 from rpt.models.lm import all_finite, map_state, shapes, token_counts
+from rpt.models.registry import CELLS
 from rpt.models.shapes import on_meta
 from rpt.monitor import sinks
 from rpt.monitor.metrics import PHASES
@@ -88,6 +90,8 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None,
     """What every rank runs, alone, under torchrun or as one of the workers `--nproc` launches (a top-level
     function, so that the launcher can start it in a fresh process). Each rank logs to RUN_DIR/logs/rankR.log."""
     d = launch.setup(device)
+    if d.device.type == "cpu" and getattr(CELLS.get(cfg.model.cell), "native_loops", False):
+        kernels.current().loops()  # built (once per machine, ~25 s) before anything is timed: the recipe, the budget
     if cfg.train.bptt_chunk or cfg.parallel.fsdp != 1:  # chunks and FSDP's units free large blocks in turn, which
         if d.device.type == "cpu":  # would fragment a heap that keeps every block: rpt's page pool reuses them
             pool_large_blocks()
@@ -146,6 +150,7 @@ class Trainer:
         self.profiler = next((h for h in self.hooks if isinstance(h, StepProfiler)), None)
         self.clock = PhaseClock(self.device, self.mark_phase)
         self.averaging = WeightAverage(t.average, list(runner.model.parameters()))
+        self.eval_align = cfg.comm.diloco_steps if cfg.comm.mode == "diloco" else 1  # (replicas agree there)
         self.evaluation = Evaluation(t, self.data, token_byte_lengths(self.data.tokenizer), self.device,
                                      self.dp_rank, self.dp_size, cfg.data.reset_at_documents, runner.autocast)
         self.checkpoints = Checkpointing(cfg.checkpoint, str(self.run_dir / "checkpoints"), dist_info.rank,
@@ -164,6 +169,8 @@ class Trainer:
         # cannot work) leaves nothing; a resume, only once its first step has run, so that settings which fail
         # there (or a checkpoint of another shape) leave the run's config.toml as it was, resumable as before.
         self.recorded = False
+        self.resumed_at: int | None = None  # the step a resume continued from (None: a new run)
+        self.recipe_seconds = self.resolved.recipe_seconds  # what the default recipe took at the run's start
         if resume:
             self._resume()
         else:
@@ -250,7 +257,7 @@ class Trainer:
                     self.mark_phase("log")
                     tel.log_interval(record, lr, self.where(), self.skipped_steps, self.clock.take(), self.state,
                                      self._tokens_by_source())
-                if self.evaluation.should_evaluate(self.step):
+                if self.evaluation.should_evaluate(self.step, self.spent_share, self.eval_align):
                     self._evaluate(final=False)
                 if self.checkpoints.should_save(self.step, self.agreed_clock):
                     self._settle_pending_skip()
@@ -261,12 +268,14 @@ class Trainer:
     def _finish(self) -> dict:
         """After the last step: the evaluations, the last checkpoint (ranked by the periodic measure), the summary."""
         tel = self.telemetry
+        if self.resumed_at == self.step:
+            return self._nothing_trained()
         tel.say(f"ended by {self.ended_by} at step {self.step:,} ({self.tokens:,} tokens)")
         if not self.recorded:
             self._write_run_files()
         self._settle_pending_skip()
         self.stopped = time.perf_counter()
-        wall = self.stopped - self.started
+        segment = self.stopped - self.started
         profile = tel.profile(self.profiler, self.step)
         self.runner.finish()
         self.averaging.put_in()  # the run ends with the average (its iterate kept for a resume)
@@ -285,11 +294,21 @@ class Trainer:
         if ev.last is not None:
             selected = self._select_best()
             final = self._evaluate(final=True, weights_step=selected["selected_step"])
-        summary = tel.summary(self._run_figures(wall, profile, selected), final)
+        summary = tel.summary(self._run_figures(segment, profile, selected), final)
         for hook in self.hooks:
             hook.run_ends()
         tel.close()
         return summary
+
+    def _nothing_trained(self) -> dict:
+        """A resumed run that ended before its first step (an elastic restart of a run that had ended): its
+        config.toml, summary.json and checkpoints stay as they were."""
+        self.telemetry.say(f"ended by {self.ended_by} before any step: the run's files are left as they were")
+        for hook in self.hooks:
+            hook.run_ends()
+        self.telemetry.close()
+        summary = self.run_dir / "summary.json"
+        return json.loads(summary.read_text()) if summary.is_file() else {"interrupted": True, "steps": self.step}
 
     def _next_batch(self):
         batch = next(self.loader)
@@ -370,18 +389,20 @@ class Trainer:
         by_source = getattr(self.loader, "tokens_by_source", None)
         return by_source() if by_source else {}
 
-    def _run_figures(self, wall: float, profile: list[dict] | None, selected: dict) -> dict:
-        """What the run's summary says of the run itself (telemetry adds the losses and the communication)."""
-        ev, recipe = self.evaluation, self.resolved.recipe_seconds
+    def _run_figures(self, segment: float, profile: list[dict] | None, selected: dict) -> dict:
+        """What the run's summary says of the run itself (telemetry adds the losses and the communication): every
+        figure over the whole run, all its segments (resumes) together, but those named `segment_*`."""
+        ev, recipe, wall = self.evaluation, self.recipe_seconds, self.elapsed()
         return {"steps": self.step, "tokens": self.tokens, "wall_seconds": round(wall, 3),
-                "tokens_per_second": self.tokens / max(self.elapsed(), 1e-9), "params": self.params,
+                "tokens_per_second": self.tokens / max(wall, 1e-9), "params": self.params,
                 "flops_per_token": self.flops_per_token, "ended_by": self.ended_by,
                 "skipped_steps": self.skipped_steps, "precision": self.cfg.train.precision,
                 "compression": self.cfg.comm.compression, "device": str(self.device), "profile_by_rank": profile,
                 **selected, "best_periodic_val_loss": ev.best["loss"] if ev.best else None,
                 "eval_seconds": round(ev.seconds, 3), "eval_share": ev.seconds / max(wall, 1e-9),
                 "recipe_seconds": round(recipe, 3),
-                "selection_share": (ev.seconds + recipe) / max(wall + recipe, 1e-9)}
+                "selection_share": (ev.seconds + recipe) / max(wall + recipe, 1e-9),
+                "segment_first_step": self.resumed_at or 0, "segment_wall_seconds": round(segment, 3)}
 
     def _evaluate(self, final: bool, weights_step: int | None = None) -> dict:
         """A validation of the model's weights (those of `weights_step` where they were loaded back)."""
@@ -419,11 +440,15 @@ class Trainer:
     def state_dict(self) -> dict:
         """The trainer's own part of a checkpoint: how far the run is, and the recurrent state it carries."""
         return {"step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
-                "elapsed": self.elapsed(), "state": self.state, "layout": {**self.runner.layout, "rank": self.d.rank}}
+                "elapsed": self.elapsed(), "recipe_seconds": self.recipe_seconds,
+                "train_loss": self.telemetry.last_train_loss, "state": self.state,
+                "layout": {**self.runner.layout, "rank": self.d.rank}}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens, self.skipped_steps = state["step"], state["tokens"], state["skipped_steps"]
         self.elapsed_before = state["elapsed"]
+        self.recipe_seconds = state.get("recipe_seconds", 0.0)  # (older checkpoints: not kept)
+        self.telemetry.last_train_loss = state.get("train_loss")  # until this segment logs its own
         layout = {**self.runner.layout, "rank": self.d.rank}
         if state.get("layout", layout) != layout:
             return  # another rank's rows: the recurrent state starts afresh (Checkpointing.resume says so)
@@ -449,10 +474,25 @@ class Trainer:
             if self.cfg.train.init_from:
                 self.telemetry.say(self._init_from(self.cfg.train))
             return
-        extending = self.budget.resume(self.step, self.tokens, self.elapsed_before,
-                                       refuse_spent=restart_count() == 0)
+        first_look = restart_count() == 0  # an elastic restart goes on as the run was
+        extending = self.budget.resume(self.step, self.tokens, self.elapsed_before, refuse_spent=first_look)
+        lines = [f"resumed from {path} at step {self.step}", *([extending] if extending else [])]
+        ev = self.evaluation
+        if self.budget.rescale != 1.0:
+            ev.rescale_progress(self.budget.rescale)
+        if ev.stale and first_look:
+            if self.budget.rescale >= 1.0:  # not extended
+                raise RptError(f"this run was ended by {ev.stale}: resumed as it is, it would stop before its first "
+                               "step", f"extend its budget ({self.budget.larger(self.step, self.elapsed_before)}), "
+                               "which starts the early stop's patience afresh, or turn it off with --set "
+                               "train.early_stop=0")
+            ev.restart_patience(self.budget.progress(self.step, self.tokens, self.elapsed_before))
+            lines.append(f"the run had stopped early (train.early_stop = {self.cfg.train.early_stop:g}): its patience "
+                         "starts afresh here, so it stops again only after that share of the extended budget without "
+                         f"a validation better than the best ({ev.best['loss']:.4f}, step {ev.best['step']:,})")
+        self.resumed_at = self.step
         log.info("resumed from %s at step %d", path, self.step)
-        self.telemetry.say(f"resumed from {path} at step {self.step}", *([extending] if extending else []))
+        self.telemetry.say(*lines)
 
     def _write_run_files(self) -> None:
         self.recorded = True

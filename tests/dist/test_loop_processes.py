@@ -16,15 +16,16 @@ from rpt.models.loop import draw_depth
 
 LOOP = ["model.loop_prelude=1", "model.loop_core=2", "model.loop_mean=3", "model.loop_backprop=2",
         "model.loop_max=6", "model.attention_every=3", "model.attention_window=8"]
+SHALLOW = ["train.eval_depths=[1, 3]"]  # the final validation at two depths, not six: training is the subject here
 
 
 def test_data_parallel_and_the_comm_modes_train_a_looped_model_as_one_process(tiny_data, tmp_path):
     depths = [draw_depth(ModelConfig(n_layers=4, loop_core=2, loop_mean=3, loop_max=6), 0, s) for s in range(6)]
     assert len(set(depths)) > 1  # the six steps run at different depths
-    ref_losses, ref_params = reference(tiny_data, tmp_path, "ref", "train.batch_size=8", *LOOP)
-    runs = [("allreduce", LOOP, False), ("accum", [*LOOP, "train.grad_accum=2"], False),
-            ("ps", [*LOOP, "comm.mode=ps-sharded"], False),
-            ("diloco", [*LOOP, "comm.mode=diloco", "comm.diloco_steps=3", "comm.compression=bf16"], False)]
+    ref_losses, ref_params = reference(tiny_data, tmp_path, "ref", "train.batch_size=8", *LOOP, *SHALLOW)
+    runs = [("allreduce", [*LOOP, *SHALLOW], False), ("accum", [*LOOP, *SHALLOW, "train.grad_accum=2"], False),
+            ("ps", [*LOOP, *SHALLOW, "comm.mode=ps-sharded"], False),
+            ("diloco", [*LOOP, *SHALLOW, "comm.mode=diloco", "comm.diloco_steps=3", "comm.compression=bf16"], False)]
     ranks = run_ranks(train_runs, 2, tmp_path / "ranks", str(tiny_data), str(tmp_path), runs, timeout=240)
     for name, params in ranks[0]["diloco"]["params"].items():  # DiLoCo: its own algorithm; replicas agree
         torch.testing.assert_close(params, ranks[1]["diloco"]["params"][name], atol=0, rtol=0)
@@ -41,13 +42,13 @@ def test_data_parallel_and_the_comm_modes_train_a_looped_model_as_one_process(ti
 def test_fsdp_and_the_pipeline_train_a_looped_model_as_one_process(tiny_data, tmp_path):
     """FSDP2 (the core blocks and the loop in the root unit: gathered once a forward) and a two-stage pipeline
     (the core inside one stage, two micro-batches) train as one process does, at each step's drawn depth."""
-    runs = [("fsdp", [*LOOP, "parallel.fsdp=2"], False), ("pp", [*LOOP, "parallel.pp=2"], False)]
+    runs = [("fsdp", [*LOOP, *SHALLOW, "parallel.fsdp=2"], False), ("pp", [*LOOP, "parallel.pp=2"], False)]
     ranks = run_ranks(train_runs, 2, tmp_path / "ranks", str(tiny_data), str(tmp_path), runs, timeout=240)
-    ref_losses, ref_params = reference(tiny_data, tmp_path, "ref8", "train.batch_size=8", *LOOP)
+    ref_losses, ref_params = reference(tiny_data, tmp_path, "ref8", "train.batch_size=8", *LOOP, *SHALLOW)
     for r in ranks:
         assert_same_training({"losses": ranks[0]["fsdp"]["losses"], "params": r["fsdp"]["params"]}, ref_losses,
                              ref_params)
-    ref_losses, ref_params = reference(tiny_data, tmp_path, "ref4", *LOOP)  # the pipeline: one replica of 4 rows
+    ref_losses, ref_params = reference(tiny_data, tmp_path, "ref4", *LOOP, *SHALLOW)  # the pipeline: one replica
     for r in ranks:
         assert_same_training({"losses": ranks[0]["pp"]["losses"], "params": r["pp"]["params"]}, ref_losses,
                              ref_params)

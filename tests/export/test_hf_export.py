@@ -38,9 +38,9 @@ VARIANTS = {  # name: the model settings of a run (every cell; attention, MLP, b
     "minlstm": ["model.cell=minlstm", "model.attention_every=1", "model.attention_heads=4", "model.attention_window=4"],
     "mingru-looped": ["model.cell=mingru", "model.n_layers=3", "model.loop_prelude=1", "model.loop_core=1",
                       "model.loop_mean=3", "model.attention_every=2", "model.attention_heads=2",
-                      "model.attention_window=6", "model.loop_inject=linear"],
+                      "model.attention_window=6", "model.loop_inject=linear", "train.eval_depths=[3]"],
     "lstm-looped-add": ["model.cell=lstm", "model.n_layers=3", "model.loop_prelude=1", "model.loop_core=1",
-                        "model.loop_mean=2"],
+                        "model.loop_mean=2", "train.eval_depths=[2]"],
 }
 
 
@@ -148,6 +148,24 @@ def test_a_looped_export_gives_rpt_logits_at_every_depth_and_generates_at_one(ru
         greedy = hf.generate(x[:1, :8], max_new_tokens=6, do_sample=False, num_steps=4)[0, 8:].tolist()
     ours = list(model.generate(x[0, :8], 6, temperature=0, reset_at=eot, depth=4))
     assert greedy == ours
+
+
+def test_a_looped_export_refuses_a_depth_below_one_as_rpt_does(runs):
+    """Before (issue 58): num_steps=0 silently ran the default depth, num_steps=-1 gave other logits, and a
+    loop_depth of 0 in config.json (or lm-eval's model arguments) went unchecked."""
+    run, folder = runs["mingru-looped"]
+    hf = hf_model(folder)
+    x = torch.zeros(1, 4, dtype=torch.long)
+    for depth in (0, -1):
+        with pytest.raises(ValueError, match=f"num_steps = {depth}: a looped model runs its core at least once"):
+            hf(x, num_steps=depth)
+        with pytest.raises(ValueError, match=f"loop_depth = {depth}: a looped model runs its core at least once"):
+            transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, loop_depth=depth)
+    with pytest.raises(ValueError, match="num_steps = 2 for a model without a loop"):
+        hf_model(runs["lstm-attn"][1])(x, num_steps=2)
+    card = (folder / "README.md").read_text()
+    assert "num_steps" in card and "looped core" in card and "loop_depth=8" in card
+    assert "num_steps" not in (runs["lstm-attn"][1] / "README.md").read_text()
 
 
 def test_exported_model_resets_at_end_of_text_as_rpt_evaluates(runs):

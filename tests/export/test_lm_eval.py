@@ -137,7 +137,7 @@ def test_a_looped_model_scores_at_the_depth_given(exported, tiny_data, tmp_path)
     cfg = Config.load(None, [f"data.path={tiny_data}", "model.d_model=32", "model.cell=mingru", "model.n_layers=3",
                              "model.loop_prelude=1", "model.loop_core=1", "model.loop_mean=2", "train.batch_size=4",
                              "train.seq_len=16", "train.max_steps=6", "train.eval_interval=0", "train.eval_tokens=256",
-                             "monitor.tensorboard=false"])
+                             "train.eval_depths=[2]", "monitor.tensorboard=false"])
     Trainer(cfg, tmp_path / "run", Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
             show_progress=False).run()
     export_run(tmp_path / "run", tmp_path / "hf")
@@ -155,3 +155,6 @@ def test_a_looped_model_scores_at_the_depth_given(exported, tiny_data, tmp_path)
         run_lm_eval(tmp_path / "hf", ["rpt_local"], include_path=str(tasks), depth=0)
     with pytest.raises(RptError, match="without a loop"):
         run_lm_eval(exported[1], ["rpt_local"], include_path=str(tasks), depth=2)
+    # a run directory's depth is checked before it is exported (issue 58: it exported first, then refused)
+    with pytest.raises(RptError, match=r"without a loop \(model.loop_core = 0\)"):  # the run's config.toml's words
+        run_lm_eval(exported[0], ["rpt_local"], include_path=str(tasks), depth=4)

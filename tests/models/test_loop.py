@@ -102,7 +102,7 @@ def test_the_training_draw_is_a_function_of_seed_and_step_with_the_configured_me
 
 
 def test_flops_count_the_core_at_the_mean_depth_forward_and_k_backward():
-    plain = looped("lstm", loop_core=0, attention_every=0)
+    plain = looped("lstm", loop_core=0, loop_prelude=0, loop_mean=4.0, loop_inject="add", attention_every=0)
     model = looped("lstm", loop_sampler="fixed", loop_mean=3, loop_backprop=2, loop_inject="add",
                    attention_every=0)
     block = plain.blocks["1"].flops_per_token()
@@ -120,7 +120,7 @@ def test_the_loop_is_off_by_default_and_adds_nothing_then():
     (dict(loop_prelude=2, loop_core=3), "more than model.n_layers"),
     (dict(loop_core=1, loop_backprop=9, loop_max=8), "above the cap"),
     (dict(loop_core=1, loop_mean=1.0), "Poisson-lognormal"),
-    (dict(loop_core=1, loop_mean=20, loop_max=8), "outside"),
+    (dict(loop_core=1, loop_mean=20, loop_max=8), "above the cap on the depth, model.loop_max = 8"),
 ])
 def test_bad_loop_configurations_are_refused_with_the_fix(options, message):
     with pytest.raises(RptError, match=message) as refused:

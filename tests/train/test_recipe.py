@@ -193,16 +193,16 @@ def test_larger_batches_only_where_the_compute_not_the_data_limits_the_run(make_
     steps = make_cfg("train.max_steps=2000", "train.recipe=auto", "train.batch_size=4")
     steps = steps.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
     steps.given = frozenset({"train.max_steps"})
-    assert recipe.batch_choice(steps, 0.1, 10**9) == []  # a step budget: the steps' size goes with it
+    assert not recipe.batch_open(steps, 10**9)  # a step budget: the steps' size goes with it
 
 
-def test_under_a_time_budget_the_sizes_are_timed_again_at_the_larger_batch(make_cfg, monkeypatch):
+def test_under_a_time_budget_one_size_is_measured_once_and_the_larger_batch_follows_from_it(make_cfg, monkeypatch):
     from types import SimpleNamespace
 
     timed = []
 
     def measure_speed(cfg, size, device, counts, limit):
-        timed.append(cfg.train.batch_size)
+        timed.append((size, cfg.train.batch_size, cfg.model.attention_every))
         return 1e6, True  # fast: the sizes' passes stay under two only on a corpus far larger than the budget
 
     monkeypatch.setattr(recipe, "measure_speed", measure_speed)
@@ -211,4 +211,4 @@ def test_under_a_time_budget_the_sizes_are_timed_again_at_the_larger_batch(make_
     cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
     cfg.given = frozenset()
     recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 10**12, 10_000, np.ones(512))
-    assert cfg.train.batch_size == 64 and timed[0] == 4 and timed[-1] == 64
+    assert cfg.train.batch_size == 64 and timed == [((2, 256), 4, 0)]

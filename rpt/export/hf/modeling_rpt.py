@@ -304,7 +304,18 @@ class RptForCausalLM(PreTrainedModel, GenerationMixin):
         self.norm = make_norm(config)
         self.head = ClusteredHead(config) if config.head_shortlist else Head(config)
         self.loop = Loop(config) if config.loop_core else None
+        if self.loop is not None:
+            self._depth(None)  # config.loop_depth, as config.json or from_pretrained(..., loop_depth=N) gave it
         self.post_init()
+
+    def _depth(self, num_steps: int | None) -> int:
+        """The core's iterations: `num_steps`, else config.loop_depth; refused below 1 (as `rpt eval --depth`)."""
+        depth, name = (self.config.loop_depth, "loop_depth") if num_steps is None else (num_steps, "num_steps")
+        if depth < 1:
+            default = f" (the model's own: loop_depth = {self.config.loop_depth})" if num_steps is not None else ""
+            raise ValueError(f"{name} = {depth}: a looped model runs its core at least once; use {name} = 1 or "
+                             f"more{default}")
+        return depth
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -359,9 +370,12 @@ class RptForCausalLM(PreTrainedModel, GenerationMixin):
         blocks = list(self.blocks.values())
         if self.loop is not None:
             c = self.config
-            return run_loop(lambda block, x, s: block(x, s, reset), blocks, x, state, num_steps or c.loop_depth,
+            return run_loop(lambda block, x, s: block(x, s, reset), blocks, x, state, self._depth(num_steps),
                             c.loop_prelude, c.loop_core, self.loop.inject, self.loop.norm, self.loop.inject_norm,
                             torch.zeros_like)
+        if num_steps is not None:
+            raise ValueError(f"num_steps = {num_steps} for a model without a loop (loop_core = 0): leave it out; only "
+                             "a looped model runs at a chosen depth")
         new_state = []
         for block, s in zip(blocks, state):
             x, s = block(x, s, reset)

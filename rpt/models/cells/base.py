@@ -38,6 +38,9 @@ class Cell(nn.Module):
     # The model.* options this cell takes beside d_model and d_hidden, passed to __init__ by name. A cell declares
     # its own; setting one it does not declare is refused at start (rpt.models.registry.check_options).
     options: tuple[str, ...] = ()
+    # Whether its training form runs rpt's compiled CPU loops (built once per machine: `rpt train` builds them
+    # before anything is timed)
+    native_loops = False
 
     def __init__(self, d_model: int, d_hidden: int):
         super().__init__()

@@ -28,6 +28,7 @@ from rpt.ops.minrnn.spec import min_step, minlstm_coefficients, mingru_coefficie
 
 class _MinRNN(Cell):
     n_proj = 2
+    native_loops = True
 
     def __init__(self, d_model: int, d_hidden: int = 0):
         super().__init__(d_model, d_hidden or 2 * d_model)

@@ -94,7 +94,7 @@ function drawPositions() {
              x: points.map(p => `from ${p.first}`), y: points.map(p => p.bpb), mode: "lines+markers",
              line: {color}, marker: {color}, text: points.map(p => `${p.tokens} tokens`)}];
   });
-  if (!curves.length) return empty("position", "not measured: train.eval_by_position = true, or rpt eval --by-position");
+  if (!curves.length) return empty("position", "not measured: train the run with train.eval_by_position = true (rpt eval --by-position prints its own, to the terminal)");
   Plotly.react("position", curves, layout("position of the token in its document", "validation (bits per byte)"));
 }
 
