@@ -375,6 +375,14 @@ def test_eval_by_position_says_why_a_split_without_document_starts_has_no_positi
     assert "position " not in out.split("by position:")[0].split("\n", 2)[-1]  # no empty buckets printed
 
 
+def test_the_dashboards_empty_position_chart_names_only_what_fills_it():
+    """Before: "not measured: train.eval_by_position = true, or rpt eval --by-position", which writes nothing to the
+    run's metrics.sqlite that the dashboard reads."""
+    app = (REPO / "rpt" / "monitor" / "static" / "app.js").read_text()
+    hint = app.split('empty("position", "')[1].split('")')[0]
+    assert "train.eval_by_position = true" in hint and "to the terminal" in hint
+
+
 def test_lm_eval_asks_git_quietly(tmp_path, capfd, monkeypatch):
     from rpt.export.lm_eval_run import quiet_git_hash
 
