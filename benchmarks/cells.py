@@ -7,6 +7,7 @@ match its parameter count. Two shapes: B=16 x T=256 and B=2 x T=2048. Prints mar
 cells whose time loops run in C++ (rpt.kernels.cpu), also the speed-up over their Python loops.
 
     .venv/bin/python benchmarks/cells.py [--repeats 3] [--device cpu|cuda] [--gen-tokens 100,10000]
+        [--cells lstm,mlstm] [--profile mlstm]    (--profile: where one cell's time goes, at 16 x 512)
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ CELLS = [
     ("modlstm-ln-peep", dict(cell="modlstm", gate_norm=True, peepholes=True)),
     ("mingru", dict(cell="mingru", d_hidden=1344)),
     ("minlstm", dict(cell="minlstm", d_hidden=1024)),
+    # the matrix memory: 6 heads of 128 (1.97M parameters); the chunkwise form at three chunk sizes
+    ("mlstm", dict(cell="mlstm", d_hidden=768, heads=6)),
+    ("mlstm-chunk32", dict(cell="mlstm", d_hidden=768, heads=6, chunk_size=32)),
+    ("mlstm-chunk128", dict(cell="mlstm", d_hidden=768, heads=6, chunk_size=128)),
 ]
-SHAPES = [(16, 256), (2, 2048)]
+SHAPES = [(16, 256), (16, 512), (2, 2048)]
 
 
 def sync(device):
@@ -87,7 +92,7 @@ def fwd_bwd(module, x, grad_y, reference=False):
     return run
 
 
-def bench_cells(device, repeats, peak, peak_by):
+def bench_cells(device, repeats, peak, peak_by, names):
     rows = []
     for B, T in SHAPES:
         x = torch.randn(B, T, D, device=device, requires_grad=True)
@@ -99,6 +104,8 @@ def bench_cells(device, repeats, peak, peak_by):
         rows.append(("nn.LSTM", B, T, sum(p.numel() for p in ref.parameters()), ref_tps, ref_tps * ref_flops, ref_tps, None,
                      None))
         for name, over in CELLS:
+            if names and name not in names:
+                continue
             cell = build_cell(ModelConfig(d_model=D, **over)).to(device)
             tps = B * T / timed(fwd_bwd(cell, x, grad_y), device, repeats)
             ref_speed = loop_speed = None
@@ -121,6 +128,19 @@ def bench_cells(device, repeats, peak, peak_by):
               f"{tps / ref_tps:.2f} | {own} | {loops} |")
 
 
+def profile(name, device, top=12):
+    """The operators one cell's forward + backward spends its time in (torch.profiler, self time)."""
+    cell = build_cell(ModelConfig(d_model=D, **dict(CELLS)[name])).to(device)
+    x = torch.randn(16, 512, D, device=device, requires_grad=True)
+    run = fwd_bwd(cell, x, torch.randn(16, 512, D, device=device))
+    run()
+    with torch.profiler.profile() as prof:
+        for _ in range(3):
+            run()
+    print(f"\nwhere {name}'s forward + backward spends its time (16 x 512, 3 runs):\n")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -138,9 +158,9 @@ def bench_generation(device, lengths):
     what = "peak CUDA memory growth" if device.type == "cuda" else "RSS growth"
     print(f"\n| generation | new tokens | tokens/s | state numel | {what} |")
     print("|---|---|---|---|---|")
-    for cell in ("lstm", "mingru", "modlstm"):
+    for cell, over in (("lstm", {}), ("mingru", {}), ("modlstm", {}), ("mlstm", dict(heads=4))):
         torch.manual_seed(0)
-        cfg = ModelConfig(cell=cell, vocab_size=8192, d_model=256, n_layers=4, attention_every=2, attention_window=64)
+        cfg = ModelConfig(cell=cell, **over, vocab_size=8192, d_model=256, n_layers=4, attention_every=2, attention_window=64)
         model = RecurrentLM(cfg).to(device)
         prompt = torch.randint(0, 8192, (16,), device=device)
         for n in lengths:
@@ -163,6 +183,8 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--gen-tokens", default="100,10000")
     ap.add_argument("--skip-generation", action="store_true")
+    ap.add_argument("--cells", default="", help="only these cells (comma-separated names of CELLS)")
+    ap.add_argument("--profile", default="", help="a cell of CELLS: where its time goes")
     args = ap.parse_args()
     device = torch.device(args.device)
     keep_freed_memory()  # as `rpt train` does: the peak and the cells are measured under the same allocator
@@ -170,7 +192,9 @@ def main():
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.machine()} {os.cpu_count()} cores"
     print(f"{date.today()} | {name} | torch {torch.__version__} | commit {commit} | threads {torch.get_num_threads()}")
     peak, peak_by = matmul_peak(device, args.repeats)
-    bench_cells(device, args.repeats, peak, peak_by)
+    bench_cells(device, args.repeats, peak, peak_by, set(filter(None, args.cells.split(","))))
+    if args.profile:
+        profile(args.profile, device)
     if not args.skip_generation:
         bench_generation(device, [int(n) for n in args.gen_tokens.split(",")])
 

@@ -13,8 +13,8 @@ State = tuple[torch.Tensor, ...]
 
 def reset_rows(state: State, mask: torch.Tensor) -> State:
     """Zero the rows of every state tensor where mask (bool [B]) is set."""
-    keep = (~mask).to(state[0].dtype)[:, None]
-    return tuple(s * keep for s in state)
+    keep = (~mask).to(state[0].dtype)
+    return tuple(s * keep.view(-1, *[1] * (s.dim() - 1)) for s in state)
 
 
 _last_mask: tuple = (lambda: None, [])

@@ -6,6 +6,9 @@ what crosses a piece's edge is each sub-layer's recurrent state, so that is all 
 - the scan cells (minGRU, minLSTM: h_t = a_t h_{t-1} + b_t) scan their pieces at once from a zero state, then one
   all-gather of each piece's (product of a, final state) gives every rank the state entering its piece, and
   h_t += (product of a up to t) * that state corrects the piece locally; backward mirrors it (`_CarryIn`);
+- the matrix memory (mlstm) alike: each piece's summary (what it does to the state entering it: its own memory at
+  its end and its gate sums; rpt/ops/mlstm/chunkwise.py) is all-gathered, every rank folds the earlier pieces'
+  summaries into the window's state to get its own first state, and runs its piece chunkwise from it (`_Entering`);
 - the non-linear cells (lstm, gru, modlstm) and sliding-window attention (whose state is its last window of keys
   and values) take their first state from the rank before and hand their last to the rank after (`_Receive`,
   `_Send`); state gradients travel back the same way. Block by block this is a pipeline in time: rank i runs
@@ -19,6 +22,7 @@ checkpointing of apply.py is; written here because torch's context parallelism c
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -26,9 +30,12 @@ import torch.distributed as dist
 
 from rpt.kernels.cpu.products import linear
 from rpt.models.cells.minrnn import _BUILT_IN, _MinRNN
+from rpt.models.cells.mlstm import MLSTM
 from rpt.models.lm import at_least_fp32, map_state
 from rpt.ops.minrnn import sequence
 from rpt.ops.minrnn.scan import linear_scan
+from rpt.ops.mlstm.chunkwise import Summary, advance, chunkwise, summary
+from rpt.ops.mlstm.spec import project, read_out
 from rpt.ops.precision import as_fp32
 
 TAGS = 16  # message tags per sub-layer: one per tensor of its state
@@ -189,6 +196,64 @@ def _scan_piece(cell: _MinRNN, cp: ContextGroup, x, state=None, reset=None):
     return linear(h, cell.out_proj.weight), (h[:, -1].to(h0.dtype),)
 
 
+class _Entering(torch.autograd.Function):
+    """The mLSTM state entering this rank's piece: every piece's summary (flat [n]) all-gathered, and the earlier
+    ones folded into the window's state with `advance`. Backward: the fold's gradient by autograd on the gathered
+    summaries; each rank's gradient of every summary summed over the group (one all-reduce), its own slot."""
+
+    @staticmethod
+    def forward(ctx, cp, unflatten, flat, *state):
+        gathered = [torch.empty_like(flat) for _ in range(cp.size)]
+        dist.all_gather(gathered, flat.contiguous(), group=cp.group)
+        ctx.cp, ctx.unflatten = cp, unflatten
+        ctx.save_for_backward(torch.stack(gathered), *state)
+        return tuple(t.detach() for t in _fold(cp.rank, unflatten, gathered, state))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        gathered, *state = ctx.saved_tensors
+        with torch.enable_grad():
+            pieces = gathered.detach().requires_grad_()
+            start = [t.detach().requires_grad_() for t in state]
+            out = _fold(ctx.cp.rank, ctx.unflatten, pieces.unbind(0), start)
+            found = torch.autograd.grad([o for o in out], [pieces, *start], grads, allow_unused=True)
+        of_pieces = found[0] if found[0] is not None else torch.zeros_like(pieces)
+        dist.all_reduce(of_pieces, group=ctx.cp.group)
+        return (None, None, of_pieces[ctx.cp.rank], *found[1:])
+
+
+def _fold(rank: int, unflatten, pieces, state):
+    for j in range(rank):
+        state = advance(state, unflatten(pieces[j]))
+    return tuple(t * 1 for t in state)  # a new tensor even where nothing is folded (rank 0)
+
+
+def _mlstm_piece(cell: MLSTM, cp: ContextGroup, x, state=None, reset=None):
+    """An mlstm cell over this rank's piece, from the state the earlier pieces leave (`_Entering`)."""
+    q, k, v, i_pre, log_f, o = project(x, cell.qkvo.weight, cell.gates.weight, cell.gates.bias, cell.heads, linear)
+    q, k, v, i_pre, log_f = (t.transpose(1, 2) for t in (q, k, v, i_pre, log_f))  # [B, heads, T, ...]
+    with torch.autocast(x.device.type, enabled=False):
+        wide = torch.promote_types(q.dtype, torch.float32)
+        own = summary(k.to(wide), v.to(wide), i_pre.to(wide), log_f.to(wide), None if reset is None else reset[:, None])
+        own = own._replace(clean=None if own.clean is None else own.clean.to(wide))
+        shapes = [None if t is None else t.shape for t in own]
+
+        def unflatten(flat):
+            parts, at = [], 0
+            for shape in shapes:
+                if shape is None:
+                    parts.append(None)
+                    continue
+                n = math.prod(shape)
+                parts.append(flat[at:at + n].view(shape))
+                at += n
+            return Summary(*parts[:4], None if parts[4] is None else parts[4] > 0.5, parts[5])
+        flat = torch.cat([t.reshape(-1) for t in own if t is not None])
+        entering = _Entering.apply(cp, unflatten, flat, *(t.to(wide) for t in state))
+    h, new = chunkwise(q, k, v, i_pre, log_f, reset, entering, cell.chunk_size)
+    return read_out(h.transpose(1, 2), o, cell.norm_weight, cell.out_proj.weight, linear), new
+
+
 def split_windows(model, cp: ContextGroup) -> None:
     """Make `model(x, state, reset, targets)` (a RecurrentLM, before data parallelism wraps it) run this rank's
     piece of each window, its sub-layers exchanging their states with the group's other ranks."""
@@ -196,6 +261,8 @@ def split_windows(model, cp: ContextGroup) -> None:
         cell = block.cell
         if isinstance(cell, _MinRNN):
             cell.forward = partial(_scan_piece, cell, cp)
+        elif isinstance(cell, MLSTM):
+            cell.forward = partial(_mlstm_piece, cell, cp)
         else:
             cell.forward = partial(_handed_on, cell.forward, cp, 2 * int(index))
         if block.attn is not None:

@@ -270,7 +270,7 @@ def context_bytes(model, rows: int, cp: int) -> int:
 
     total = 0
     for block in model.blocks.values():
-        width = sum(block.cell.state_sizes())
+        width = block.cell.state_numbers()
         if isinstance(block.cell, _MinRNN):
             ends = 4 * 2 * rows * width
             total += ends * (cp - 1) + allreduce_wire_bytes(cp * ends, cp)

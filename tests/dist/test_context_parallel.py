@@ -11,12 +11,12 @@ from harness import run_ranks
 from pipeline_workers import train_runs
 from test_pipeline import assert_same_training, reference
 
-CELLS = ["lstm", "gru", "modlstm", "mingru", "minlstm"]
+CELLS = ["lstm", "gru", "modlstm", "mingru", "minlstm", "mlstm"]
 
 
 @pytest.mark.parametrize("cp", [2, 3])
 def test_a_window_split_over_ranks_equals_one_process(tmp_path, cp):
-    cells = CELLS if cp == 2 else ["lstm", "mingru"]  # three ranks: a state crosses two edges
+    cells = CELLS if cp == 2 else ["lstm", "mingru", "mlstm"]  # three ranks: a state crosses two edges
     ranks = run_ranks(window_against_one_process, cp, tmp_path, cells, cp, timeout=120)
     for rank, found in enumerate(ranks):
         for cell in cells:
@@ -36,7 +36,10 @@ def test_under_bf16_autocast_the_pieces_agree_with_one_process_to_its_precision(
         for cell in CELLS:
             got = found[cell]
             assert got["nats"] < 1e-2 and got["state"] < 1e-2, (rank, cell, got)
-            assert got["grads"] < 1e-2 * got["grad_scale"], (rank, cell, got)
+            # mlstm's pieces reorder its sums (each rank's chunks and the summaries' fold), where the others hand
+            # the state on as one process computes it: in one process, bf16 chunks of 8 against 64 differ as much
+            tol = 3e-2 if cell == "mlstm" else 1e-2
+            assert got["grads"] < tol * got["grad_scale"], (rank, cell, got)
 
 
 ATTENTION = ["model.attention_every=2", "model.attention_window=8"]

@@ -35,6 +35,7 @@ VARIANTS = {  # name: the model settings of a run (every cell; attention, MLP, b
     "modlstm-peep": ["model.cell=modlstm", "model.gate=hard_sigmoid", "model.peepholes=true", "model.mlp_ratio=2"],
     "modlstm-coupled": ["model.cell=modlstm", "model.coupled_gates=true", "model.weight_norm=true"],
     "mingru-short": ["model.cell=mingru", "model.head_shortlist=40"],
+    "mlstm": ["model.cell=mlstm", "model.heads=4", "model.chunk_size=5", "model.mlp_ratio=2"],
     "minlstm": ["model.cell=minlstm", "model.attention_every=1", "model.attention_heads=4", "model.attention_window=4"],
     "mingru-looped": ["model.cell=mingru", "model.n_layers=3", "model.loop_prelude=1", "model.loop_core=1",
                       "model.loop_mean=3", "model.attention_every=2", "model.attention_heads=2",
@@ -78,7 +79,7 @@ def assert_steps_are_the_specs(folder: Path) -> None:
     each importing torch alone; modeling_rpt.py writes no gate function of its own (they come from the specs)."""
     ops = Path(rpt.__file__).parent / "ops"
     specs = sorted(ops.glob("*/spec.py"))
-    assert {p.parent.name for p in specs} == {"lstm", "gru", "modlstm", "minrnn", "loop"}
+    assert {p.parent.name for p in specs} == {"lstm", "gru", "modlstm", "minrnn", "mlstm", "loop"}
     for spec in specs:
         shipped = folder / f"spec_{spec.parent.name}.py"
         assert shipped.read_bytes() == spec.read_bytes(), shipped

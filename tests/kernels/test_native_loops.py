@@ -97,7 +97,7 @@ def test_native_loops_as_accurate_as_python_loops_in_float32(name, fused, produc
             p.add_(0.2 * torch.randn_like(p))
     B, T = 3, 33
     x = torch.randn(B, T, 16)
-    state = [torch.randn(B, n) * 0.5 for n in cell.state_sizes()]
+    state = [torch.randn(B, *shape) * 0.5 for shape in cell.state_shapes()]
     if getattr(cell, "exp", False):  # a positive normaliser, a small stabiliser
         state[2], state[3] = torch.rand(B, cell.d_hidden) + 0.5, torch.randn(B, cell.d_hidden) * 0.1
     reset = torch.zeros(B, T, dtype=torch.bool)
@@ -162,7 +162,7 @@ def test_the_loops_at_few_rows_give_the_same_numbers_on_any_thread_count(name):
         for p in cell.parameters():
             p.add_(0.2 * torch.randn_like(p))
     x, w = torch.randn(2, 40, 16), torch.randn(2, 40, 16)
-    state = [torch.randn(2, n) * 0.5 for n in cell.state_sizes()]
+    state = [torch.randn(2, *shape) * 0.5 for shape in cell.state_shapes()]
     if getattr(cell, "exp", False):
         state[2], state[3] = torch.rand(2, cell.d_hidden) + 0.5, torch.randn(2, cell.d_hidden) * 0.1
     reset = torch.zeros(2, 40, dtype=torch.bool)
@@ -275,7 +275,7 @@ def portable_case_outputs():
         cell = build_cell(ModelConfig(d_model=16, **VARIANTS[name]))
         B, T = 2, 9
         x, w = torch.randn(B, T, 16), torch.randn(B, T, 16)
-        state = [torch.randn(B, n) * 0.5 for n in cell.state_sizes()]
+        state = [torch.randn(B, *shape) * 0.5 for shape in cell.state_shapes()]
         if getattr(cell, "exp", False):
             state[2], state[3] = torch.rand(B, cell.d_hidden) + 0.5, torch.randn(B, cell.d_hidden) * 0.1
         reset = torch.zeros(B, T, dtype=torch.bool)

@@ -25,7 +25,7 @@ def reference_and_kernel(cell_name: str, heads: int, B: int, T: int, resets: boo
         for p in cell.parameters():
             p.add_(0.3 * torch.randn_like(p))
     x = torch.randn(B, T, D, dtype=torch.float64)
-    state = tuple(torch.randn(B, H, dtype=torch.float64) * 0.5 for _ in cell.state_sizes())
+    state = tuple(torch.randn(B, *shape, dtype=torch.float64) * 0.5 for shape in cell.state_shapes())
     reset = torch.zeros(B, T, dtype=torch.bool)
     if resets:
         reset[0, 3] = reset[B - 1, 1] = True

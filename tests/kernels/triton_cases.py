@@ -39,7 +39,7 @@ def float64_case(B: int, T: int, **model):
             p.add_(0.3 * torch.randn_like(p))
     x = torch.randn(B, T, cell.d_model, dtype=torch.float64)
     H = cell.d_hidden
-    state = [torch.randn(B, H, dtype=torch.float64) * 0.5 for _ in cell.state_sizes()]
+    state = [torch.randn(B, *shape, dtype=torch.float64) * 0.5 for shape in cell.state_shapes()]
     if cell.exp:
         state[2] = torch.rand(B, H, dtype=torch.float64) + 0.5
         state[3] = torch.randn(B, H, dtype=torch.float64) * 0.1

@@ -31,6 +31,8 @@ VARIANTS = {
     "gru-heads": dict(cell="gru", heads=2),
     "modlstm-heads-peep": dict(cell="modlstm", heads=3, peepholes=True),
     "modlstm-exp-heads": dict(cell="modlstm", gate="exp", heads=2),
+    "mlstm": dict(cell="mlstm", heads=2, chunk_size=4),  # chunks that do not divide the window
+    "mlstm-one-head": dict(cell="mlstm", chunk_size=3, d_hidden=9),
 }
 D = 6
 
@@ -47,7 +49,7 @@ def make(name: str, seed: int = 0) -> Cell:
 
 
 def random_state(cell: Cell, B: int):
-    state = [torch.randn(B, n, dtype=torch.float64) * 0.5 for n in cell.state_sizes()]
+    state = [torch.randn(B, *shape, dtype=torch.float64) * 0.5 for shape in cell.state_shapes()]
     if getattr(cell, "exp", False):  # (h, c, n, m): a normaliser > 0 and a stabiliser
         state[2] = torch.rand(B, cell.d_hidden, dtype=torch.float64) + 0.5
         state[3] = torch.randn(B, cell.d_hidden, dtype=torch.float64) * 0.1
@@ -264,5 +266,5 @@ def test_a_cell_gets_the_options_it_declares_and_refuses_the_others():
         check_names(ModelConfig(cell="gated-elman-test", d_model=D, peepholes=True))
     with pytest.raises(RptError, match=r"model.gate applies to model.cell = 'gated-elman-test' or 'modlstm'"):
         check_names(ModelConfig(cell="lstm", d_model=D, gate="hard_sigmoid"))
-    with pytest.raises(RptError, match=r"model.heads applies to model.cell = 'gru' or 'lstm' or 'modlstm'"):
+    with pytest.raises(RptError, match=r"model.heads applies to model.cell = 'gru' or 'lstm' or 'mlstm' or 'modlstm'"):
         check_names(ModelConfig(cell="mingru", d_model=D, heads=2))

@@ -113,7 +113,7 @@ def test_fused_kernels_are_well_formed_custom_operators(name):
     x = torch.randn(B, T, 8, requires_grad=True)
     keep = torch.ones(T, B)
     keep[3, 1] = 0
-    state = [torch.randn(B, n) for n in cell.state_sizes()]
+    state = [torch.randn(B, *shape) for shape in cell.state_shapes()]
     if name == "gru":
         form = kernels.current().form(x, gru.forms(cell.d_hidden, cell.heads, on_gpu=False)).value
         args = (x, cell.w_ih, cell.w_hh, cell.b_ih, cell.b_hh, state[0], keep, form)

@@ -22,7 +22,7 @@ class RptConfig(PretrainedConfig):
         self.norm, self.mlp_ratio, self.head_shortlist = norm, mlp_ratio, head_shortlist
         self.attention_every, self.attention_window, self.attention_heads = attention_every, attention_window, attention_heads
         self.gate, self.gate_norm, self.coupled_gates, self.peepholes = gate, gate_norm, coupled_gates, peepholes
-        self.heads = heads  # lstm, gru, modlstm: a block-diagonal recurrent matrix of this many heads
+        self.heads = heads  # lstm, gru, modlstm: a block-diagonal recurrent matrix of this many heads; mlstm: its heads
         # depth recurrence (rpt's model.loop_*): the core's iterations by default (num_steps), the iterations a fresh
         # state holds, and how the prelude's output enters each iteration
         self.loop_prelude, self.loop_core, self.loop_depth = loop_prelude, loop_core, loop_depth

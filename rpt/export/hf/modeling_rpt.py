@@ -36,6 +36,7 @@ from .spec_gru import gru_step
 from .spec_loop import run_loop
 from .spec_lstm import lstm_step
 from .spec_minrnn import COEFFICIENTS, min_step
+from .spec_mlstm import mlstm_layer_step
 from .spec_modlstm import GATES, gate_groups, modlstm_step
 
 
@@ -139,7 +140,28 @@ class MinRNN(_Cell):
         return self.out_proj(h), state
 
 
-CELLS = {"lstm": LSTM, "gru": GRU, "modlstm": ModLSTM, "mingru": MinRNN, "minlstm": MinRNN}
+class MLSTM(_Cell):
+    """xLSTM's matrix-memory LSTM: a [d, d] memory per head (spec_mlstm.py runs the whole layer's step)."""
+
+    def __init__(self, cfg: RptConfig):
+        nn.Module.__init__(self)
+        H, D, self.heads = cfg.d_hidden, cfg.d_model, cfg.heads
+        self.d_model, self.d_hidden, self.head_dim = D, H, H // cfg.heads
+        self.qkvo = nn.Linear(D, 4 * H, bias=False)
+        self.gates = nn.Linear(D, 2 * cfg.heads)
+        self.norm_weight = nn.Parameter(torch.ones(H))
+        self.out_proj = nn.Linear(H, D, bias=False)
+
+    def init_state(self, batch: int, like: torch.Tensor) -> tuple:
+        n, d = self.heads, self.head_dim
+        return like.new_zeros(batch, n, d, d), like.new_zeros(batch, n, d), like.new_zeros(batch, n)
+
+    def step(self, x, state):
+        return mlstm_layer_step(x, state, self.qkvo.weight, self.gates.weight, self.gates.bias, self.norm_weight,
+                                self.out_proj.weight, self.heads)
+
+
+CELLS = {"lstm": LSTM, "gru": GRU, "modlstm": ModLSTM, "mingru": MinRNN, "minlstm": MinRNN, "mlstm": MLSTM}
 
 
 # ---------------------------------------------------------------------------------------------- the stack
@@ -214,8 +236,8 @@ class Block(nn.Module):
         cell_state, attn_state = state
         inp, ys = self.cell_norm(x), []
         for t in range(x.shape[1]):  # the reference form: one step at a time
-            keep = (~reset[:, t]).to(x.dtype)[:, None]
-            y, cell_state = self.cell.step(inp[:, t], tuple(s * keep for s in cell_state))
+            keep = (~reset[:, t]).to(x.dtype)
+            y, cell_state = self.cell.step(inp[:, t], tuple(s * keep.view(-1, *[1] * (s.dim() - 1)) for s in cell_state))
             ys.append(y)
         x = x + self.cell_gate * torch.stack(ys, dim=1)
         if self.attn is not None:

@@ -1,7 +1,7 @@
 """What every recurrent cell is: three forms of one recurrence, with an explicit state.
 
-A cell maps x: [B, T, d_model] to y: [B, T, d_model] and a state (a tuple of [B, size]
-tensors) to the state after the last step. Every cell has three forms, as
+A cell maps x: [B, T, d_model] to y: [B, T, d_model] and a state (a tuple of tensors, each [B, *shape]:
+vectors for the classic cells, a matrix per head for mlstm) to the state after the last step. Every cell has three forms, as
 flash-linear-attention keeps for its ops, and the tests hold them equal, gradients included:
 
 - `step(x_t, state)`: one token; what generation runs. The built-in cells write it as a pure function of
@@ -48,7 +48,13 @@ class Cell(nn.Module):
 
     # --- what a cell defines
     def state_sizes(self) -> list[int]:
+        """The width of each state vector (a cell whose state is vectors defines this)."""
         raise NotImplementedError
+
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        """The shape of each state tensor, one row's (the state is [B, *shape] each): the vectors of
+        `state_sizes`, unless a cell with other state (mlstm's matrices) defines this instead."""
+        return [(n,) for n in self.state_sizes()]
 
     def step(self, x_t: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         raise NotImplementedError
@@ -63,7 +69,12 @@ class Cell(nn.Module):
     # --- shared
     def init_state(self, batch: int, device=None, dtype=None) -> State:
         p = next(self.parameters())
-        return tuple(torch.zeros(batch, n, device=device or p.device, dtype=dtype or p.dtype) for n in self.state_sizes())
+        return tuple(torch.zeros(batch, *shape, device=device or p.device, dtype=dtype or p.dtype)
+                     for shape in self.state_shapes())
+
+    def state_numbers(self) -> int:
+        """How many numbers one row's state holds (its bytes: this x the state's element size)."""
+        return sum(math.prod(shape) for shape in self.state_shapes())
 
     def reference(self, x: torch.Tensor, state: State | None = None, reset: torch.Tensor | None = None):
         state = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)

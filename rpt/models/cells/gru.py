@@ -20,8 +20,8 @@ class GRU(GatedRNNCell):
     def __init__(self, d_model: int, d_hidden: int = 0, heads: int = 1):
         super().__init__(d_model, d_hidden, heads=heads)
 
-    def state_sizes(self):
-        return [self.d_hidden]
+    def state_shapes(self):
+        return [(self.d_hidden,)]
 
     def step(self, x_t, state):
         h, state = gru_step(x_t, state, self.w_ih, self.step_weight(), self.b_ih, self.b_hh, self.linear)

@@ -28,8 +28,8 @@ class LSTM(GatedRNNCell):
         with torch.no_grad():
             self.b_ih[H:2 * H] = forget_bias
 
-    def state_sizes(self):
-        return [self.d_hidden, self.d_hidden]
+    def state_shapes(self):
+        return [(self.d_hidden,), (self.d_hidden,)]
 
     def step(self, x_t, state):
         h, state = lstm_step(x_t, state, self.w_ih, self.step_weight(), self.b_ih, self.b_hh, self.linear)

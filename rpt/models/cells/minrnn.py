@@ -35,8 +35,8 @@ class _MinRNN(Cell):
         self.in_proj = nn.Linear(d_model, self.n_proj * self.d_hidden)
         self.out_proj = nn.Linear(self.d_hidden, d_model, bias=False)
 
-    def state_sizes(self):
-        return [self.d_hidden]
+    def state_shapes(self):
+        return [(self.d_hidden,)]
 
     def coefficients(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(a, b) of the linear recurrence from the projected input u."""

@@ -66,9 +66,8 @@ class ModLSTM(Cell):
         self.peep = nn.Parameter(torch.zeros(G - 1, H)) if peepholes else None
         self.proj = nn.Linear(H, D, bias=False) if H != D else None
 
-    def state_sizes(self):
-        H = self.d_hidden
-        return [H, H, H, H] if self.exp else [H, H]
+    def state_shapes(self):
+        return [(self.d_hidden,)] * (4 if self.exp else 2)
 
     def step(self, x_t, state):
         gate = None if self.exp else self.gate_fn.fn

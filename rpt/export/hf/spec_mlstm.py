@@ -1,0 +1,1 @@
+../../ops/mlstm/spec.py
