@@ -9,9 +9,10 @@ over the data each would make. A corpus the budget passes over many times is ove
 ends, so the recipe regularises by the passes (dropout, embedding dropout, weight drop; SGD with momentum for
 AdamW; early stopping armed); a corpus larger than the budget gets none of them, and the widest model that still
 sees enough tokens per parameter (width before depth). Where the plain stack and the stack with sliding-window
-attention in every 2nd block both make more than FREE_PASSES passes, compute is to spare and the family takes the
-attention; where the run at COMPUTE_BOUND_BATCH rows a step (4 x the default's) makes fewer, the compute is short
-and those larger steps reach a lower loss in the same time (a step budget keeps its batch). Each decision is made
+attention in every 2nd block both make more than REGIME_PASSES passes, the data limits the run: the family takes
+the attention, SGD with momentum replaces AdamW and the rows a step stay the default's; where the run at
+COMPUTE_BOUND_BATCH rows a step (4 x the default's) makes fewer, the compute limits it, and those larger steps
+reach a lower loss in the same time (a step budget keeps its batch). Dropout grows gradually from FREE_PASSES. Each decision is made
 on the passes of the configuration it leads to, so every line printed agrees. A regulariser the cell does not
 take (weight drop beside lstm) is left out. The periodic validation is sized to cost a small share of the budget
 (and, where the steps are known, to come at least MIN_VALIDATIONS times), the warm-up to at most a tenth of the
@@ -42,13 +43,18 @@ from rpt.models.shapes import on_meta
 LADDER = ((2, 128), (2, 192), (2, 256), (2, 384), (2, 512), (2, 768), (3, 1024), (4, 1536), (4, 2048))
 TOKENS_PER_PARAM = 0.4  # the least training tokens per recurrent parameter a size must see within the budget
 FREE_PASSES = 2.0  # passes over the data that need no regularisation; then 0.1 more strength per doubling
+# Past this many passes the data, not the compute, limits the run (attention, SGD, the default's rows a step); under
+# it the compute-bound choices. Measured on both sides: at 2.4 passes (an 11.7 MB corpus, 1,200 s) the compute-bound
+# choices reached 0.70 bits per byte where the data-bound ones reached 0.95; at 5.7 passes (tiny-shakespeare,
+# 600 s) SGD reached 1.986 where AdamW reached 2.021 (benchmarks/RESULTS.md, issues 44 and 59)
+REGIME_PASSES = 4.0
 # each regulariser at its share of that strength (at most 0.5): the residual branches', the embedding's, the
 # recurrent matrix's (lstm: the only cell with weight drop)
 REGULARISERS = {"model.dropout": 1.0, "model.embed_dropout": 1.5, "model.weight_drop": 2.0}
-# and, past FREE_PASSES too, SGD with momentum in place of AdamW (word_language_model's clip)
+# and, past REGIME_PASSES, SGD with momentum in place of AdamW (word_language_model's clip)
 MANY_PASSES_OPTIMIZER = {"train.optimizer": "sgd", "train.lr": 1.0, "train.grad_clip": 0.25}
 ATTENTION_EVERY = 2  # the family: sliding-window attention in every 2nd block of the recurrent stack
-COMPUTE_BOUND_BATCH = 64  # rows a step where the budget makes under FREE_PASSES passes (4 x the default's)
+COMPUTE_BOUND_BATCH = 64  # rows a step where the budget makes under REGIME_PASSES passes (4 x the default's)
 HEAD_SAVING = 2.0  # a two-level softmax only where its expected cost is at most 1 / this of the full one
 EVAL_SHARE = 0.025  # of the budget, for the recipe's own timing and the periodic validations together
 RECIPE_SHARE = 0.05  # of a time budget: the most the recipe may take (outside the budget)
@@ -121,7 +127,7 @@ def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, token
         ": over-fitting to hold back" if strength else f": none needed up to {FREE_PASSES:g}")
     for key, scale in REGULARISERS.items():
         choices.append(Choice(key, round(min(0.5, scale * strength), 2), why))
-    if strength and not given & {"train.optimizer", "train.lr"}:  # a learning rate given is AdamW's or SGD's
+    if passes > REGIME_PASSES and not given & {"train.optimizer", "train.lr"}:  # a given lr is AdamW's or SGD's
         why = f"{passes:.1f} passes: SGD with momentum keeps generalising where AdamW over-fits after about one"
         choices += [Choice(key, value, why) for key, value in MANY_PASSES_OPTIMIZER.items()]
     choices.append(Choice("train.early_stop", 0.25 if passes > 1 else 0.0,
@@ -178,17 +184,17 @@ def head_choice(cfg, counts: np.ndarray) -> list[Choice]:
 def family_choice(cfg, plain: float, attended: float) -> list[Choice]:
     """The model family, from the passes over the data the plain stack makes and those the stack with attention
     in every ATTENTION_EVERY-th block makes (each at the size the recipe picks for it): where both are more than
-    FREE_PASSES the data, not the compute, limits the run, and the stack spends the compute to spare on
+    REGIME_PASSES the data, not the compute, limits the run, and the stack spends the compute to spare on
     sliding-window attention (exact recall of the last window's tokens, which a fixed-size state only
     approximates); otherwise attention's cost buys less than the tokens it takes. Left alone where the user chose
     attention (or none) or the size, whose blocks it would share."""
     if {"model.attention_every", "model.n_layers", "model.d_model"} & cfg.given:
         return []
-    if plain > FREE_PASSES and attended > FREE_PASSES:
+    if plain > REGIME_PASSES and attended > REGIME_PASSES:
         return [Choice("model.attention_every", ATTENTION_EVERY, f"{attended:.1f} passes with it ({plain:.1f} "
                        f"without): compute to spare, which attention every {ATTENTION_EVERY}nd block turns into "
                        "better held-out text (benchmarks/RESULTS.md, issue 44)")]
-    why = (f"{plain:.1f} passes: compute is short" if plain <= FREE_PASSES else
+    why = (f"{plain:.1f} passes: compute is short" if plain <= REGIME_PASSES else
            f"{plain:.1f} passes without it, but {attended:.1f} with it: no compute to spare")
     return [Choice("model.attention_every", 0, why + ", and attention's cost would buy less than the tokens it "
                    "takes")]
@@ -205,11 +211,11 @@ def batch_open(cfg, rank_tokens: int) -> bool:
 
 def batch_choice(cfg, passes: float) -> list[Choice]:
     """The rows a step, from the passes over the data the run makes at COMPUTE_BOUND_BATCH rows (where the recipe
-    may choose them: batch_open): under FREE_PASSES the compute, not the data, limits it, and COMPUTE_BOUND_BATCH
+    may choose them: batch_open): under REGIME_PASSES the compute, not the data, limits it, and COMPUTE_BOUND_BATCH
     rows a step (4,096 tokens at the default window) reach a lower loss in the same time than the default's 16
     (steps of less noise, and more tokens a second from the larger matrix products); beyond, the data limits it
     and the smaller batches' more steps are kept."""
-    if passes < FREE_PASSES:
+    if passes < REGIME_PASSES:
         return [Choice("train.batch_size", COMPUTE_BOUND_BATCH, f"{passes:.1f} passes: compute is short, and larger "
                        "steps reach a lower loss in the same time (benchmarks/RESULTS.md, issue 44)")]
     return [Choice("train.batch_size", cfg.train.batch_size, f"{passes:.1f} passes: the data limits the run, "

@@ -53,11 +53,11 @@ def test_a_step_budget_needs_no_speeds_and_validation_costs_a_small_share():
 
 def test_keys_given_by_the_user_are_left_alone():
     given = frozenset({"model.dropout", "model.d_model", "train.eval_interval"})
-    c = chosen(recipe.choose(300_000, 40_000, {"seconds": 130}, {(2, 256): 5000.0}, 1024, given))
+    c = chosen(recipe.choose(100_000, 40_000, {"seconds": 130}, {(2, 256): 5000.0}, 1024, given))  # 6.3 passes
     assert not set(c) & given and "model.n_layers" not in c  # the size is the user's
     assert c["train.early_stop"] > 0 and c["train.optimizer"] == "sgd"
     # a learning rate given belongs to the optimiser the user meant: the recipe chooses neither
-    c = chosen(recipe.choose(300_000, 40_000, {"seconds": 130}, {(2, 256): 5000.0}, 1024, given | {"train.lr"}))
+    c = chosen(recipe.choose(100_000, 40_000, {"seconds": 130}, {(2, 256): 5000.0}, 1024, given | {"train.lr"}))
     assert not {"train.optimizer", "train.grad_clip"} & set(c)
 
 
@@ -143,14 +143,14 @@ def test_the_head_gets_a_shortlist_where_it_halves_the_softmax(make_cfg):
 def test_attention_joins_the_stack_only_where_the_data_not_the_compute_limits_the_run(make_cfg):
     from types import SimpleNamespace
 
-    def resolved(*sets, given=(), train_tokens=50_000):
+    def resolved(*sets, given=(), train_tokens=20_000):
         cfg = make_cfg("train.max_steps=2000", "train.recipe=auto", *sets)
         cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
         cfg.given = frozenset(given)
         recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), train_tokens, 10_000, np.ones(512))
         return cfg
 
-    many = resolved("model.attention_every=0")  # 2,000 steps over 50K tokens: many passes
+    many = resolved("model.attention_every=0")  # 2,000 steps over 20K tokens: many passes
     assert many.model.attention_every == recipe.ATTENTION_EVERY
     assert any("model.attention_every = 2" in note and "passes" in note for note in many.notes)
     few = resolved("model.attention_every=3", train_tokens=10**9)  # under one pass: compute is short
@@ -171,7 +171,7 @@ def test_the_passes_that_decide_the_family_are_the_chosen_sizes():
 def test_larger_batches_only_where_the_compute_not_the_data_limits_the_run(make_cfg):
     from types import SimpleNamespace
 
-    def resolved(*sets, given=(), train_tokens=50_000):
+    def resolved(*sets, given=(), train_tokens=20_000):
         cfg = make_cfg("train.max_steps=0", "train.max_tokens=400000", "train.recipe=auto", "train.batch_size=4",
                        "train.seq_len=16", "model.attention_every=0", *sets)
         cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)

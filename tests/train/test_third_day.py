@@ -223,9 +223,9 @@ def test_every_line_of_the_recipe_speaks_of_the_same_passes(make_cfg, monkeypatc
     assert len(timed) == 1  # one measurement, for every choice
     assert len(passes) == 1, cfg.notes  # one figure in every line that gives the passes
     (p,) = passes
-    assert (cfg.model.attention_every > 0) == (p > recipe.FREE_PASSES)
+    assert (cfg.model.attention_every > 0) == (p > recipe.REGIME_PASSES)
     assert (cfg.model.dropout > 0) == (p > recipe.FREE_PASSES) and (cfg.train.early_stop > 0) == (p > 1)
-    assert (cfg.train.batch_size == 64) == (p < recipe.FREE_PASSES)
+    assert (cfg.train.batch_size == 64) == (p < recipe.REGIME_PASSES)
 
 
 def test_a_short_run_of_known_steps_validates_and_decays(make_cfg, monkeypatch):
