@@ -4,8 +4,8 @@
 First the head: a two-level softmax's shortlist where it costs at most half a full softmax (token frequencies
 of the training split). Then rank 0 times optimiser steps of one size on this machine, once (random tokens drawn
 as often as the corpus has them, the run's batch shape: measure_speed), scales that speed by FLOPs to a
-ladder of sizes and families, reads the corpus's training tokens, and from the budget derives how many passes
-over the data each would make. A corpus the budget passes over many times is over-fitted long before the budget
+ladder of sizes and families (their parameters and FLOPs asked of the run's cell), reads the corpus's training
+tokens, and from the budget derives how many passes over the data each would make. A corpus the budget passes over many times is over-fitted long before the budget
 ends, so the recipe regularises by the passes (dropout, embedding dropout, weight drop; SGD with momentum for
 AdamW; early stopping armed); a corpus larger than the budget gets none of them, and the widest model that still
 sees enough tokens per parameter (width before depth). Where the plain stack and the stack with sliding-window
@@ -82,9 +82,20 @@ class Choice:
     why: str
 
 
-def recurrent_params(n_layers: int, d_model: int) -> int:
-    """An lstm stack's parameters beside the embedding: four gates over input and state per layer."""
+def lstm_params(n_layers: int, d_model: int) -> int:
+    """An lstm stack's parameters beside the embedding: four gates over input and state per layer (the count where
+    no cell is named)."""
     return n_layers * 8 * d_model * (d_model + 1)
+
+
+def recurrent_params(model_cfg, size) -> int:
+    """The recurrent parameters of `size` of this model: its cells' (asked of the cell, built on the meta device),
+    what the budget's tokens per parameter are counted against."""
+    from rpt.models.lm import build_cell
+
+    with on_meta():
+        cell = build_cell(sized(model_cfg, size))
+    return size[0] * sum(p.numel() for p in cell.parameters())
 
 
 def tokens_of(budget: dict, tokens_per_s: float, tokens_per_step: int) -> float:
@@ -94,16 +105,21 @@ def tokens_of(budget: dict, tokens_per_s: float, tokens_per_step: int) -> float:
     return budget["tokens"] if "tokens" in budget else budget["steps"] * tokens_per_step
 
 
-def fits(size, budget: dict, tokens_per_s: float, tokens_per_step: int) -> bool:
-    return tokens_of(budget, tokens_per_s, tokens_per_step) >= TOKENS_PER_PARAM * recurrent_params(*size)
+def fits(size, budget: dict, tokens_per_s: float, tokens_per_step: int, params: int | None = None) -> bool:
+    """Whether `size` (of `params` recurrent parameters: an lstm's where not given) sees TOKENS_PER_PARAM."""
+    return tokens_of(budget, tokens_per_s, tokens_per_step) >= TOKENS_PER_PARAM * (params or lstm_params(*size))
 
 
 def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, tokens_per_step: int,
-           given: frozenset, spent: float = 0.0, facts: dict | None = None) -> list[Choice]:
+           given: frozenset, spent: float = 0.0, facts: dict | None = None,
+           params: dict | None = None) -> list[Choice]:
     """The choices for a corpus of `train_tokens` and a budget ({"seconds"|"tokens"|"steps": n}), with
-    `speeds` {(n_layers, d_model): training tokens per second on this machine}; keys in `given` are left alone.
-    `spent`: the share of the budget the timing took, which the validations' share gives up. `facts`, where
-    given, receives the passes over the data the chosen size makes."""
+    `speeds` {(n_layers, d_model): training tokens per second on this machine} and `params` {size: recurrent
+    parameters} (an lstm's where not given); keys in `given` are left alone. `spent`: the share of the budget the
+    timing took, which the validations' share gives up. `facts`, where given, receives the passes over the data
+    the chosen size makes."""
+    params = params or {size: lstm_params(*size) for size in speeds}
+
     def tokens_of_size(size) -> float:
         return tokens_of(budget, speeds[size], tokens_per_step)
 
@@ -111,9 +127,8 @@ def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, token
     if sized:
         size = next(iter(speeds))  # the run's own size, the one measured
     else:  # the widest that fits, or the smallest when none does
-        fitting = [s for s in speeds if fits(s, budget, speeds[s], tokens_per_step)]
-        size = max(fitting, key=lambda s: recurrent_params(*s)) if fitting else min(
-            speeds, key=lambda s: recurrent_params(*s))
+        fitting = [s for s in speeds if fits(s, budget, speeds[s], tokens_per_step, params[s])]
+        size = max(fitting, key=params.get) if fitting else min(speeds, key=params.get)
     passes = tokens_of_size(size) / max(train_tokens, 1)
     if facts is not None:
         facts["passes"] = passes
@@ -409,6 +424,7 @@ class Timing:
             else self.REFERENCE
         self.measured: float | None = None  # tokens per second of self.size as measured
         self.flops_of: dict = {}  # (attention_every, size) -> FLOPs a token
+        self.params_of: dict = {}  # size -> recurrent parameters
         self.cut: list[str] = []  # the measurement cut short
         self.cores = CoreUse()
 
@@ -424,6 +440,12 @@ class Timing:
                                 f"({self.measured:,.0f} tokens/s)")
         measured = self.flops(self.model.attention_every, self.size)
         return {s: self.measured * measured / self.flops(attention, s) for s in sizes}
+
+    def params(self, size) -> int:
+        """The recurrent parameters of `size` of this model's cell (cached)."""
+        if size not in self.params_of:
+            self.params_of[size] = recurrent_params(self.model, size)
+        return self.params_of[size]
 
     def flops(self, attention: int, size) -> int:
         if (attention, size) not in self.flops_of:
@@ -450,4 +472,5 @@ def _sized(cfg, timing: Timing, attention: int, batch: int, train_tokens: int, v
     sizes = [timing.size] if own else list(LADDER)
     speeds = timing.speeds(sizes, attention) if "seconds" in budget else dict.fromkeys(sizes, 1.0)
     spent = (time.perf_counter() - timing.began) / budget["seconds"] if "seconds" in budget else 0.0
-    return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent, facts)
+    params = {size: timing.params(size) for size in sizes}
+    return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent, facts, params)

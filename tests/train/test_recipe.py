@@ -12,7 +12,7 @@ import pytest
 from rpt.train import recipe
 
 # tokens per second of each size on an imagined machine: the cost grows with the recurrent parameters
-SPEEDS = {size: 4e9 / (recipe.recurrent_params(*size) + 2e5) for size in recipe.LADDER}
+SPEEDS = {size: 4e9 / (recipe.lstm_params(*size) + 2e5) for size in recipe.LADDER}
 
 
 def chosen(choices):
@@ -40,6 +40,25 @@ def test_the_chosen_size_sees_enough_tokens_per_parameter_and_the_next_would_not
     after = recipe.LADDER[recipe.LADDER.index(size) + 1]
     assert recipe.fits(size, {"seconds": 600}, SPEEDS[size], 1024)
     assert not recipe.fits(after, {"seconds": 600}, SPEEDS[after], 1024)
+
+
+def test_the_sizes_parameters_are_the_cells_own():
+    """The recipe sizes by the run's cell, not an lstm's formula: an mlstm of the same width holds fewer recurrent
+    parameters, so at the same speeds it is given a size at least as wide."""
+    from rpt.config import ModelConfig
+    from rpt.models.lm import build_cell
+
+    for cell in ("lstm", "gru", "mlstm"):
+        cfg = ModelConfig(cell=cell, heads=4, vocab_size=100)
+        built = sum(p.numel() for p in build_cell(ModelConfig(cell=cell, heads=4, d_model=256)).parameters())
+        assert recipe.recurrent_params(cfg, (3, 256)) == 3 * built
+    assert recipe.recurrent_params(ModelConfig(cell="lstm"), (2, 384)) == recipe.lstm_params(2, 384)
+    mlstm = ModelConfig(cell="mlstm", heads=4)
+    params = {size: recipe.recurrent_params(mlstm, size) for size in recipe.LADDER}
+    assert all(params[s] < recipe.lstm_params(*s) for s in recipe.LADDER)
+    width = lambda c: chosen(c)["model.d_model"]  # noqa: E731
+    plain = recipe.choose(10**9, 10**6, {"seconds": 600}, SPEEDS, 1024, frozenset())
+    assert width(recipe.choose(10**9, 10**6, {"seconds": 600}, SPEEDS, 1024, frozenset(), params=params)) > width(plain)
 
 
 def test_a_step_budget_needs_no_speeds_and_validation_costs_a_small_share():
