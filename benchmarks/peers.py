@@ -38,7 +38,9 @@ How each is run, never changing its code (each in a copy, since both write besid
 
 Each peer's loss in nats per token becomes bits per byte with its own token count on the held-out text:
 bpb = loss x tokens / bytes / ln 2 (tokens: characters for nanoGPT; words and one <eos> per line for
-word_language_model). Walls are whole processes, start-up and evaluations included.
+word_language_model). Walls are whole processes, start-up and evaluations included. Training FLOPs, where known:
+rpt's 3 x its model's forward FLOPs a token (summary.json's flops_per_token: an mlstm's chunkwise products counted
+at its chunk size) x the tokens it trained; the gpt peer's by nanoGPT's own count (`gpt_flops_per_token`).
 """
 
 from __future__ import annotations
@@ -217,6 +219,7 @@ def run_rpt(case: Case, data: Path, work: Path, sets: list[str] = ()) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"peer": "rpt (default recipe)" + "".join(f" {s}" for s in sets), "wall_s": wall,
             "bpb": summary["val_bpb"], "summary": summary,
+            "train_flops": 3 * summary["flops_per_token"] * summary["tokens"],  # forward and backward
             "detail": f"{summary['steps']} steps, ended by {summary['ended_by']}"}
 
 
@@ -272,6 +275,17 @@ print(f"scored {scored} tokens, nats {nats!r}")
 """
 
 
+GPT_BATCH = 12  # the gpt peer's rows an iteration (its flags), one micro-batch (the config's accumulation is 1)
+
+
+def gpt_flops_per_token(layers: int, width: int, block: int, vocab: int) -> int:
+    """Training FLOPs a token of the gpt peer by nanoGPT's own count (model.py's estimate_mfu): 6 x its parameters
+    but the position embeddings (bias-free, the head tied to the token embedding) + 12 x layers x width x block for
+    attention."""
+    params = vocab * width + layers * (12 * width * width + 2 * width) + width
+    return 6 * params + 12 * layers * width * block
+
+
 def run_gpt(case: Case, data: Path, work: Path, sizes=GPT_SIZES) -> dict:
     """nanoGPT on rpt's token files at each of `sizes` for the whole budget; the best size's result."""
     meta = json.loads((data / "meta.json").read_text())
@@ -290,7 +304,7 @@ def run_gpt(case: Case, data: Path, work: Path, sizes=GPT_SIZES) -> dict:
         with open(folder / "meta.pkl", "wb") as f:
             pickle.dump({"vocab_size": meta["vocab_size"]}, f)
         flags = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", f"--block_size={block}",
-                 "--batch_size=12", f"--n_layer={layers}", "--n_head=4", f"--n_embd={width}", "--dropout=0.0",
+                 f"--batch_size={GPT_BATCH}", f"--n_layer={layers}", "--n_head=4", f"--n_embd={width}", "--dropout=0.0",
                  "--warmup_iters=50", "--dataset=rpt_tokens"]
         log, wall, iters = fit_nanogpt(case, home, work, f"gpt-{case.name}-{tag}", flags)
         kept = next(p for p in (home / "out-rerun" / "ckpt.pt", home / "out-run" / "ckpt.pt") if p.exists())
@@ -298,7 +312,9 @@ def run_gpt(case: Case, data: Path, work: Path, sizes=GPT_SIZES) -> dict:
                      work / f"gpt-{case.name}-{tag}-score.log")[0]
         tokens, nats = re.findall(r"scored (\d+) tokens, nats ([\d.e+-]+)", scored)[-1]
         results.append({"peer": f"nanoGPT {tag} (rpt's BPE tokens)", "wall_s": wall, "loss": float(nats) / int(tokens),
-                        "detail": f"{iters} iterations", "bpb": float(nats) / meta["splits"]["val"]["bytes"] / math.log(2)})
+                        "detail": f"{iters} iterations", "bpb": float(nats) / meta["splits"]["val"]["bytes"] / math.log(2),
+                        "train_flops": gpt_flops_per_token(layers, width, block, meta["vocab_size"]) *
+                        iters * GPT_BATCH * block})
         print(f"  gpt {tag}: {results[-1]['bpb']:.3f} bpb, {iters} iterations, {wall:.0f} s", flush=True)
     return min(results, key=lambda r: r["bpb"])
 
@@ -382,10 +398,11 @@ def main() -> None:
             print(f"{name:16s} {r['peer']:38s} {r['bpb']:.3f} bpb  {r['wall_s']:6.0f} s  {r['detail']}", flush=True)
         (work / "peers.json").write_text(json.dumps(rows, indent=1, default=str))
     print()
-    print(f"{'case':16s} {'peer':38s} {'bpb':>6s} {'wall s':>7s}")
+    print(f"{'case':16s} {'peer':38s} {'bpb':>6s} {'wall s':>7s} {'train FLOPs':>11s}")
     for name, results in rows.items():
         for r in results:
-            print(f"{name:16s} {r['peer']:38s} {r['bpb']:6.3f} {r['wall_s']:7.0f}  {r['detail']}")
+            flops = f"{r['train_flops']:11.3g}" if "train_flops" in r else f"{'':11s}"
+            print(f"{name:16s} {r['peer']:38s} {r['bpb']:6.3f} {r['wall_s']:7.0f} {flops}  {r['detail']}")
     margins = []
     for name, results in rows.items():
         peers = [r["bpb"] for r in results if not r["peer"].startswith("rpt")]

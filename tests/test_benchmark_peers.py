@@ -43,6 +43,21 @@ def test_the_peers_printed_losses_are_read_back():
         peers.wlm_test_loss("| end of epoch   1 | time: 3.00s |")
 
 
+def test_the_gpt_peers_flops_are_nanogpts_own_count():
+    """gpt_flops_per_token against nanoGPT's model.py itself (its parameter count and estimate_mfu's formula)."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("nanogpt_model", peers.PEERS / "nanoGPT" / "model.py")
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    for layers, width, block, vocab in [(4, 128, 64, 8192), (6, 256, 128, 32768)]:
+        with torch.device("meta"):
+            gpt = model.GPT(model.GPTConfig(n_layer=layers, n_head=4, n_embd=width, block_size=block,
+                                            vocab_size=vocab, bias=False, dropout=0.0))
+        expected = 6 * gpt.get_num_params() + 12 * layers * width * block
+        assert peers.gpt_flops_per_token(layers, width, block, vocab) == expected
+
+
 def test_the_gpt_peers_sliding_windows_score_every_held_out_token_once(tmp_path):
     """SCORE_GPT runs in nanoGPT's folder against its model.py: here a stand-in whose loss is the targets' own
     mean value (ignoring -1), so the sum it reports is the sum of every scored target, each once."""
