@@ -90,7 +90,7 @@ def main() -> None:
     from rpt.data.mixture import open_dataset
     from rpt.data.tokenizer import token_byte_lengths
     from rpt.models.loop_exit import Exit
-    from rpt.train.run import load_run
+    from rpt.train.run_dir import load_run
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     cfg, model, tokenizer, _, _ = load_run(args.run, "latest", "cpu")

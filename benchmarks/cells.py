@@ -26,7 +26,7 @@ from rpt.models import RecurrentLM
 from rpt.models.lm import build_cell
 from rpt import kernels
 from rpt.kernels.cpu.products import generating
-from rpt.runtime import keep_freed_memory
+from rpt.runtime.memory import keep_freed_memory
 
 D = 512
 # (name, config overrides) at about 2.1M parameters per layer, like nn.LSTM(512, 512)

@@ -42,7 +42,7 @@ def generation_speed(run: Path, depth: int | None, tokens: int = 200) -> float:
     """Greedy tokens per second after a short prompt, one row, on this process's threads."""
     from rpt import kernels
     from rpt.kernels.cpu.products import generating
-    from rpt.train.run import load_run
+    from rpt.train.run_dir import load_run
 
     _, model, _, _, _ = load_run(str(run), "latest", "cpu")
     prompt = torch.zeros(1, dtype=torch.long)
@@ -67,7 +67,7 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from rpt.train.run import eval_run
+    from rpt.train.evaluate import eval_run
 
     runs = {"looped": train("looped", out, args, "model.n_layers=3", "model.loop_prelude=1", "model.loop_core=1",
                             f"model.loop_mean={args.mean}", f"model.loop_backprop={args.backprop}", *args.set)}

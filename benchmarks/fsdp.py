@@ -39,7 +39,7 @@ def worker(rank: int, world: int, port: int, overrides: list[str], run_dir: str,
     torch.set_num_threads(1)
     from rpt.config import Config
     from rpt.parallel import launch
-    from rpt.runtime import keep_freed_memory, pool_large_blocks
+    from rpt.runtime.memory import keep_freed_memory, pool_large_blocks
     from rpt.train.trainer import Trainer
 
     # as `rpt train` does: FSDP's gathered units from rpt's page pool, DDP's freed blocks kept in the heap

@@ -24,7 +24,7 @@
 #      step loop) against cuDNN's nn.LSTM, each path first checked against its reference loop
 #   3. training runs at a GPU-sized shape (4 x 1024, bf16): lstm, mingru, modlstm with 16 heads, dense modlstm,
 #      each with its top GPU kernels over three profiled steps (benchmarks/trace_top.py)
-#   4. tests/models on the GPU (RPT_TEST_DEVICE=cuda): every cell's fast path against its reference
+#   4. tests/models, the scan and the mlstm forms on the GPU (RPT_TEST_DEVICE=cuda): every cell's fast path against its reference
 #   5. benchmarks/cells.py on the GPU (issue 3's table, generation memory); benchmarks/compiled_cells.py
 #   6. rpt train on the GPU: fp32, bf16 (with a profiled range), fp16 with loss scaling; exact resume; a mixed job
 #   7. the run report of every run, and trainer overhead against a minimal loop
@@ -114,7 +114,7 @@ done
 if [ "$QUICK" = 1 ]; then
     note "- models-tests: skipped in a dry run"
 else
-    RPT_TEST_DEVICE=cuda part models-tests 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/models
+    RPT_TEST_DEVICE=cuda part models-tests 150 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/models tests/ops/minrnn/test_minrnn_scan.py tests/ops/mlstm
     note "  $(tail -1 "$WORK/models-tests.log")"
     grep -E "^FAILED|Error" "$WORK/models-tests.log" | head -20 | tee -a "$SUMMARY"
 fi

@@ -17,7 +17,7 @@ import torch
 from rpt.config import ModelConfig
 from rpt.data.dataset import PreparedData
 from rpt.models import RecurrentLM
-from rpt.models.lm import token_counts
+from rpt.data.dataset import token_counts
 
 
 def step_ms(d: int, shortlist: int, x: torch.Tensor, counts, vocab: int, steps: int) -> float:

@@ -30,7 +30,7 @@ import torch
 
 from rpt.data.dataset import PreparedData
 from rpt.export.hf_export import export_run
-from rpt.train.run import load_run
+from rpt.train.run_dir import load_run
 
 TASK = """task: rpt_val_docs
 dataset_path: json

@@ -2,7 +2,7 @@
 
 Each measurement runs in a fresh process: an lstm of 4 blocks x 512 (vocabulary 32,768 with a 2,048-token
 shortlist head, as the CPU presets), batch 1, `--steps` forwards and backwards over a window of T random tokens
-with every token's loss, under the allocator setting `rpt train` uses for it (rpt/runtime.py: the plain backward
+with every token's loss, under the allocator setting `rpt train` uses for it (rpt/runtime/memory.py: the plain backward
 keeps freed blocks in the heap, exact BPTT takes large ones from rpt's page pool); the peak RSS above the
 process's RSS just before the first step (after a 64-token warm-up step), and the seconds per token of the last
 step (a training run's steps after its first: the memory its allocator keeps is mapped; the first step's time is
@@ -35,9 +35,9 @@ def rss() -> int:
 
 def one(window: int, chunk: int, allocator: str, steps: int) -> dict:
     """`steps` forwards and backwards in this process, under the trainer's allocator setting for it
-    (rpt/runtime.py), with large blocks returned to the OS for both ("mmap"), or freed memory kept in the heap for
+    (rpt/runtime/memory.py), with large blocks returned to the OS for both ("mmap"), or freed memory kept in the heap for
     both ("heap"): peak bytes above the start, and the seconds of the first step and the last."""
-    from rpt.runtime import keep_freed_memory, pool_large_blocks, return_large_blocks
+    from rpt.runtime.memory import keep_freed_memory, pool_large_blocks, return_large_blocks
 
     if allocator == "trainer":
         pool_large_blocks() if chunk else keep_freed_memory()

@@ -18,8 +18,11 @@ How each is run, never changing its code (each in a copy, since both write besid
                          byte-level BPE: the same tokens, which are nanoGPT's format, flat uint16):
                          config/train_shakespeare_char.py (AdamW 1e-3 decaying to 1e-4 over the run, beta2 0.99,
                          no gradient accumulation) with 50 warm-up iterations, no dropout, batch 12, at each of
-                         GPT_SIZES (or --gpt-sizes; layers x width / block), its
-                         iterations fitted to the budget from a timing run as below; the best of the three counts.
+                         GPT_SIZES (or --gpt-sizes; layers x width / block; from 1,200 s LARGE_GPT too), its
+                         iterations fitted to the budget from a timing run as below; the best size counts. Its
+                         best vocabulary at these budgets is 8,192 (`--vocab-size 8192 --peers gpt`: the same hash
+                         split, so the same validation bytes), not rpt's 32,768. `--cases scaling`: the stdlib at
+                         150, 300, 600 and 1,200 s, the points for benchmarks/scaling.py.
                          Its score: the checkpoint it kept (the best of its own validations) over the whole held-out
                          split, sliding windows of its block at a stride of half a block, each token scored once.
   nanoGPT                its README's CPU recipe (config/train_shakespeare_char.py + the README's flags), on a
@@ -67,10 +70,13 @@ NANOGPT_FLAGS = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_in
                  "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0"]
 NANOGPT_EVAL_INTERVAL = 250  # config/train_shakespeare_char.py's
 GPT_SIZES = ((4, 128, 64), (4, 192, 128), (6, 256, 128))  # layers, width, block: the issue's three
+LARGE_GPT = (8, 384, 256)  # and from LARGE_BUDGET s, one more: the peer's sizes grow with its budget (issue 59)
+LARGE_BUDGET = 1200
+SCALING = ("stdlib-150", "stdlib-300", "stdlib-600", "stdlib-1200")  # --cases scaling: the curve's budgets
 DOCS = Path("/usr/share/doc/python3.11/html/_sources")  # Debian's python3.11-doc
 
 
-# ------------------------------------------------------------------ conversions (tested in tests/test_peers.py)
+# ------------------------------------------------------------------ conversions (tested in tests/test_benchmark_peers.py)
 def bits_per_byte(loss_nats_per_token: float, tokens: int, n_bytes: int) -> float:
     """A loss in nats per token over `tokens` tokens of a text of `n_bytes` UTF-8 bytes, in bits per byte."""
     return loss_nats_per_token * tokens / n_bytes / math.log(2)
@@ -311,12 +317,13 @@ def run_gpt(case: Case, data: Path, work: Path, sizes=GPT_SIZES) -> dict:
         scored = run([sys.executable, "-c", SCORE_GPT, str(kept), str(folder / "val.bin")], home,
                      work / f"gpt-{case.name}-{tag}-score.log")[0]
         tokens, nats = re.findall(r"scored (\d+) tokens, nats ([\d.e+-]+)", scored)[-1]
-        results.append({"peer": f"nanoGPT {tag} (rpt's BPE tokens)", "wall_s": wall, "loss": float(nats) / int(tokens),
+        results.append({"peer": f"nanoGPT {tag} (rpt's BPE tokens)", "vocab": meta["vocab_size"], "wall_s": wall,
+                        "loss": float(nats) / int(tokens),
                         "detail": f"{iters} iterations", "bpb": float(nats) / meta["splits"]["val"]["bytes"] / math.log(2),
                         "train_flops": gpt_flops_per_token(layers, width, block, meta["vocab_size"]) *
                         iters * GPT_BATCH * block})
         print(f"  gpt {tag}: {results[-1]['bpb']:.3f} bpb, {iters} iterations, {wall:.0f} s", flush=True)
-    return min(results, key=lambda r: r["bpb"])
+    return {**min(results, key=lambda r: r["bpb"]), "sizes": results}
 
 
 def fit_nanogpt(case: Case, home: Path, work: Path, name: str, flags: list[str]) -> tuple[str, float, int]:
@@ -368,26 +375,28 @@ def run_wlm(case: Case, train: str, held_out: str, held_bytes: int, work: Path) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(list(CASES)[:5]),
-                        help=f"a subset of {', '.join(CASES)} (the first five by default)")
+                        help=f"a subset of {', '.join(CASES)} (the first five by default), or scaling: "
+                        f"{', '.join(SCALING)}")
     parser.add_argument("--peers", default="nanogpt,gpt,wlm,rpt", help="a subset of nanogpt, gpt, wlm, rpt")
     parser.add_argument("--work", default="runs/peers", help="where the copies, data and logs go")
     parser.add_argument("--rpt-set", action="append", default=[], metavar="KEY=VALUE",
                         help="an ablation: rpt trains with this --set too (repeatable)")
     parser.add_argument("--vocab-size", default="auto", help="rpt prepare's --vocab-size (an ablation)")
-    parser.add_argument("--gpt-sizes", default=",".join("x".join(map(str, s)) for s in GPT_SIZES),
-                        help="the gpt peer's sizes, LAYERSxWIDTHxBLOCK,... (fewer: a partial row, said as such)")
+    parser.add_argument("--gpt-sizes", help="the gpt peer's sizes, LAYERSxWIDTHxBLOCK,... (fewer: a partial row, said "
+                        f"as such; by default GPT_SIZES, and {'x'.join(map(str, LARGE_GPT))} from {LARGE_BUDGET} s)")
     args = parser.parse_args()
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     rows = {}
-    for name in args.cases.split(","):
+    for name in (",".join(SCALING) if args.cases == "scaling" else args.cases).split(","):
         case = CASES[name]
         data, train, held_out, held_bytes = prepare_rpt(case, work, args.vocab_size)
         chosen, results = args.peers.split(","), []
         if "nanogpt" in chosen:
             results.append(run_nanogpt(case, train, held_out, held_bytes, work))
         if "gpt" in chosen:
-            sizes = [tuple(map(int, g.split("x"))) for g in args.gpt_sizes.split(",")]
+            sizes = [tuple(map(int, g.split("x"))) for g in args.gpt_sizes.split(",")] if args.gpt_sizes else \
+                [*GPT_SIZES, *([LARGE_GPT] if case.seconds >= LARGE_BUDGET else [])]
             results.append(run_gpt(case, data, work, sizes))
         if "wlm" in chosen and case.corpus in ENGLISH:
             results.append(run_wlm(case, train, held_out, held_bytes, work))

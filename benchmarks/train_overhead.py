@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from rpt.config import Config
 from rpt.data.dataset import PreparedData
 from rpt.models import RecurrentLM
-from rpt.models.lm import detach_state
+from rpt.models.state import detach_state
 from rpt.parallel.launch import Dist
-from rpt.runtime import keep_freed_memory
+from rpt.runtime.memory import keep_freed_memory
 from rpt.train.trainer import Trainer
 
 

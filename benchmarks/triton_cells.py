@@ -168,19 +168,19 @@ def row(cell_name: str, cell, kind: str, hidden: int, heads: int, B: int, T: int
             with kernels.use(force=Form.TRITON_STEPS):
                 stepped()
     elif args.quick:  # the CPU takes its own loops: call the Triton loop itself
-        from rpt.ops.gru.triton import gru_sequence
-        from rpt.ops.lstm.triton import lstm_sequence
-        from rpt.ops.modlstm.triton import modlstm_sequence
+        from rpt.ops.gru.triton import gru_triton_loop
+        from rpt.ops.lstm.triton import lstm_triton_loop
+        from rpt.ops.modlstm.triton import modlstm_triton_loop
 
         state = cell.init_state(B, device)
 
         def ours():
             if cell_name == "lstm":
-                y = lstm_sequence(x, cell.w_ih, cell.w_hh, cell.b_ih, cell.b_hh, *state, None, heads)[0]
+                y = lstm_triton_loop(x, cell.w_ih, cell.w_hh, cell.b_ih, cell.b_hh, *state, None, heads)[0]
             elif cell_name == "gru":
-                y = gru_sequence(x, cell.w_ih, cell.w_hh, cell.b_ih, cell.b_hh, *state, None, heads)[0]
+                y = gru_triton_loop(x, cell.w_ih, cell.w_hh, cell.b_ih, cell.b_hh, *state, None, heads)[0]
             else:
-                y = modlstm_sequence(x, cell.w_x, cell.w_h, cell.bias, None, None, None, state, None, cell.gate,
+                y = modlstm_triton_loop(x, cell.w_x, cell.w_h, cell.bias, None, None, None, state, None, cell.gate,
                                      False, heads)[0]
             y.sum().backward()
     else:

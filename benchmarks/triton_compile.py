@@ -120,11 +120,11 @@ def head_wise(cell: str, D: int, heads: int, **options):
         keep = torch.ones(T, B)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if cell == "lstm":
-                y = lstm.lstm_sequence(x, module.w_ih, module.w_hh, module.b_ih, module.b_hh, *state, keep, heads)[0]
+                y = lstm.lstm_triton_loop(x, module.w_ih, module.w_hh, module.b_ih, module.b_hh, *state, keep, heads)[0]
             elif cell == "gru":
-                y = gru.gru_sequence(x, module.w_ih, module.w_hh, module.b_ih, module.b_hh, *state, keep, heads)[0]
+                y = gru.gru_triton_loop(x, module.w_ih, module.w_hh, module.b_ih, module.b_hh, *state, keep, heads)[0]
             else:
-                y = modlstm.modlstm_sequence(x, module.w_x, module.w_h, module.bias, module.ln_weight,
+                y = modlstm.modlstm_triton_loop(x, module.w_x, module.w_h, module.bias, module.ln_weight,
                                              module.ln_bias, module.peep, state, keep, module.gate, module.coupled,
                                              heads)[0]
         y.float().sum().backward()

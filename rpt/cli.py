@@ -245,7 +245,7 @@ def format_prepare_report(meta: dict, out: Path) -> str:
 
 
 def _cmd_train(args) -> None:
-    from rpt.train.run import default_run_dir
+    from rpt.train.run_dir import default_run_dir
     from rpt.train.trainer import train
 
     if args.resume and args.run_dir is None:
@@ -336,7 +336,7 @@ def _check_writable(run_dir: Path) -> None:
 
 
 def _cmd_eval(args) -> None:
-    from rpt.train.run import eval_run
+    from rpt.train.evaluate import eval_run
 
     r = eval_run(args.run_dir, args.checkpoint, args.device, args.data, args.depth, args.by_position)
     at = f" at depth {r['depth']}" if r["depth"] is not None else ""
@@ -356,7 +356,7 @@ def _cmd_eval(args) -> None:
 
 
 def _cmd_generate(args) -> None:
-    from rpt.train.run import generate_text
+    from rpt.train.generation import generate_text
 
     generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                   args.seed, args.checkpoint, args.device, depth=args.depth, exit=args.exit,

@@ -6,7 +6,7 @@ import os
 import typing
 from pathlib import Path
 
-# Triton's kernels run through its interpreter here (tests/kernels/test_triton_*.py): triton reads the flag once, so
+# Triton's kernels run through its interpreter here (tests/ops: their Triton forms): triton reads the flag once, so
 # it is set before anything imports triton; a GPU run of the model tests (RPT_TEST_DEVICE=cuda) compiles them.
 if os.environ.get("RPT_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -23,6 +23,23 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker a core: o
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def test_device():
+    """`RPT_TEST_DEVICE=cuda pytest tests/models tests/ops/mlstm` runs the model and op tests on a GPU
+    (benchmarks/gpu_check.sh does): every tensor and module a test makes without naming a device lands on the
+    default device, so the same parity checks (fast path against reference, float64 where the path allows) cover
+    cuDNN and the CUDA paths without a second copy of the tests. Unset (CI, the CPU): nothing changes."""
+    device = os.environ.get("RPT_TEST_DEVICE", "cpu")
+    if device == "cpu":
+        yield torch.device("cpu")
+        return
+    torch.set_default_device(device)
+    try:
+        yield torch.device(device)
+    finally:
+        torch.set_default_device("cpu")
 
 
 def shared_dir() -> Path:

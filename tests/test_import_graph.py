@@ -1,4 +1,4 @@
-"""Imports between rpt's packages run one way (../shared/DESIGN.md): cli -> train -> parallel -> comm; models
+"""Imports between rpt's packages run one way (docs/architecture.md): cli -> train -> parallel -> comm; models
 import no parallel, comm or train; kernels (the cells' fast paths) nothing of rpt's but themselves; comm no
 parallel or train; parallel no train; ops (the recurrences: their specs, which export ships, and forms) nothing of
 rpt's but the kernels' shared pieces; and no cycles. Imports inside
@@ -7,12 +7,14 @@ functions count too: they are the ones that creep in."""
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 import rpt
 
 ROOT = Path(rpt.__file__).parent
 FORBIDDEN = {"models": {"parallel", "comm", "train"}, "kernels": {"models", "parallel", "comm", "train", "data"},
+             "runtime": {"models", "parallel", "comm", "train", "data", "ops", "export", "monitor"},
              "ops": {"models", "parallel", "comm", "train", "data", "monitor", "export"},
              "comm": {"parallel", "train"}, "parallel": {"train"}}
 
@@ -128,12 +130,21 @@ def test_no_import_circle_between_modules():
     assert not cycles_of(edges), cycles_of(edges)
 
 
+RUNNER_NAMES = 8  # the most names of the runner the trainer may call (rpt/parallel/runner.py lists them)
+
+
+def of(node: ast.Attribute, *holders: str) -> bool:
+    """Whether `node` is holder.x or self.holder.x for one of `holders`."""
+    v = node.value
+    return (isinstance(v, ast.Name) and v.id in holders) or (isinstance(v, ast.Attribute) and v.attr in holders)
+
+
 def test_the_trainer_holds_one_handle_on_the_model_and_no_pipeline_branch():
     """The trainer reaches the running model only through the runner that parallelize returns, and neither the
-    trainer nor its telemetry names a pipeline, a stage or the sync object: those are the runner's."""
-    def of_runner(node: ast.Attribute) -> bool:  # runner.x, self.runner.x: what the runner reports is its own
-        v = node.value
-        return (isinstance(v, ast.Name) and v.id == "runner") or (isinstance(v, ast.Attribute) and v.attr == "runner")
+    trainer nor its telemetry names a pipeline, a stage or the sync object: those are the runner's (and what it
+    reports, the layout and the step record, says of them)."""
+    def of_runner(node: ast.Attribute) -> bool:  # runner.x, self.runner.x, layout.x, record.x: the runner's words
+        return of(node, "runner", "layout", "record")
 
     def names(path: Path) -> set[str]:
         tree = ast.parse(path.read_text())
@@ -148,3 +159,70 @@ def test_the_trainer_holds_one_handle_on_the_model_and_no_pipeline_branch():
     held = {n.attr for n in ast.walk(ast.parse(trainer.read_text())) if isinstance(n, ast.Attribute)
             and isinstance(n.value, ast.Name) and n.value.id == "self"}
     assert "runner" in held and not {"model", "sync", "pipe", "optimizer", "scaler", "checkpointer"} & held
+
+
+def test_the_trainer_calls_few_runner_names_and_reaches_through_none():
+    """The runner is a narrow face: the trainer calls at most RUNNER_NAMES of its names, and no file of rpt/train
+    reaches through it (runner.model.x, self.runner.optimizer.y) or holds it but the trainer."""
+    trainer = ast.parse((ROOT / "train" / "trainer.py").read_text())
+    called = {n.attr for n in ast.walk(trainer) if isinstance(n, ast.Attribute) and of(n, "runner")}
+    assert "train_step" in called and len(called) <= RUNNER_NAMES, sorted(called)
+    for path in sorted((ROOT / "train").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        through = {f"runner.{n.value.attr}.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                   and isinstance(n.value, ast.Attribute) and of(n.value, "runner")}
+        assert not through, f"{path.relative_to(ROOT)} reaches through the runner: {sorted(through)}"
+        if path.name != "trainer.py":
+            assert not any(isinstance(n, ast.Attribute) and of(n, "runner") for n in ast.walk(tree)), path.name
+
+
+def test_telemetry_and_checkpointing_take_narrow_faces():
+    """Telemetry is built from its own section, the immutable Layout and the probe's modules (never the runner,
+    the trainer or the whole configuration), and reads nothing but them and the records it is handed;
+    checkpointing's save and resume take no model, optimiser or parts: its one state provider holds them."""
+    from rpt.train.checkpoint.manager import Checkpointing
+    from rpt.train.telemetry import Telemetry
+
+    assert list(inspect.signature(Telemetry).parameters) == ["cfg", "layout", "run_dir", "probes", "show_progress"]
+    source = (ROOT / "train" / "telemetry.py").read_text()
+    tree = ast.parse(source)
+    sections = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and of(n, "cfg")}
+    assert sections <= {"log_interval", "profile", "tensorboard", "wandb"}, sections  # the monitor section's keys
+    assert not {"runner", "trainer"} & {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    for method, params in (("save", ["self", "step", "val"]), ("finish", ["self", "step", "val"]),
+                           ("resume", ["self"]), ("select_best", ["self", "step", "best", "best_weights"])):
+        assert list(inspect.signature(getattr(Checkpointing, method)).parameters) == params, method
+
+
+# The readers of the whole configuration (a parameter named cfg that reaches two or more of its sections, or one
+# section by name): each with its reason. Every other function takes its section or the values it needs.
+WHOLE_CONFIG = {
+    "train/resolve.py": "resolves the user's configuration against the data and the world, once",
+    "train/recipe.py": "the default recipe: a part of resolving, choosing values of several sections",
+    "train/trainer.py": "builds the run from the resolved configuration and hands each component its section",
+    "parallel/apply.py": "builds the runner: the stage, the pieces of each window, data parallelism",
+    "parallel/plan.py": "`rpt plan`: the parallel plan of a configuration, without running it",
+    "parallel/topology_command.py": "`rpt topology`: the model's gradient bytes, as `rpt plan` counts them",
+    "export/hf_export.py": "the export's config: a run's model section and its data's end-of-text token",
+}
+SECTIONS = {"data", "model", "train", "checkpoint", "comm", "parallel", "monitor"}
+
+
+def whole_config_readers() -> dict[str, set[str]]:
+    """file -> the functions in it that read sections of a parameter named cfg (the whole Config)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                    isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "cfg"
+                    and n.attr in SECTIONS and "cfg" in {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+                    for n in ast.walk(fn)):
+                found.setdefault(str(path.relative_to(ROOT)), set()).add(fn.name)
+    return found
+
+
+def test_only_the_named_readers_take_the_whole_configuration():
+    found = whole_config_readers()
+    assert "train/resolve.py" in found  # really read
+    extra = {f"{path}: {sorted(fns)}" for path, fns in found.items() if path not in WHOLE_CONFIG}
+    assert not extra, f"these take the whole Config: pass their section or the values they need ({extra})"

@@ -1,1 +1,1 @@
-"""Gradient synchronisation across data-parallel ranks: modes (sync), codecs (compress), accounting."""
+"""Gradient synchronisation across data-parallel ranks: the modes (modes.py on gradient_sync.py), codecs (compress), accounting."""

@@ -10,7 +10,7 @@ tensor, all-gathered since int8 sums overflow).
 Written here rather than taken from torchft: torchft's DiLoCo is built into its fault-tolerance Manager (a
 Lighthouse server, its own process groups, a quorum each outer step), none of which an rpt run has; the outer step
 itself is a few lines over the run's own process group, behind the same calls as every other mode
-(rpt.comm.sync). Periodic validation and best-weight selection see the averaged model only at outer steps, so
+(rpt.comm.modes). Periodic validation and best-weight selection see the averaged model only at outer steps, so
 config validation asks for `train.eval_interval` in multiples of H.
 """
 

@@ -1,6 +1,6 @@
 """The base of every gradient-synchronisation mode, and the global gradient norm they all clip by.
 
-A file of its own so that the modes (rpt/comm/sync.py, rpt/comm/diloco.py, rpt/parallel/fsdp.py) build on it
+A file of its own so that the modes (rpt/comm/modes.py, rpt/comm/diloco.py, rpt/parallel/fsdp.py) build on it
 without importing one another.
 """
 
@@ -15,7 +15,7 @@ from rpt.comm.accounting import CommMeter
 
 
 class GradientSync:
-    """The calls every mode answers (rpt/comm/sync.py lists them in order), as one process makes them: nothing to
+    """The calls every mode answers (rpt/comm/modes.py lists them in order), as one process makes them: nothing to
     synchronise. Each mode (all-reduce, parameter servers, DiLoCo, FSDP) overrides what it does differently."""
 
     def __init__(self, model: torch.nn.Module):

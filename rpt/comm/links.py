@@ -4,7 +4,7 @@
 barrier): latency alpha is half the median round trip of a 4-byte message, bandwidth is from the
 median of a few `message_mb` sends, each acknowledged (B = bytes / (time - round trip), or bytes / time
 where the send does not clearly outlast the round trip: never an impossible figure from a noisy difference). The
-table is summed across ranks, so every rank holds the same figures and `choose()` gives every
+table is summed across ranks, so every rank holds the same figures and `fastest()` gives every
 rank the same answer (a disagreement would hang the first collective).
 
 A rank's node is torchrun's GROUP_RANK (the node index), else its hostname: pairs on one node
@@ -204,7 +204,7 @@ def predict(topo: Topology, grad_bytes: int) -> dict[str, float]:
     }
 
 
-def choose(predictions: dict[str, float]) -> str:
+def fastest(predictions: dict[str, float]) -> str:
     """The cheapest mode of those predicted; ties go to the order of MODES (all-reduce first: DDP is the
     best-trodden path). Within 5% counts as a tie: the measurements are not finer than that."""
     best = min(predictions.values())
@@ -223,7 +223,7 @@ def format_table(topo: Topology, predictions: dict[str, float] | None = None, gr
         lines.append("")
         lines.append(f"synchronisation per step for {grad_bytes / 2**20:.1f} MiB of gradients:")
         lines.append(f"  {'mode':<11} {'alpha-beta model':>17} {'pattern timed':>14}")
-        best = choose(timed or predictions)
+        best = fastest(timed or predictions)
         for mode in MODES:
             t = f"{timed[mode] * 1e3:11.2f} ms" if timed else f"{'-':>14}"
             lines.append(f"  {mode:<11} {predictions[mode] * 1e3:14.2f} ms {t}"

@@ -90,3 +90,14 @@ def raise_bad_id(token: int, position: int | None, where, vocab_size: int) -> No
     raise RptError(f"token id {token} in {where}{at} is outside the model's vocabulary of {vocab_size}",
                    "the token files do not belong to this tokenizer or are damaged: prepare the data again "
                    "(rpt prepare ... --force)")
+
+
+def token_counts(tokens: np.ndarray, vocab_size: int, sample: int = 1 << 24, blocks: int = 256) -> np.ndarray:
+    """Occurrences of each token id in `tokens`, or in `sample` of them read as `blocks` evenly spaced runs (a
+    memory-mapped corpus is read in a few long runs, not one token from each of millions of pages)."""
+    if len(tokens) > sample:
+        blocks = min(blocks, sample)
+        size = sample // blocks
+        starts = np.linspace(0, len(tokens) - size, blocks).astype(np.int64)
+        tokens = np.concatenate([tokens[s:s + size] for s in starts])
+    return np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)[:vocab_size]

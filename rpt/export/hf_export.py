@@ -37,7 +37,7 @@ def export_run(run_dir: str | Path, out: str | Path, checkpoint: str = "best", m
     """Write the export of `run_dir`'s checkpoint to `out`; returns what was written."""
     require_transformers()
     from rpt.train.init_from import run_tokenizer_sha256
-    from rpt.train.run import load_run
+    from rpt.train.run_dir import load_run
 
     run_dir, out = Path(run_dir), Path(out)
     if out.exists() and any(out.iterdir()) and not force:

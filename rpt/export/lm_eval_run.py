@@ -37,7 +37,7 @@ def run_lm_eval(path: str | Path, tasks: list[str], include_path: str | None = N
         if (path / "config.toml").is_file():  # a run directory: its depth checked, then its checkpoint exported
             from rpt.config import Config
             from rpt.export.hf_export import export_run
-            from rpt.train.run import check_depth as check_run_depth
+            from rpt.train.evaluate import check_depth as check_run_depth
 
             if depth is not None:
                 check_run_depth(Config.load(path / "config.toml").model, depth)
@@ -63,7 +63,7 @@ def check_depth(export: Path, depth: int | None) -> None:
     """Refuse a depth for an export without a loop, below 1, and above DEPTH_FACTOR x the most it trained at."""
     if depth is None:
         return
-    from rpt.train.run import DEPTH_FACTOR
+    from rpt.train.evaluate import DEPTH_FACTOR
 
     config = json.loads((export / "config.json").read_text())
     if not config.get("loop_core", 0):

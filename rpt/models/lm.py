@@ -1,5 +1,5 @@
 """The language model, top to bottom: `RecurrentLM` (embedding -> blocks -> norm -> head), its `Block`, its
-heads and the operations on its recurrent state.
+heads (the operations on its recurrent state: rpt/models/state.py).
 
     nats, state = model(tokens, state, reset_mask, targets)  # training, evaluation: each target's loss
     logits, state = model(tokens, state, reset_mask)    # the whole chunk's logits (a pipeline stage's loss)
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Collection, Iterator
+from typing import Collection, Iterator
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from rpt.models.loop import DepthLoop, mean_depths
 from rpt.models.registry import get_cell, import_user_modules
 from rpt.models.sampling import sample_next
 from rpt.models.shapes import on_meta
+from rpt.models.state import map_state, owned
 
 def part_names(cfg: ModelConfig) -> list[str]:
     """Every part of the whole model, in the order their seeds are numbered."""
@@ -440,70 +441,3 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str 
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     """Softmax and loss in float32 whatever the autocast dtype (float64 stays float64)."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
-def token_counts(tokens: np.ndarray, vocab_size: int, sample: int = 1 << 24, blocks: int = 256) -> np.ndarray:
-    """Occurrences of each token id in `tokens`, or in `sample` of them read as `blocks` evenly spaced runs (a
-    memory-mapped corpus is read in a few long runs, not one token from each of millions of pages)."""
-    if len(tokens) > sample:
-        blocks = min(blocks, sample)
-        size = sample // blocks
-        starts = np.linspace(0, len(tokens) - size, blocks).astype(np.int64)
-        tokens = np.concatenate([tokens[s:s + size] for s in starts])
-    return np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)[:vocab_size]
-
-
-# ---------------------------------------------------------------------------------------------- the state
-# Operations on a model's recurrent state: nested lists and tuples of [B, ...] tensors.
-
-def map_state(fn: Callable[[torch.Tensor], torch.Tensor], state):
-    if isinstance(state, torch.Tensor):
-        return fn(state)
-    if isinstance(state, (list, tuple)):
-        return type(state)(map_state(fn, s) for s in state)
-    return state
-
-
-def owned(t: torch.Tensor) -> torch.Tensor:
-    """`t` as a tensor of its own, copied only where it is a view of another (a cell's last step, a reshaped
-    loss): FSDP hooks a module's outputs for backward, and an in-place op on a view would lose that hook."""
-    return t.clone() if not torch.compiler.is_compiling() and t._is_view() else t  # (a check dynamo cannot trace)
-
-
-def shapes(state) -> list[tuple[int, ...]]:
-    """The shapes of a state's tensors, in order: two states fit each other when these are equal."""
-    found = []
-    map_state(lambda t: found.append(tuple(t.shape)) or t, state)
-    return found
-
-
-def detach_state(state):
-    """Cut the graph between training steps (truncated BPTT)."""
-    return map_state(torch.Tensor.detach, state)
-
-
-def rows(state, index):
-    """The state of some batch rows (a slice or index tensor)."""
-    return map_state(lambda t: t[index], state)
-
-
-def cat_rows(states: list):
-    """Inverse of taking consecutive row slices: join per-slice states along the batch."""
-    first = states[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(states, dim=0)
-    if isinstance(first, (list, tuple)):
-        return type(first)(cat_rows([s[i] for s in states]) for i in range(len(first)))
-    return first
-
-
-def all_finite(state) -> bool:
-    ok = True
-
-    def check(t):
-        nonlocal ok
-        ok = ok and bool(torch.isfinite(t).all())
-        return t
-
-    map_state(check, state)
-    return ok

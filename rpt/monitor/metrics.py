@@ -96,7 +96,8 @@ def stragglers(rows: list[dict], threshold: float = 1.2) -> list[dict]:
 class _GateRecorder(torch.overrides.TorchFunctionMode):
     """Counts, per layer, the outputs of bounded gate functions (sigmoid, hard sigmoid, tanh) that sit in their
     flat tails: sigmoid-like below 0.02 or above 0.98, tanh beyond +-0.98. Works for every cell, registered ones
-    included, because the single-step forms call these torch functions."""
+    included, because the single-step forms call these torch functions. An mlstm's exponential input gate is
+    unbounded and its forget gate (a log-sigmoid) starts near 1 by design: its output gate is what is counted."""
 
     SIGMOIDS = {torch.sigmoid, torch.Tensor.sigmoid, torch.nn.functional.hardsigmoid, torch.special.expit}
     TANHS = {torch.tanh, torch.Tensor.tanh, torch.nn.functional.tanh}

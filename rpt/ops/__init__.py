@@ -1,5 +1,6 @@
 """The recurrences, one folder each, laid out by op as flash-linear-attention lays out its ops: `lstm/`, `gru/`,
-`modlstm/`, `minrnn/` (minGRU and minLSTM). Each holds every file that defines its maths:
+`modlstm/`, `minrnn/` (minGRU and minLSTM), `mlstm/` (xLSTM's matrix-memory LSTM), and `loop/` (the depth loop's
+injection). Each holds every file that defines its maths:
 
     spec.py          the step in plain torch (it imports torch alone): the readable reference that rpt's cells
                      (rpt/models/cells) run as their step and reference forms, and that `rpt export` ships beside
@@ -11,6 +12,8 @@
     CELL_cpu.cpp     the C++ loops (and CELL_steps.h, each step's elementwise pass), built by rpt/kernels/cpu/build.py
     triton.py        the GPU forms (modlstm also triton_steps.py), on what rpt/kernels/triton/common.py shares
     scan.py          minrnn: the chunked scan in ATen ops (any device, no compiler)
+    parallel.py      mlstm: the quadratic form over a whole window (as attention), the reference of the next
+    chunkwise.py     mlstm: the training form, each chunk's summary carried between chunks
     gates.py         modlstm: its gate functions by name (the built-in ones and those users register)
 
 The cells in rpt/models/cells are thin modules over these: their parameters and options. The tests hold every form

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rpt.comm.sync import build_sync
+from rpt.comm.modes import build_sync
 from rpt.models import RecurrentLM
 from rpt.models.lm import Block
 from rpt.parallel import fsdp, pipeline
@@ -19,19 +19,22 @@ from rpt.parallel.bptt import chunk_windows
 from rpt.parallel.context import ContextGroup, split_windows
 from rpt.parallel.mesh import Mesh
 from rpt.parallel.pipeline_runner import PipelineRunner
-from rpt.parallel.runner import Runner
+from rpt.parallel.runner import Layout, Runner
 
 
 def parallelize(cfg, plan, rank: int, world_size: int, device: torch.device, distributed: bool,
-                comm_choice: dict | None = None) -> Runner:
+                comm_choice: dict | None = None, head_counts=None) -> Runner:
     """This rank's model, built and wrapped as the resolved run asks (`plan`: its pipeline / FSDP plan, from
-    choose_layout, or None; `comm_choice`: what comm.mode = "auto" measured), behind the one object the trainer
-    calls (rpt/parallel/runner.py)."""
+    choose_layout, or None; `comm_choice`: what comm.mode = "auto" measured; `head_counts`: the corpus's token
+    counts, which order a two-level head's shortlist), behind the one object the trainer calls
+    (rpt/parallel/runner.py)."""
     t = cfg.train
     mesh = Mesh(device, world_size, plan.pp, plan.fsdp) if plan is not None else None
     staged, sharded = plan is not None and plan.pp > 1, mesh is not None and mesh.fsdp > 1
     torch.manual_seed(t.seed)  # every rank the same initial values; a stage's parts the whole model's
     model = RecurrentLM(cfg.model, pipeline.parts_of(plan, mesh.pp_rank) if staged else None)
+    if cfg.model.head_shortlist and head_counts is not None:  # (a resumed run then loads the order it trained with)
+        model.order_head(head_counts)
     if not sharded:  # FSDP moves each unit to the device as it shards it: a GPU never holds the whole stage
         model = model.to(device)
     cp = cfg.parallel.cp  # > 1 only on a world it divides (resolve.check_layout)
@@ -58,12 +61,15 @@ def parallelize(cfg, plan, rank: int, world_size: int, device: torch.device, dis
                           parts=pipe.stages if pipe else None, predictions=comm_choice)
     if pipe:  # the schedule runs each stage as data parallelism wrapped it (one DDP each), or as it is
         pipe.build_schedule(sync.module if isinstance(sync.module, list) else pipe.stages)
-    layout = {"pp": mesh.pp, "dp": mesh.replicas, "fsdp": mesh.fsdp} if mesh else {"pp": 1, "dp": dp_size, "fsdp": 1}
+    shape = {"pp": mesh.pp, "dp": mesh.replicas, "fsdp": mesh.fsdp} if mesh else {"pp": 1, "dp": dp_size, "fsdp": 1}
     if cp > 1:
-        layout["cp"] = cp
+        shape["cp"] = cp
+    layout = Layout(rank, world_size, distributed, device, shape, dp_rank, dp_size, cfg.model.n_layers,
+                    tuple(pipe.layers if pipe else model.state_layers()), sync.mode, sync.predictions, t.precision,
+                    pp=plan.pp if pipe else 1, stage_index=pipe.index if pipe else 0)
     if pipe:
-        return PipelineRunner(pipe, sync, t, device, dp_rank, dp_size, layout, probe=not sharded)
-    return Runner(model, sync, t, device, dp_rank, dp_size, layout, probe=not sharded and cp == 1)
+        return PipelineRunner(pipe, sync, t, layout, probe=not sharded)
+    return Runner(model, sync, t, layout, probe=not sharded and cp == 1)
 
 
 def choose_layout(cfg, rank: int, world_size: int, device: torch.device, local_world: int = 1):
@@ -74,7 +80,8 @@ def choose_layout(cfg, rank: int, world_size: int, device: torch.device, local_w
     p = cfg.parallel
     if p.pp == 1 and p.fsdp == 1:
         return None
-    costs = pipeline.measure_costs(cfg, device) if p.pp != 1 else None
+    costs = pipeline.measure_costs(cfg.model, cfg.train.batch_size // p.microbatches, cfg.train.seq_len,
+                                   device) if p.pp != 1 else None
     plan = choose_plan(cfg, world_size, device_memory_bytes(device, local_world), costs)
     if rank == 0:
         print(format_plan(plan), flush=True)

@@ -124,3 +124,16 @@ class LocalGrad:
 
     def __init__(self, p: nn.Parameter):
         self.grad = None if p.grad is None else local(p.grad)
+
+
+def param_digest(model: nn.Module) -> str:
+    """sha256 over every parameter's bytes, in order (a sharded one's whole value): equal digests mean
+    bit-identical replicas."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()  # FSDP: the whole parameter
+        h.update(full.cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()

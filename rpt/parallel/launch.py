@@ -89,6 +89,20 @@ def setup(device: str | None = None) -> Dist:
     return Dist(rank, world, local_rank, dev)
 
 
+def choose_allocator(device: torch.device, parallel, bptt_chunk: int) -> None:
+    """The CPU allocator's setting for how this run frees memory (rpt/runtime/memory.py): exact BPTT in chunks
+    (`bptt_chunk`) and FSDP's units (the parallel section's fsdp) free large blocks in turn, which would fragment a
+    heap that keeps every block, so on the CPU rpt's page pool reuses them; otherwise the heap keeps freed memory
+    mapped across steps."""
+    from rpt.runtime.memory import keep_freed_memory, pool_large_blocks
+
+    if bptt_chunk or parallel.fsdp != 1:
+        if device.type == "cpu":
+            pool_large_blocks()
+    else:
+        keep_freed_memory()
+
+
 def rendezvous_store(rank: int, world: int) -> dist.Store:
     """The store at MASTER_ADDR:MASTER_PORT (the elastic agent's under torchrun and --nproc, else rank 0's),
     with keys of this attempt only.
@@ -140,7 +154,7 @@ def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> str | None
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from rpt.parallel.interrupt import AGENT_SIGNALS, forward_to_workers
+    from rpt.runtime.signals import AGENT_SIGNALS, forward_to_workers
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"rpt-{os.getpid()}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,

@@ -33,7 +33,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rpt.comm.gradient_sync import clip_global_norm
-from rpt.models.lm import cat_rows, detach_state, next_token_loss, rows
+from rpt.models.lm import next_token_loss
+from rpt.models.state import cat_rows, detach_state, rows
 from rpt.parallel.fsdp import LocalGrad, gathered, local
 from rpt.parallel.mesh import Mesh
 from rpt.parallel.plan import Plan
@@ -124,7 +125,6 @@ class Pipeline:
             self.layers += st.lm.state_layers()
         self.schedule_name, self.schedule = schedule, None
         self.history: list[tuple[float, float]] = []  # (this stage's compute seconds, step seconds) per step
-        self._bubble_taken = 0
 
     def build_schedule(self, modules: list[nn.Module]) -> None:
         """The schedule around this rank's stages, as they are or as data parallelism wrapped them (one DDP
@@ -198,11 +198,6 @@ class Pipeline:
             groups = (self.mesh.shard_group, self.mesh.pp_group)
         return clip_global_norm(counted, max_norm, device=self.device, reduce=True, group=groups, scale=scale)
 
-    def take_bubble(self) -> float | None:
-        """Mean idle share of this stage over the steps since the last call."""
-        h, self._bubble_taken = self.history[self._bubble_taken:], len(self.history)
-        return max(0.0, 1.0 - sum(c for c, _ in h) / sum(w for _, w in h)) if h else None
-
 
 class PipelineEval(nn.Module):
     """`model(x, state, reset, targets) -> (nats, state)` across the stages, forward only: what evaluate()
@@ -239,17 +234,16 @@ class PipelineEval(nn.Module):
         return out, new
 
 
-def measure_costs(cfg, device: torch.device, repeats: int = 3):
-    """Seconds per token of forward + backward of each kind of block, the embedding and the output layer with
-    its loss, timed on this device at the micro-batch shape (best of `repeats`) on a sample of each, and averaged
-    over the ranks, so every rank cuts the same stages. Counted FLOPs miss what dominates small models on a CPU
-    (elementwise gate work, the softmax of the loss): balanced by FLOPs, a 2-stage 4-block LSTM ran its last
-    stage 25% longer."""
+def measure_costs(m, micro_batch: int, seq_len: int, device: torch.device, repeats: int = 3):
+    """Seconds per token of forward + backward of each kind of block of the model section `m`, the embedding and
+    the output layer with its loss, timed on this device at the micro-batch shape (`micro_batch` rows of `seq_len`
+    tokens; best of `repeats`) on a sample of each, and averaged over the ranks, so every rank cuts the same
+    stages. Counted FLOPs miss what dominates small models on a CPU (elementwise gate work, the softmax of the
+    loss): balanced by FLOPs, a 2-stage 4-block LSTM ran its last stage 25% longer."""
     from rpt.models.lm import Block, has_attention, make_norm
     from rpt.parallel.plan import Costs
 
-    m = cfg.model
-    B, T, D = cfg.train.batch_size // cfg.parallel.microbatches, cfg.train.seq_len, m.d_model
+    B, T, D = micro_batch, seq_len, m.d_model
     tokens = B * T
 
     def best_time(fn) -> float:

@@ -1,6 +1,7 @@
 """The runner of a pipeline rank (rpt/parallel/runner.py): its stages' forward and backward go through the
 schedule (rpt/parallel/pipeline.py), the gradient norm adds every stage's share, a validation sends activations
-stage to stage, and telemetry reads the stages' idle share from here."""
+stage to stage; each step's record carries the stages' compute and wall seconds, and `finish` the idle share by
+stage over the run."""
 
 from __future__ import annotations
 
@@ -9,17 +10,15 @@ import torch.distributed as dist
 
 from rpt.comm.gradient_sync import GradientSync
 from rpt.parallel.pipeline import Pipeline, PipelineEval
-from rpt.parallel.runner import Runner
+from rpt.parallel.runner import Layout, Runner
 
 
 class PipelineRunner(Runner):
     partial = True  # a stage holds some of the model's parts: checkpoints load the parts it has
 
-    def __init__(self, pipe: Pipeline, sync: GradientSync, train, device: torch.device, dp_rank: int, dp_size: int,
-                 layout: dict, probe: bool = True):
-        super().__init__(pipe.model, sync, train, device, dp_rank, dp_size, layout, probe)
+    def __init__(self, pipe: Pipeline, sync: GradientSync, train, layout: Layout, probe: bool = True):
+        super().__init__(pipe.model, sync, train, layout, probe)
         self.pipe = pipe
-        self.pp, self.stage_index = pipe.plan.pp, pipe.index
 
     def _forward_backward(self, x, y, reset, state, depth, clock, in_forward):
         """Every micro-batch through the schedule; its compute split into forward and backward for the clock."""
@@ -42,14 +41,14 @@ class PipelineRunner(Runner):
         """Each stage probes its own blocks with the activations it received."""
         return [(st.lm, st.state_of) for st in self.pipe.stages] if self._probe else []
 
-    @property
-    def state_layers(self) -> list[int]:
-        return self.pipe.layers
+    def _stage_seconds(self) -> tuple[float, float] | None:
+        """This step's (compute, wall) seconds of this rank's stages: telemetry's idle share per log line."""
+        return self.pipe.history[-1] if self.pipe.history else None
 
-    def take_bubble(self) -> dict:
-        return {"pipeline_bubble": self.pipe.take_bubble()}
+    def finish(self) -> dict:
+        return {**super().finish(), **self._bubble_by_stage()}
 
-    def bubble_by_stage(self, world_size: int) -> dict:
+    def _bubble_by_stage(self) -> dict:
         """Pipeline idle share per stage over the run (the first step, which sets up the links, left out), and
         what the schedule would leave idle with these stage costs and no overhead: with c_s the compute of
         rank s per micro-batch and v stages per rank, a step takes m max(c) + (sum(c) - max(c)) / v, so
@@ -57,7 +56,7 @@ class PipelineRunner(Runner):
         pipe = self.pipe
         steps = pipe.history[1:] or pipe.history
         mine = torch.tensor([sum(c for c, _ in steps), sum(w for _, w in steps), len(steps)], dtype=torch.float64)
-        every = [torch.zeros_like(mine) for _ in range(world_size)]
+        every = [torch.zeros_like(mine) for _ in range(self.layout.world_size)]
         dist.all_gather(every, mine)
         layout = pipe.mesh.layout  # [stage][data rank] -> rank
         compute = [sum(float(every[r][0] / every[r][2]) for r in reps) / len(reps) for reps in layout]  # per step

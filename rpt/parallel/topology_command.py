@@ -49,7 +49,7 @@ def topology_worker(cfg: Config, message_mb: float, out: str | None) -> dict:
                     "links": [{"pair": [i, j], "kind": topo.kind(i, j), "latency_s": topo.latency[(i, j)],
                                "bandwidth_Bps": topo.bandwidth[(i, j)]} for (i, j) in sorted(topo.latency)],
                     "predicted_seconds": predictions, "timed_seconds": timed,
-                    "chosen": links.choose(timed)}, indent=2) + "\n")
+                    "chosen": links.fastest(timed)}, indent=2) + "\n")
         return predictions
     finally:
         launch.teardown()

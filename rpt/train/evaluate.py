@@ -7,14 +7,17 @@ state with the recurrent state carried from window to window, so every token aft
 with the same context. The batch and the window only group that computation: the data-parallel ranks take the
 streams in turn, longest first, in groups of up to batch_size rows, and windows of seq_len tokens (the ends
 padded, and not counted). Bits per byte = total nats / bytes / ln 2, with each target token's exact byte length,
-so it compares models across tokenizers (the end-of-document token has 0 bytes).
+so it compares models across tokenizers (the end-of-document token has 0 bytes). `eval_run` is `rpt eval`: a
+run's checkpoint scored so, at a chosen depth for a looped model (`check_depth`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -262,3 +265,55 @@ class Evaluation:
         self.last = state["last"]
         self.best, self.seconds = state.get("best"), state.get("seconds", 0.0)  # older checkpoints: none yet
         self.stale = self._staleness()
+
+
+def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str | None,
+             depth: int | None = None, by_position: bool = False) -> dict:
+    """Validation of a run's checkpoint (a looped model at `depth` iterations, its loop_mean where None; with
+    `by_position`, also by the position of each token in its document)."""
+    from rpt.data.dataset import PreparedData
+    from rpt.data.mixture import open_dataset
+    from rpt.data.tokenizer import token_byte_lengths
+    from rpt.runtime.memory import keep_freed_memory
+    from rpt.train.run_dir import load_run
+
+    keep_freed_memory()
+    cfg, model, tokenizer, path, ck = load_run(run_dir, checkpoint, device)
+    depth = check_depth(cfg.model, depth)
+    if cfg.train.bptt_chunk:  # a long window's losses a chunk at a time, as its validations computed them
+        from rpt.parallel.bptt import chunk_windows
+
+        chunk_windows(model, cfg.train.bptt_chunk)
+    data = PreparedData(data_path) if data_path else open_dataset(cfg.data)
+    if data.meta["tokenizer_sha256"] != json.loads((Path(run_dir) / "meta.json").read_text())["tokenizer_sha256"]:
+        raise RptError(f"the data at {data.path} was tokenized with another tokenizer than the run's",
+                       "evaluate on data prepared with the run's tokenizer (rpt prepare --tokenizer RUN_DIR/tokenizer.json)")
+    dev = next(model.parameters()).device
+    result = evaluate(model, data.tokens("val"), token_byte_lengths(tokenizer), batch_size=cfg.train.batch_size,
+                      seq_len=cfg.train.seq_len, device=dev,
+                      eot_id=data.eot_id if cfg.data.reset_at_documents else None, depth=depth,
+                      by_position=by_position)
+    about = ck.describe(path)
+    return {**result, "depth": depth, "checkpoint": path, "about": f"{checkpoint}: {about}" if checkpoint in ("best", "latest") else about}
+
+
+def check_depth(m, depth: int | None) -> int | None:
+    """The test-time depth of a looped model: `depth`, or its loop_mean (rounded) where None; refused for a model
+    without a loop, below 1, and above DEPTH_FACTOR x the most it trained at."""
+    if depth is None:
+        return round(m.loop_mean) if m.loop_core else None
+    if not m.loop_core:
+        raise RptError(f"--depth {depth} for a model without a loop (model.loop_core = 0)",
+                       "leave out --depth: only a looped model (docs/depth.md) runs at a chosen depth")
+    if depth < 1:
+        raise RptError(f"--depth {depth}: a looped model runs its core at least once",
+                       f"use --depth 1 or more (its training mean was {m.loop_mean:g})")
+    if depth > DEPTH_FACTOR * m.loop_cap:
+        raise RptError(f"--depth {depth:,}: more than {DEPTH_FACTOR} x the most iterations the model trained at "
+                       f"(model.loop_max = {m.loop_cap}); each costs a pass of the core a token, and each one beyond "
+                       f"{m.loop_cap} a state of its own", f"use --depth {DEPTH_FACTOR * m.loop_cap} or less (its "
+                       f"training mean was {m.loop_mean:g}; a looped model's gains end well before)")
+    return depth
+
+
+DEPTH_FACTOR = 4  # the deepest test-time depth: this many times the most iterations the model trained at (loop_max)

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from rpt.errors import RptError
-from rpt.train.checkpoint_store import MANIFEST, CheckpointStore
+from rpt.train.checkpoint.store import MANIFEST, CheckpointStore
 
 WN = ".parametrizations."  # weight normalisation's keys: X.parametrizations.NAME.original0 (g) / original1 (v)
 
@@ -36,11 +36,11 @@ def read_weights(path: str | Path) -> Weights:
     if (p / "config.toml").is_file():
         cfg = Config.load(p / "config.toml")
         ck = CheckpointStore(cfg.checkpoint.path or str(p / "checkpoints"))
-        found = ck.resolve("best", str(p))
+        found = ck.find("best", str(p))
         return Weights(ck.read_model(found), run_tokenizer_sha256(p), found)
     if (p / MANIFEST).is_file():
         ck = CheckpointStore(str(p.parent))
-        found = ck.resolve(str(p), str(p.parent))
+        found = ck.find(str(p), str(p.parent))
         return Weights(ck.read_model(found), run_tokenizer_sha256(p.parent.parent), found)
     if is_export(p):
         return Weights(_read_safetensors(p), json.loads((p / "config.json").read_text()).get("tokenizer_sha256", ""),

@@ -1,8 +1,8 @@
 """The default recipe: what `rpt train` chooses for the settings nobody gave (no --config, or a preset with
 `train.recipe = "auto"`).
 
-First the head: a two-level softmax's shortlist where it costs at most half a full softmax (token frequencies
-of the training split). Then rank 0 times optimiser steps of one size on this machine, once (random tokens drawn
+First the recurrent family (FAMILIES: the one measured best on the run's device) and the head: a two-level
+softmax's shortlist where it costs at most half a full softmax (token frequencies of the training split). Then rank 0 times optimiser steps of one size on this machine, once (random tokens drawn
 as often as the corpus has them, the run's batch shape: measure_speed), scales that speed by FLOPs to a
 ladder of sizes and families (their parameters and FLOPs asked of the run's cell), reads the corpus's training
 tokens, and from the budget derives how many passes over the data each would make. A corpus the budget passes over many times is over-fitted long before the budget
@@ -53,7 +53,7 @@ REGIME_PASSES = 4.0
 REGULARISERS = {"model.dropout": 1.0, "model.embed_dropout": 1.5, "model.weight_drop": 2.0}
 # and, past REGIME_PASSES, SGD with momentum in place of AdamW (word_language_model's clip)
 MANY_PASSES_OPTIMIZER = {"train.optimizer": "sgd", "train.lr": 1.0, "train.grad_clip": 0.25}
-ATTENTION_EVERY = 2  # the family: sliding-window attention in every 2nd block of the recurrent stack
+ATTENTION_EVERY = 2  # the attended stack: sliding-window attention in every 2nd block of the recurrent stack
 COMPUTE_BOUND_BATCH = 64  # rows a step where the budget makes under REGIME_PASSES passes (4 x the default's)
 HEAD_SAVING = 2.0  # a two-level softmax only where its expected cost is at most 1 / this of the full one
 EVAL_SHARE = 0.025  # of the budget, for the recipe's own timing and the periodic validations together
@@ -69,8 +69,14 @@ MEASURED_STEPS = 4  # whole windows' steps of the one size measured, at most (un
 AGREE = 0.25  # two steps' speeds within this of each other agree
 
 
+# The recurrent family where none is given, by the device the run trains on: the family measured best there at the
+# scaling curve's budgets, and the figures (benchmarks/RESULTS.md, issue 59). A device not listed gets the CPU's
+# choice, said as unmeasured; no candidate is left for timing until a device's measurements leave two.
+FAMILIES = {"cpu": ("lstm", "ahead of mlstm on the embedded corpus at equal time (by 0.019 bits per byte at "
+                            "300 s) and of the scans (minGRU), oneDNN fusing its steps")}
+
 # every key the recipe may choose (a key a file or --set gives is left alone)
-CHOOSES = frozenset({"model.n_layers", "model.d_model", "model.head_shortlist", "model.attention_every",
+CHOOSES = frozenset({"model.cell", "model.n_layers", "model.d_model", "model.head_shortlist", "model.attention_every",
                      "train.batch_size", *REGULARISERS, *MANY_PASSES_OPTIMIZER, "train.early_stop",
                      "train.eval_tokens", "train.eval_interval", "train.warmup_steps"})
 
@@ -196,9 +202,9 @@ def head_choice(cfg, counts: np.ndarray) -> list[Choice]:
     return [shortlist_for(counts)]
 
 
-def family_choice(cfg, plain: float, attended: float) -> list[Choice]:
-    """The model family, from the passes over the data the plain stack makes and those the stack with attention
-    in every ATTENTION_EVERY-th block makes (each at the size the recipe picks for it): where both are more than
+def attention_choice(cfg, plain: float, attended: float) -> list[Choice]:
+    """Attention in the stack or none, from the passes over the data the plain stack makes and those the stack with
+    attention in every ATTENTION_EVERY-th block makes (each at the size the recipe picks for it): where both exceed
     REGIME_PASSES the data, not the compute, limits the run, and the stack spends the compute to spare on
     sliding-window attention (exact recall of the last window's tokens, which a fixed-size state only
     approximates); otherwise attention's cost buys less than the tokens it takes. Left alone where the user chose
@@ -213,6 +219,19 @@ def family_choice(cfg, plain: float, attended: float) -> list[Choice]:
            f"{plain:.1f} passes without it, but {attended:.1f} with it: no compute to spare")
     return [Choice("model.attention_every", 0, why + ", and attention's cost would buy less than the tokens it "
                    "takes")]
+
+
+def cell_choice(cfg, device: torch.device) -> list[Choice]:
+    """The recurrent family (`model.cell`) by FAMILIES, unless given. Attention every k blocks, the other half of
+    the family, follows from the passes (attention_choice)."""
+    if "model.cell" in cfg.given:
+        return []
+    if device.type in FAMILIES:
+        cell, why = FAMILIES[device.type]
+        return [Choice("model.cell", cell, f"measured best on this device: {why}")]
+    cell, _ = FAMILIES["cpu"]
+    return [Choice("model.cell", cell, f"the CPU's measured choice: the families are not yet measured on "
+                   f"{device.type} (benchmarks/RESULTS.md, issue 59)")]
 
 
 def batch_open(cfg, rank_tokens: int) -> bool:
@@ -341,7 +360,7 @@ def budget_of(train) -> dict:
     return {"tokens": train.max_tokens} if train.max_tokens else {"steps": train.max_steps}
 
 
-def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, counts: np.ndarray) -> float:
+def apply_recipe(cfg, dist_info, train_tokens: int, val_tokens: int, counts: np.ndarray) -> float:
     """Apply the recipe to `cfg` (a thawed copy, being resolved: rpt/train/resolve.py) alike on every rank: rank 0
     measures and chooses, the others receive its choices. `counts`: occurrences of each token id in (a sample of)
     the training split, its length the vocabulary. The lines that say what was chosen and why join cfg.notes; the
@@ -354,7 +373,8 @@ def resolve(cfg, dist_info, train_tokens: int, val_tokens: int, counts: np.ndarr
     if dist_info.rank == 0:
         choices, remarks = _choose_here(cfg, dist_info.device, train_tokens, val_tokens, counts,
                                         dist_info.world_size)
-        takes = get_cell(cfg.model.cell).options  # the cell options this cell does not take are left out
+        cell = next((c.value for c in choices if c.key == "model.cell"), cfg.model.cell)
+        takes = get_cell(cell).options  # the cell options this cell does not take are left out
         choices = [c for c in choices if c.key.removeprefix("model.") not in cell_options() or
                    c.key.removeprefix("model.") in takes]
     if dist_info.world_size > 1:
@@ -377,10 +397,10 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.nda
     (Timing); every configuration's speed follows from it by FLOPs, and each decision (the family, the batch) is
     made on the passes of the configuration it leads to, so that every line the recipe prints agrees."""
     began = time.perf_counter()
-    head = head_choice(cfg, counts)
+    family, head = cell_choice(cfg, torch.device(device)), head_choice(cfg, counts)
     given_attention = cfg.model.attention_every if "model.attention_every" in cfg.given else 0
     model = dataclasses.replace(cfg.model, vocab_size=len(counts), attention_every=given_attention,
-                                **{"head_shortlist": c.value for c in head})
+                                **{c.key.removeprefix("model."): c.value for c in family + head})
     timing = Timing(cfg, model, device, counts, began)
 
     def plan(attention: int, batch: int) -> tuple[list[Choice], dict]:
@@ -388,18 +408,18 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.nda
         return _sized(cfg, timing, attention, batch, train_tokens, val_tokens, facts), facts
 
     sized, facts = plan(given_attention, cfg.train.batch_size)
-    family = batch = []
+    attention = batch = []
     if not {"model.attention_every", "model.n_layers", "model.d_model"} & cfg.given:
         attended, with_it = plan(ATTENTION_EVERY, cfg.train.batch_size)
-        family = family_choice(cfg, facts["passes"], with_it["passes"])
-        if family[0].value:
+        attention = attention_choice(cfg, facts["passes"], with_it["passes"])
+        if attention[0].value:
             sized, facts = attended, with_it
     if batch_open(cfg, train_tokens // world_size):
         larger, at_larger = plan(given_attention, COMPUTE_BOUND_BATCH)
-        batch = batch_choice(cfg, facts["passes"] if family and family[0].value else at_larger["passes"])
+        batch = batch_choice(cfg, facts["passes"] if attention and attention[0].value else at_larger["passes"])
         if batch[0].value == COMPUTE_BOUND_BATCH:
             sized = larger
-    choices = family + batch + head + sized
+    choices = family + attention + batch + head + sized
     if cfg.comm.mode == "diloco":  # the replicas agree only at outer steps, where validations must fall
         every = cfg.comm.diloco_steps
         choices = [Choice(c.key, math.ceil(c.value / every) * every,

@@ -4,7 +4,7 @@ world, into an immutable ResolvedRun that everything after it reads and nothing 
     the default recipe's choices       train.recipe = "auto" (rpt/train/recipe.py), for the keys nobody gave
     the vocabulary                     model.vocab_size = 0: the data's (meta.json); token ids checked to fit
     the layout                         parallel.pp / fsdp "auto": the plan (rpt/parallel/plan.py), costs timed here
-    the communication                  comm.mode "auto": the links measured and each mode timed (rpt/comm/sync.py);
+    the communication                  comm.mode "auto": the links measured and each mode timed (rpt/comm/modes.py);
                                        a mesh or a job of CPU and GPU ranks leaves all-reduce
     every check that spans sections    `check` (each section checks its own values when it is loaded)
 
@@ -22,7 +22,7 @@ from rpt.config import Config
 from rpt.data.dataset import PreparedData
 from rpt.data.mixture import MixedData, open_dataset
 from rpt.errors import RptError
-from rpt.models.lm import token_counts
+from rpt.data.dataset import token_counts
 from rpt.parallel.launch import Dist
 from rpt.train.init_from import run_tokenizer_sha256
 
@@ -66,12 +66,12 @@ def resolve(cfg: Config, d: Dist, run_dir: Path, resume: bool = False,
 
 def _apply_recipe(cfg: Config, d: Dist) -> float:
     """The default recipe, from the prepared data's token counts (rpt/train/recipe.py); the seconds it took."""
-    from rpt.train.recipe import resolve as choose
+    from rpt.train.recipe import apply_recipe
 
     data = open_dataset(cfg.data)
     train_tokens, val_tokens = data.tokens("train"), data.tokens("val")
     counts = token_counts(train_tokens, cfg.model.vocab_size or data.vocab_size)
-    return choose(cfg, d, len(train_tokens), len(val_tokens), counts)
+    return apply_recipe(cfg, d, len(train_tokens), len(val_tokens), counts)
 
 
 def open_data(cfg: Config, resumed: Path | None = None) -> PreparedData | MixedData:
@@ -125,7 +125,7 @@ def resolve_comm(cfg: Config, d: Dist, plan) -> dict | None:
     if cfg.parallel.cp != 1:
         cfg.set("comm.mode", "allreduce", origin="context parallelism: all-reduce over every rank")
         return None
-    from rpt.comm.sync import choose_mode
+    from rpt.comm.modes import choose_mode
     from rpt.parallel.plan import gradient_bytes
 
     mode, codec, choice = choose_mode(gradient_bytes(cfg), cfg.comm, cfg.train.precision)

@@ -4,9 +4,10 @@ Every `monitor.log_interval` steps the ranks gather one vector each (rpt.monitor
 times, communication, memory, recurrent-state RMS and gate saturation per layer; rank 0 writes the train line
 to metrics.jsonl, the store (metrics.sqlite, which the dashboard reads) and the sinks (TensorBoard, W&B), and
 shows the progress on the terminal (a bar, or plain lines off a terminal). Evaluations, the profiled steps and
-summary.json go the same ways. It is handed the run's configuration, the runner (rpt/parallel/runner.py: the
-communication mode and meter, the pipeline's idle share, the blocks to probe) and, at each call, the step's
-record and the values it reports; it reads nothing of the trainer.
+summary.json go the same ways. It is handed its own section of the configuration (monitor), this rank's Layout
+(rpt/parallel/runner.py: ranks, stages, the communication mode; immutable), the blocks the gate probe may run and,
+at each call, the step's record (StepRecord), the evaluation's result and the values it reports; it reads nothing
+of the runner, the trainer or the rest of the configuration.
 """
 
 from __future__ import annotations
@@ -25,19 +26,22 @@ from rpt.monitor import sinks
 from rpt.monitor.metrics import (InputProbe, gate_saturation, gather_rows, memory_bytes, pack, state_rms, stragglers,
                                  unpack)
 from rpt.monitor.store import MetricsWriter
-from rpt.models.lm import rows
+from rpt.models.state import rows
 
 log = logging.getLogger("rpt.train")
 
 
 class Telemetry:
-    def __init__(self, cfg, d, run_dir: Path, runner, show_progress: bool):
-        """`cfg`: the run's Config; `d`: this rank's place (rpt.parallel.launch.Dist)."""
-        self.run_cfg, self.cfg, self.d, self.run_dir, self.runner = cfg, cfg.monitor, d, Path(run_dir), runner
-        self.show_progress = show_progress and self.d.is_main
+    def __init__(self, cfg, layout, run_dir: Path, probes: list, show_progress: bool):
+        """`cfg`: the monitor section; `layout`: this rank's place (rpt.parallel.runner.Layout); `probes`: the
+        gate probe's (model, state_of) pairs, each of which a logged step's first input goes through."""
+        self.cfg, self.layout, self.run_dir = cfg, layout, Path(run_dir)
+        self.show_progress = show_progress and layout.is_main
         self.comm_window: list[dict] = []  # per-step communication figures since the last log line
+        self.busy_window: list[tuple[float, float]] = []  # this rank's pipeline (compute, wall) since the last line
+        self.schedule: dict = {}  # adaptive synchronisation's schedule in force at the last step
         self.last_train_loss: float | None = None
-        self.probed = runner.probes()  # the gate probe: each (model, state_of) a logged step's first input goes through
+        self.probed = probes
         self.probe = InputProbe([lm for lm, _ in self.probed])
         self.store: MetricsWriter | None = None
         self.sinks: list = []
@@ -47,41 +51,41 @@ class Telemetry:
         return step % self.cfg.log_interval == 0
 
     def open(self, params: int, step: int, spent: float, notes: tuple[str, ...], budget: str,
-             lines: list[str]) -> None:
+             lines: list[str], config: dict, meta: dict) -> None:
         """After the run directory is written: the store, the sinks, the bar and the start lines (`notes`: what
         resolving the configuration chose or warns of; `budget`: what ends the run; `lines`: what the other
-        components say of themselves)."""
-        cfg, t, runner = self.run_cfg, self.run_cfg.train, self.runner
-        if self.d.is_main:
+        components say of themselves; `config`: the resolved configuration as the sinks record it; `meta`: what
+        the store records of the run besides (the configuration's TOML, tokens a rank steps, validation
+        tokens))."""
+        layout = self.layout
+        if layout.is_main:
             self.store = MetricsWriter(self.run_dir)
-            self.sinks = sinks.open_sinks(self.cfg, self.run_dir, cfg.to_dict())
-            self.store.set_meta(world_size=self.d.world_size, n_layers=cfg.model.n_layers, params=params,
-                                pp=runner.pp, dp=runner.dp_size, config=cfg.to_toml(),
-                                tokens_per_rank_step=t.batch_size * t.seq_len, budget=budget,
-                                eval_tokens=t.eval_tokens if t.eval_interval else 0)
+            self.sinks = sinks.open_sinks(self.cfg, self.run_dir, config)
+            self.store.set_meta(world_size=layout.world_size, n_layers=layout.n_layers, params=params, pp=layout.pp,
+                                dp=layout.dp_size, budget=budget, **meta)
         # The bar counts per mille of the budget spent (steps, tokens or time, whichever ends the run first), so it
         # shows an ETA for every kind of budget.
         self.bar = tqdm(total=1000, initial=0, disable=not self.show_progress or None, dynamic_ncols=True,
                         desc="train", bar_format="{desc} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]")
         self.started, self.spent_at_start = time.perf_counter(), spent
         self.window = (step, time.perf_counter(), 0)  # first step, start time, tokens of this log interval
-        start = f"training {params:,} parameters on {runner.device}, world size {self.d.world_size}"
+        start = f"training {params:,} parameters on {layout.device}, world size {layout.world_size}"
         log.info(start)
         self.say(start, *notes, *self._chosen_comm(), budget, *lines)
         self.arm_probe(step)
 
     def _chosen_comm(self) -> list[str]:
         """What comm.mode = "auto" chose, and the timings it chose by."""
-        chosen = self.runner.comm_choice()
+        chosen = self.layout.comm_choice
         if not chosen:
             return []
         timed = ", ".join(f"{mode} {seconds * 1000:.1f} ms" for mode, seconds in chosen["timed"].items())
-        return [f"comm.mode = auto chose {self.runner.comm_mode} with compression {chosen['compression']} (each "
+        return [f"comm.mode = auto chose {self.layout.comm_mode} with compression {chosen['compression']} (each "
                 f"mode's traffic timed on this job's links, per step: {timed}; rpt topology shows the links)"]
 
     def say(self, *lines: str) -> None:
         """Lines for the terminal (rank 0), above the bar."""
-        if self.d.is_main:
+        if self.layout.is_main:
             for line in lines:
                 tqdm.write(line)
 
@@ -90,6 +94,9 @@ class Telemetry:
         first, began, window_tokens = self.window
         self.window = (first, began, window_tokens + record.tokens)
         self.comm_window.append(record.comm)
+        self.schedule = record.schedule
+        if record.stage_seconds is not None:
+            self.busy_window.append(record.stage_seconds)
         self.bar.update(int(1000 * min(1.0, spent)) - self.bar.n)
         self.arm_probe(step)
 
@@ -108,9 +115,9 @@ class Telemetry:
         first, began, window_tokens = self.window
         steps, wall = max(1, step - first), time.perf_counter() - began
         self.window = (step, time.perf_counter(), 0)
-        mean_loss = self.last_train_loss = mean_across_ranks(record.loss, self.d)
+        mean_loss = self.last_train_loss = mean_across_ranks(record.loss, self.layout)
         comm = self._comm_window_figures()
-        bubble = self.runner.take_bubble()  # a pipeline's idle share since the last line; {} without one
+        bubble = self._bubble()  # a pipeline's idle share since the last line; {} without one
         sources = {f"tokens/{name}": n for name, n in by_source.items()}
         apart = phases["eval"] + phases["checkpoint"]  # validations and checkpoints: not training, reported apart
         train = {"kind": "train", "step": step, "tokens": where["tokens"], "loss": mean_loss,
@@ -121,7 +128,7 @@ class Telemetry:
         log.info(json.dumps(train))
         self._store_interval(train, record.loss.item(), comm, bubble.get("pipeline_bubble"), steps, wall, phases,
                              state)
-        if self.d.is_main:
+        if self.layout.is_main:
             self.bar.set_postfix(step=step, loss=f"{mean_loss:.3f}", tok_s=f"{train['tokens_per_s']:,.0f}",
                                  lr=f"{lr:.2e}")
             where = self.with_eta(where)
@@ -137,9 +144,17 @@ class Telemetry:
         return {"step": where["step"], "max_steps": where["max_steps"], "spent": spent, "eta_s": eta,
                 "budget": where["budget"]}
 
+    def _bubble(self) -> dict:
+        """{"pipeline_bubble": this stage's idle share over the steps since the last line}; {} without a pipeline."""
+        if self.layout.pp == 1:
+            return {}
+        w, self.busy_window = self.busy_window, []
+        wall = sum(seconds for _, seconds in w)
+        return {"pipeline_bubble": max(0.0, 1.0 - sum(c for c, _ in w) / wall) if w and wall > 0 else None}
+
     def _comm_window_figures(self) -> dict:
         w, self.comm_window = self.comm_window, []
-        if not w or not self.d.enabled:
+        if not w or not self.layout.distributed:
             return {}
         seconds, exposed = sum(f["comm_seconds"] for f in w), sum(f["exposed_comm_seconds"] for f in w)
         return {"comm_bytes_per_step": sum(f["comm_bytes"] for f in w) / len(w),
@@ -147,7 +162,7 @@ class Telemetry:
                 "hidden_comm_fraction": 1.0 - exposed / seconds if seconds > 0 else None,
                 "comm_bytes_by_bucket": w[-1]["comm_bytes_by_bucket"],
                 "comm_seconds_by_bucket": _mean_by_key([f["comm_seconds_by_bucket"] for f in w]),
-                **self.runner.schedule_in_force()}
+                **self.schedule}
 
     def _store_interval(self, record: dict, my_loss: float, comm: dict, bubble: float | None, steps: int,
                         wall: float, phases: dict, state: list) -> None:
@@ -158,11 +173,12 @@ class Telemetry:
         mine = {"step": record["step"], "time": record["time"], "loss": my_loss, "tokens_per_s": record["tokens_per_s"],
                 "step_s": wall / steps, **per_step, "exposed_comm_s": exposed,
                 "comm_s": comm.get("comm_seconds_per_step", 0.0), "comm_bytes": comm.get("comm_bytes_per_step", 0.0),
-                "compute_s": max(0.0, busy - exposed), "memory_bytes": memory_bytes(self.runner.device),
-                "stage": self.runner.stage_index, "bubble": bubble if bubble is not None else math.nan}
-        n = self.run_cfg.model.n_layers
-        norms = state_rms(state, self.runner.state_layers, n)
-        every = gather_rows(pack(mine, norms + self._gate_saturation(n, state)), self.d.world_size, self.d.enabled)
+                "compute_s": max(0.0, busy - exposed), "memory_bytes": memory_bytes(self.layout.device),
+                "stage": self.layout.stage_index, "bubble": bubble if bubble is not None else math.nan}
+        n = self.layout.n_layers
+        norms = state_rms(state, self.layout.state_layers, n)
+        every = gather_rows(pack(mine, norms + self._gate_saturation(n, state)), self.layout.world_size,
+                            self.layout.distributed)
         if self.store is None:
             return
         ranks, layers = [], {}
@@ -206,7 +222,7 @@ class Telemetry:
                     + ")" if final else "")
                  + ("; bpb by depth " + ", ".join(f"{d}: {r['bpb']:.4f}" for d, r in result["by_depth"].items())
                     if "by_depth" in result else ""))
-        if self.d.is_main:
+        if self.layout.is_main:
             self._append_jsonl(record)
 
     def profile(self, profiler, step: int) -> list[dict] | None:
@@ -217,45 +233,45 @@ class Telemetry:
         profiler.finish()  # a run that ended inside the range
         keys = ("steps", "wall_s", "compute_s", "comm_s", "overlap_s", "idle_s")
         mine = profiler.summary or dict.fromkeys(keys, 0.0)
-        every = gather_rows(torch.tensor([float(mine[k]) for k in keys], dtype=torch.float64), self.d.world_size,
-                            self.d.enabled)
+        every = gather_rows(torch.tensor([float(mine[k]) for k in keys], dtype=torch.float64),
+                            self.layout.world_size, self.layout.distributed)
         by_rank = [dict(zip(keys, row.tolist())) for row in every]
         if self.store:
             self.store.write_profile(step, by_rank)
         return by_rank
 
-    def summary(self, run: dict, final: dict) -> dict:
+    def summary(self, run: dict, final: dict, ending: dict) -> dict:
         """summary.json: `run`, what the trainer says of the run (steps, tokens, wall_seconds, the selection, ...),
-        with the final validation `final`, the losses and the communication of every rank."""
-        per_rank = self._comm_totals_by_rank()  # [world, 4]: steps, bytes, seconds, exposed
+        with the final validation `final`, the losses and the communication of every rank; `ending`: what the
+        runner's finish() gave (this rank's communication totals; a pipeline's idle share by stage)."""
+        layout = self.layout
+        per_rank = self._comm_totals_by_rank(ending["comm_totals"])  # [world, 4]: steps, bytes, seconds, exposed
         steps = max(1.0, float(per_rank[:, 0].max()))
-        total_bytes = float(per_rank[:, 1].sum()) / self.d.world_size
+        total_bytes = float(per_rank[:, 1].sum()) / layout.world_size
         seconds, exposed = float(per_rank[:, 2].mean()), float(per_rank[:, 3].mean())
-        runner = self.runner
         summary = {
             **run, "train_loss": self.last_train_loss, "val_loss": final["loss"], "val_ppl": final["ppl"],
             "val_bpb": final["bpb"], "val_tokens": final["tokens"], "val_bytes": final["bytes"],
-            "world_size": self.d.world_size, "comm_mode": runner.comm_mode,
-            "comm_auto": runner.comm_choice(),  # comm.mode auto: seconds per step, by model and timed
+            "world_size": layout.world_size, "comm_mode": layout.comm_mode,
+            "comm_auto": layout.comm_choice,  # comm.mode auto: seconds per step, by model and timed
             "comm_bytes_total": total_bytes, "comm_bytes_per_step": total_bytes / steps,
             "comm_bytes_per_step_by_rank": [float(b) / steps for b in per_rank[:, 1]],
             "comm_seconds_per_step": seconds / steps, "exposed_comm_seconds_per_step": exposed / steps,
             "exposed_comm_fraction": exposed / seconds if seconds > 0 else None,
-            "pp": runner.pp, "dp": runner.dp_size, **runner.bubble_by_stage(self.d.world_size),
+            "pp": layout.pp, "dp": layout.dp_size, **{k: v for k, v in ending.items() if k != "comm_totals"},
         }
-        if self.d.is_main:
+        if layout.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             self.store.set_meta(summary=summary)
         for sink in self.sinks:
             sink.finish(summary)
         return summary
 
-    def _comm_totals_by_rank(self) -> torch.Tensor:
-        m = self.runner.comm_meter
-        mine = torch.tensor([[m.steps, m.total_bytes, m.total_seconds, m.total_exposed]], dtype=torch.float64)
-        if not self.d.enabled:
+    def _comm_totals_by_rank(self, totals: tuple) -> torch.Tensor:
+        mine = torch.tensor([list(totals)], dtype=torch.float64)
+        if not self.layout.distributed:
             return mine
-        every = [torch.zeros_like(mine) for _ in range(self.d.world_size)]
+        every = [torch.zeros_like(mine) for _ in range(self.layout.world_size)]
         dist.all_gather(every, mine)  # gloo carries CPU tensors; on NCCL-only groups this goes through cpu:gloo
         return torch.cat(every)
 
@@ -271,11 +287,11 @@ class Telemetry:
             self.store = None
 
 
-def mean_across_ranks(value: torch.Tensor, d) -> float:
-    if d.enabled:
+def mean_across_ranks(value: torch.Tensor, layout) -> float:
+    if layout.distributed:
         value = value.detach().clone()
         dist.all_reduce(value)
-        value /= d.world_size
+        value /= layout.world_size
     return value.item()
 
 

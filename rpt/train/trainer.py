@@ -36,37 +36,36 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from rpt import kernels
 from rpt.config import Config
-from rpt.data.dataset import raise_bad_id
+from rpt.data.dataset import raise_bad_id, token_counts
 from rpt.data.stream import TokenStream
 from rpt.data.tokenizer import token_byte_lengths
 from rpt.errors import RptError
 from rpt.models import RecurrentLM
-from rpt.models.lm import all_finite, map_state, shapes, token_counts
 from rpt.models.registry import CELLS
 from rpt.models.shapes import on_meta
+from rpt.models.state import all_finite, map_state, shapes
 from rpt.monitor import sinks
 from rpt.monitor.metrics import PHASES
-from rpt.parallel.apply import parallelize
-from rpt.parallel.interrupt import StopRequest
-from rpt.parallel.runner import StepRecord
 from rpt.parallel import launch
+from rpt.parallel.apply import parallelize
+from rpt.parallel.fsdp import param_digest
 from rpt.parallel.launch import Dist, restart_count
-from rpt.runtime import keep_freed_memory, pool_large_blocks
+from rpt.parallel.runner import StepRecord, autocast_for
+from rpt.runtime.signals import StopRequest
 from rpt.train import faults
 from rpt.train.averaging import WeightAverage
 from rpt.train.budget import Budget
-from rpt.train.checkpointing import Checkpointing, RandomState
+from rpt.train.checkpoint.manager import Checkpointing, RandomState
 from rpt.train.evaluate import Evaluation
 from rpt.train.hooks import StepHooks
 from rpt.train.init_from import load_weights, read_weights
 from rpt.train.optim import build_optimizer
 from rpt.train.resolve import resolve
+from rpt.train.run_dir import setup_logging
 from rpt.train.step_profiler import StepProfiler
-from rpt.train.run import setup_logging
 from rpt.train.telemetry import Telemetry
 from rpt.train.watchdog import Watchdog
 
@@ -92,11 +91,7 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None,
     d = launch.setup(device)
     if d.device.type == "cpu" and getattr(CELLS.get(cfg.model.cell), "native_loops", False):
         kernels.current().loops()  # built (once per machine, ~25 s) before anything is timed: the recipe, the budget
-    if cfg.train.bptt_chunk or cfg.parallel.fsdp != 1:  # chunks and FSDP's units free large blocks in turn, which
-        if d.device.type == "cpu":  # would fragment a heap that keeps every block: rpt's page pool reuses them
-            pool_large_blocks()
-    else:
-        keep_freed_memory()
+    launch.choose_allocator(d.device, cfg.parallel, cfg.train.bptt_chunk)
     run_dir = Path(run_dir)
     setup_logging(run_dir, d.rank)
     try:
@@ -123,19 +118,21 @@ class Trainer:
         self.resolved, self.data = resolve(cfg, dist_info, self.run_dir, resume, restarted)
         self.cfg = cfg = self.resolved.cfg
         resume, t = resume or restarted, cfg.train
+        # the two-level softmax's shortlist: this corpus's most frequent tokens
+        counts = token_counts(self.data.tokens("train"), cfg.model.vocab_size) if cfg.model.head_shortlist else None
         with on_meta():  # shapes only: what the run counts
             shape = RecurrentLM(cfg.model)
+            if counts is not None:
+                shape.order_head(counts)
         self.runner = runner = parallelize(cfg, self.resolved.plan, dist_info.rank, dist_info.world_size,
-                                           self.device, dist_info.enabled, self.resolved.comm_choice)
-        if cfg.model.head_shortlist:  # the two-level softmax's shortlist: this corpus's most frequent tokens
-            counts = token_counts(self.data.tokens("train"), cfg.model.vocab_size)
-            for model in (shape, runner.model):  # (a resumed run then loads the order it trained with)
-                model.order_head(counts)
+                                           self.device, dist_info.enabled, self.resolved.comm_choice, counts)
+        self.layout = layout = runner.layout
+        runner.bind(partial(build_optimizer, cfg=t))  # None where a rank owns nothing
+        self.held = runner.checkpoint_state()  # the model and what else a checkpoint holds (parts join below)
         self.initialised_from = self._init_from(t) if t.init_from and not resume else None  # (a resumed run's
         # checkpoint holds them already)
         self.params, self.flops_per_token = shape.num_params(), shape.flops_per_token()
-        self.dp_rank, self.dp_size = runner.dp_rank, runner.dp_size
-        runner.bind(build_optimizer(runner.model, t, runner.owned))  # None where a rank owns nothing
+        self.dp_rank, self.dp_size = layout.dp_rank, layout.dp_size
         make_loader = self.data.stream if cfg.data.mix else partial(TokenStream, self.data.tokens("train"))
         self.loader = make_loader(t.batch_size, t.seq_len, rank=self.dp_rank, world_size=self.dp_size, seed=t.seed,
                                   mode=cfg.data.loader, eot_id=self.data.eot_id)
@@ -146,22 +143,24 @@ class Trainer:
         self.agreed_clock: float | None = None  # elapsed() as every rank agreed it this step, where they did
         self.budget, self.ended_by, self.spent_share = Budget(t), None, 0.0
         self.pending_skip = None  # on a GPU: the last step's non-finite flag, not read yet
-        self.hooks = step_hooks(cfg, dist_info, self.run_dir)
+        self.hooks = step_hooks(t, cfg.monitor, dist_info, self.run_dir)
         self.profiler = next((h for h in self.hooks if isinstance(h, StepProfiler)), None)
         self.clock = PhaseClock(self.device, self.mark_phase)
-        self.averaging = WeightAverage(t.average, list(runner.model.parameters()))
+        self.averaging = WeightAverage(t.average, list(self.held.model.parameters()))
         self.eval_align = cfg.comm.diloco_steps if cfg.comm.mode == "diloco" else 1  # (replicas agree there)
         self.evaluation = Evaluation(t, self.data, token_byte_lengths(self.data.tokenizer), self.device,
-                                     self.dp_rank, self.dp_size, cfg.data.reset_at_documents, runner.autocast)
+                                     self.dp_rank, self.dp_size, cfg.data.reset_at_documents,
+                                     partial(autocast_for, layout.precision, layout.device))
+        # what a checkpoint holds beside the model, the optimiser and the runner's parts: save and resume walk this
+        # one provider (the parts a rank's place owns start afresh on another layout)
+        self.held = self.held.with_parts({"trainer": self, "loader": self.loader, "budget": self.budget,
+                                          "evaluation": self.evaluation, "averaging": self.averaging,
+                                          "rng": RandomState(self.device)}, per_rank=("rng", "averaging"))
         self.checkpoints = Checkpointing(cfg.checkpoint, str(self.run_dir / "checkpoints"), dist_info.rank,
-                                         dist_info.world_size, dist_info.is_main, self.hooks, runner.layout)
-        self.telemetry = Telemetry(cfg, dist_info, self.run_dir, runner, show_progress)
+                                         dist_info.world_size, dist_info.is_main, self.hooks, self.held, layout.shape)
+        self.telemetry = Telemetry(cfg.monitor, layout, self.run_dir, runner.probes(), show_progress)
         if self.initialised_from:
             self.telemetry.say(self.initialised_from)
-        # what a checkpoint holds beside the model and the optimiser: save and resume walk this one registry
-        self.stateful = {"trainer": self, "loader": self.loader, **runner.stateful(), "budget": self.budget,
-                         "evaluation": self.evaluation, "averaging": self.averaging,
-                         "rng": RandomState(self.device)}
         torch.manual_seed(t.seed + 1000 * dist_info.rank)  # dropout differs per rank
         random.seed(t.seed + dist_info.rank)
         np.random.seed(t.seed + dist_info.rank)
@@ -177,11 +176,12 @@ class Trainer:
             self._write_run_files()
 
     # ------------------------------------------------------------------ the step
-    def train_step(self, batch) -> StepRecord:
-        """One optimiser step over one batch (the runner's), and its skip counted."""
+    def train_step(self, batch, lr: float | None = None) -> StepRecord:
+        """One optimiser step over one batch at learning rate `lr` (the runner's; None: the optimiser's as it is),
+        and its skip counted."""
         x, y, reset = batch
         record, self.state = self.runner.train_step(x, y, reset if self.cfg.data.reset_at_documents else None,
-                                                    self.state, self.step, self.clock, self._in_forward)
+                                                    self.state, self.step, lr, self.clock, self._in_forward)
         self._count_skip(record.nonfinite)
         return record
 
@@ -224,8 +224,12 @@ class Trainer:
     def run(self) -> dict:
         tel = self.telemetry
         self.started = time.perf_counter()
+        t = self.cfg.train
         tel.open(self.params, self.step, self.spent(), self.resolved.notes, self.budget.describe(),
-                 [self.checkpoints.describe(), *[line for line in [self.averaging.describe()] if line]])
+                 [self.checkpoints.describe(), *[line for line in [self.averaging.describe()] if line]],
+                 config=self.cfg.to_dict(), meta={"config": self.cfg.to_toml(),
+                                                  "tokens_per_rank_step": t.batch_size * t.seq_len,
+                                                  "eval_tokens": t.eval_tokens if t.eval_interval else 0})
         with StopRequest(in_worker="TORCHELASTIC_RUN_ID" in os.environ) as stop, closing(tel.bar):
             while True:
                 self.mark_phase("data")
@@ -237,12 +241,11 @@ class Trainer:
                 if self.ended_by:
                     break
                 lr = self.budget.lr(self.step, self.spent_share)
-                self.runner.set_lr(lr)
                 with self.clock("data"):
                     batch = self._next_batch()
                 for hook in self.hooks:
                     hook.step_begins(self.step)
-                record = self.train_step(batch)
+                record = self.train_step(batch, lr)
                 self.averaging.step(self.spent_share)
                 self.step += 1
                 if not self.recorded:
@@ -277,9 +280,9 @@ class Trainer:
         self.stopped = time.perf_counter()
         segment = self.stopped - self.started
         profile = tel.profile(self.profiler, self.step)
-        self.runner.finish()
+        ending = self.runner.finish()
         self.averaging.put_in()  # the run ends with the average (its iterate kept for a resume)
-        log.info("parameter digest %s", param_digest(self.runner.model))  # ranks compare equal under data parallel
+        log.info("parameter digest %s", param_digest(self.held.model))  # ranks compare equal under data parallel
         ev = self.evaluation
         if ev.last is not None and ev.ranking(self.step) is None:
             self._evaluate(final=False)  # the measure checkpoints are ranked and the best chosen by, at the last step too
@@ -290,11 +293,11 @@ class Trainer:
         else:
             val = ev.ranking(self.step)
         with self.clock("checkpoint"):
-            self.checkpoints.finish(self.step, self.runner.model, self.runner.optimizer, self.stateful, val)
+            self.checkpoints.finish(self.step, val)
         if ev.last is not None:
             selected = self._select_best()
             final = self._evaluate(final=True, weights_step=selected["selected_step"])
-        summary = tel.summary(self._run_figures(segment, profile, selected), final)
+        summary = tel.summary(self._run_figures(segment, profile, selected), final, ending)
         for hook in self.hooks:
             hook.run_ends()
         tel.close()
@@ -415,17 +418,16 @@ class Trainer:
         return result
 
     def _weights(self) -> dict:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.runner.model.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.held.model.state_dict().items()}
 
     def _select_best(self) -> dict:
         """The weights the run ends with (its final evaluation, the checkpoint `best`): those of the best periodic
-        validation, loaded back (rpt/train/checkpointing.py: Checkpointing.select_best); else the last step's."""
+        validation, loaded back (rpt/train/checkpoint/manager.py: Checkpointing.select_best); else the last step's."""
         best = self.evaluation.best
         if best is None or not self.cfg.train.select_best:
             return {"selected_step": self.step, "selected_by": "the last step"}
         with self.clock("checkpoint"):
-            selected = self.checkpoints.select_best(self.step, best, self.evaluation.best_weights, self.runner.model,
-                                                    self.runner.partial)
+            selected = self.checkpoints.select_best(self.step, best, self.evaluation.best_weights)
         if selected["selected_step"] != self.step:
             self.telemetry.say(f"selected the weights of step {best['step']:,}: the best periodic validation loss "
                                f"{best['loss']:.4f}, against {self.evaluation.last['loss']:.4f} at step {self.step:,}")
@@ -434,22 +436,21 @@ class Trainer:
     def _save(self, val: tuple[float, int] | None = None) -> None:
         """A checkpoint of this step, ranked by its periodic evaluation when it has one."""
         with self.clock("checkpoint"), self.averaging.in_model():  # a checkpoint's model is what the run stands at
-            self.checkpoints.save(self.step, self.runner.model, self.runner.optimizer, self.stateful,
-                                  val or self.evaluation.ranking(self.step))
+            self.checkpoints.save(self.step, val or self.evaluation.ranking(self.step))
 
     def state_dict(self) -> dict:
         """The trainer's own part of a checkpoint: how far the run is, and the recurrent state it carries."""
         return {"step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
                 "elapsed": self.elapsed(), "recipe_seconds": self.recipe_seconds,
                 "train_loss": self.telemetry.last_train_loss, "state": self.state,
-                "layout": {**self.runner.layout, "rank": self.d.rank}}
+                "layout": {**self.layout.shape, "rank": self.d.rank}}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens, self.skipped_steps = state["step"], state["tokens"], state["skipped_steps"]
         self.elapsed_before = state["elapsed"]
         self.recipe_seconds = state.get("recipe_seconds", 0.0)  # (older checkpoints: not kept)
         self.telemetry.last_train_loss = state.get("train_loss")  # until this segment logs its own
-        layout = {**self.runner.layout, "rank": self.d.rank}
+        layout = {**self.layout.shape, "rank": self.d.rank}
         if state.get("layout", layout) != layout:
             return  # another rank's rows: the recurrent state starts afresh (Checkpointing.resume says so)
         saved, fresh = shapes(state["state"]), shapes(self.state)
@@ -461,15 +462,14 @@ class Trainer:
 
     def _init_from(self, t) -> str:
         weights = read_weights(t.init_from)
-        loaded = load_weights(self.runner.model, weights, t.init_fresh, self.cfg.model.tie_embeddings,
-                              partial=self.runner.partial, tokenizer_sha256=self.data.meta.get("tokenizer_sha256", ""))
+        loaded = load_weights(self.held.model, weights, t.init_fresh, self.cfg.model.tie_embeddings,
+                              partial=self.held.partial, tokenizer_sha256=self.data.meta.get("tokenizer_sha256", ""))
         fresh = f"; fresh: {', '.join(t.init_fresh)}" if t.init_fresh else ""
         log.info("initialised %d tensors from %s%s", len(loaded), weights.source, fresh)
         return f"initialised from {weights.source} ({len(loaded)} tensors{fresh})"
 
     def _resume(self) -> None:
-        path = self.checkpoints.resume(self.runner.model, self.runner.optimizer, self.stateful,
-                                       partial=self.runner.partial, per_rank=("rng", "sync", "averaging"))
+        path = self.checkpoints.resume()
         if path is None:  # nothing saved yet: a restarted new run starts as it did
             if self.cfg.train.init_from:
                 self.telemetry.say(self._init_from(self.cfg.train))
@@ -546,24 +546,12 @@ class PhaseClock:
         return sums
 
 
-def step_hooks(cfg: Config, d: Dist, run_dir: Path) -> list[StepHooks]:
+def step_hooks(train, monitor, d: Dist, run_dir: Path) -> list[StepHooks]:
     """The step hooks (rpt/train/hooks.py) this run installs: RPT_FAULT's, the stall watchdog on several
-    processes, the profiler when steps are to be traced."""
+    processes (the train section's stall_timeout), the profiler when steps are to be traced (monitor.profile)."""
     hooks = faults.hooks_from_env(d.rank)
-    if d.world_size > 1 and cfg.train.stall_timeout:
-        hooks.append(Watchdog(d.rank, d.world_size, cfg.train.stall_timeout))
-    if cfg.monitor.profile:
-        hooks.append(StepProfiler(cfg.monitor.profile, run_dir, d.rank, d.device))
+    if d.world_size > 1 and train.stall_timeout:
+        hooks.append(Watchdog(d.rank, d.world_size, train.stall_timeout))
+    if monitor.profile:
+        hooks.append(StepProfiler(monitor.profile, run_dir, d.rank, d.device))
     return hooks
-
-
-def param_digest(model: torch.nn.Module) -> str:
-    """sha256 over every parameter's bytes, in order: equal digests mean bit-identical replicas."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        h.update(name.encode())
-        full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()  # FSDP: the whole parameter
-        h.update(full.cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rpt.comm.accounting import CommMeter, _union_length, allgather_wire_bytes, allreduce_wire_bytes
-from rpt.comm.sync import _assign_owners, _cut
+from rpt.comm.modes import _assign_owners, _cut
 
 
 def test_overlapping_transfers_count_once():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rpt.comm.links import Topology, choose, pairs_to_measure, predict
+from rpt.comm.links import Topology, fastest, pairs_to_measure, predict
 
 MB = 2**20
 
@@ -20,12 +20,12 @@ def test_equal_links_follow_the_textbook_formulas():
     assert got["allreduce"] == pytest.approx(2 * (p - 1) * lat + 2 * (p - 1) / p * n / bw)
     assert got["ps-sharded"] == pytest.approx(2 * lat + 2 * (p - 1) / p * n / bw)
     assert got["ps"] == pytest.approx(2 * lat + 2 * (p - 1) * n / bw)
-    assert choose(got) == "allreduce"  # equal bandwidth terms within 5%: the tie goes to DDP
+    assert fastest(got) == "allreduce"  # equal bandwidth terms within 5%: the tie goes to DDP
 
 
 def test_latency_bound_small_gradients_favour_the_sharded_server():
     got = predict(uniform(8, 1e9, lat=5e-3), 64 * 1024)
-    assert choose(got) == "ps-sharded"  # 2 latencies instead of 2(p-1)
+    assert fastest(got) == "ps-sharded"  # 2 latencies instead of 2(p-1)
 
 
 def test_a_central_server_at_best_ties_the_ring_even_on_a_much_faster_link():

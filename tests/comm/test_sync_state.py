@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from rpt.comm.sync import AllReduceSync
+from rpt.comm.modes import AllReduceSync
 from rpt.config import CommConfig
 
 

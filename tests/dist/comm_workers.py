@@ -50,7 +50,7 @@ def build_auto_with_timings(timed: dict) -> dict:
     """comm.mode = auto with the pattern timings replaced by `timed`: which sync it built, what this rank owns."""
     import dataclasses
 
-    from rpt.comm.sync import build_sync, choose_mode
+    from rpt.comm.modes import build_sync, choose_mode
     from rpt.config import CommConfig
     from rpt.comm import links
     from rpt.parallel import launch
@@ -80,7 +80,7 @@ def powersgd_overlap(blocking: bool, steps: int) -> dict:
 
     import torch.distributed as dist
     from rpt.comm import compress
-    from rpt.comm.sync import AllReduceSync
+    from rpt.comm.modes import AllReduceSync
     from rpt.config import CommConfig
 
     dist.init_process_group("gloo")

@@ -14,7 +14,7 @@ def window_against_one_process(cells: list[str], cp: int, bf16: bool = False) ->
 
     from rpt.config import ModelConfig
     from rpt.models import RecurrentLM
-    from rpt.models.lm import map_state
+    from rpt.models.state import map_state
     from rpt.parallel import launch
     from rpt.parallel.context import ContextGroup, split_windows
 
@@ -69,7 +69,7 @@ def window_against_one_process(cells: list[str], cp: int, bf16: bool = False) ->
 
 
 def _flat(state) -> list[torch.Tensor]:
-    from rpt.models.lm import map_state
+    from rpt.models.state import map_state
 
     found = []
     map_state(lambda t: found.append(t) or t, state)

@@ -97,7 +97,7 @@ def test_a_time_budget_ends_every_rank_at_the_same_step_with_identical_replicas(
 
 
 def test_auto_measures_and_every_rank_takes_the_same_mode(runs):
-    from rpt.comm.links import choose
+    from rpt.comm.links import fastest
 
     for name in ("auto", "auto-topk"):
         s0, s1 = runs[0][name]["summary"], runs[1][name]["summary"]
@@ -109,7 +109,7 @@ def test_auto_measures_and_every_rank_takes_the_same_mode(runs):
         assert all(torch.equal(r0[k], r1[k]) for k in r0)
     auto = runs[0]["auto"]["summary"]
     if auto["compression"] == "none":  # loopback: a half-width codec saves less than its threshold here
-        assert auto["comm_mode"] == choose(auto["comm_auto"]["timed"])
+        assert auto["comm_mode"] == fastest(auto["comm_auto"]["timed"])
     assert runs[0]["auto-topk"]["summary"]["comm_mode"] == "allreduce"  # the servers do not take topk
     # two ranks on one machine: in the model the ring and the sharded server tie, a central server costs twice
     model = runs[0]["auto"]["summary"]["comm_auto"]["model"]

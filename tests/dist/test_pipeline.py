@@ -14,9 +14,10 @@ from pipeline_workers import losses_of, pipeline_overrides, train_runs
 from rpt.config import Config
 from rpt.monitor.store import MetricsReader
 from rpt.parallel.launch import Dist
-from rpt.train.run import eval_run
+from rpt.train.evaluate import eval_run
 from rpt.train.trainer import Trainer
 
+MLSTM = ["model.cell=mlstm", "model.heads=2", "model.chunk_size=4"]  # windows of 16: four chunks a window
 SOLO = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
@@ -52,6 +53,8 @@ def two_stages(tiny_data, tmp_path_factory):
             ("recompute", ["parallel.pp=2", "model.activation_checkpointing=true"], False),
             # the last stage's loss is the model's own nats: a two-level head trains there as in one process
             ("shortlist", ["parallel.pp=2", "model.head_shortlist=64"], False),
+            # a matrix state ([B, heads, d, d]) handed between micro-batches, its chunkwise form within each stage
+            ("mlstm", ["parallel.pp=2", *MLSTM], False),
             # a warm-up longer than the runs: the learning rate depends on the step alone, not on max_steps
             ("whole", ["parallel.pp=2", "train.warmup_steps=100"], False),
             # a new run from the weights of the one above: each stage loads its own blocks
@@ -100,6 +103,15 @@ def test_two_stages_train_exactly_as_one_process(two_stages, tiny_data, tmp_path
     for (step, layer), v in got.items():
         if layer in ranks[0]["1f1b"]["stage_blocks"]:
             assert v == pytest.approx(ref[(step, layer)], abs=1e-6), (step, layer)
+
+
+def test_an_mlstm_in_two_stages_trains_exactly_as_one_process(two_stages, tiny_data, tmp_path):
+    _, ranks = two_stages
+    ref_losses, ref_params = reference(tiny_data, tmp_path, "ref-mlstm", *MLSTM)
+    first, last = ranks[0]["mlstm"], ranks[1]["mlstm"]
+    assert any(".cell.qkvo." in name for name in first["params"])  # the stages hold mlstm blocks
+    assert_same_training({"losses": first["losses"], "params": {**first["params"], **last["params"]}},
+                         ref_losses, ref_params)
 
 
 def test_init_from_under_two_stages_equals_one_process(two_stages, tiny_data, tmp_path):

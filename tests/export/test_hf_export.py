@@ -24,7 +24,7 @@ from rpt.errors import RptError
 from rpt.export.hf_export import export_model, export_run
 from rpt.models import RecurrentLM
 from rpt.train.init_from import load_weights, read_weights
-from rpt.train.run import load_run
+from rpt.train.run_dir import load_run
 from rpt.train.trainer import Trainer
 
 VARIANTS = {  # name: the model settings of a run (every cell; attention, MLP, both heads, weight norm)

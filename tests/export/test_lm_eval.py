@@ -23,7 +23,7 @@ from rpt.errors import RptError
 from rpt.export.hf_export import export_run
 from rpt.export.lm_eval_run import run_lm_eval
 from rpt.parallel.launch import Dist
-from rpt.train.run import load_run
+from rpt.train.run_dir import load_run
 from rpt.train.trainer import Trainer
 
 DOCS = [{"context": "First Citizen:\nBefore we proceed any further, hear me", "continuation": " speak."},
@@ -132,9 +132,11 @@ def test_lm_eval_refuses_what_it_cannot_run(exported, tmp_path):
 
 def test_a_looped_model_scores_at_the_depth_given(exported, tiny_data, tmp_path):
     """`depth` reaches the exported model (loop_depth in lm-eval's model arguments): each depth's
-    log-likelihoods are rpt's own at that depth, and they differ between depths."""
+    log-likelihoods are rpt's own at that depth, and they differ between depths. The core is an mlstm: a matrix
+    state through the loop, the export and lm-eval."""
     _, _, tasks = exported
-    cfg = Config.load(None, [f"data.path={tiny_data}", "model.d_model=32", "model.cell=mingru", "model.n_layers=3",
+    cfg = Config.load(None, [f"data.path={tiny_data}", "model.d_model=32", "model.cell=mlstm", "model.heads=2",
+                             "model.chunk_size=8", "model.n_layers=3",
                              "model.loop_prelude=1", "model.loop_core=1", "model.loop_mean=2", "train.batch_size=4",
                              "train.seq_len=16", "train.max_steps=6", "train.eval_interval=0", "train.eval_tokens=256",
                              "train.eval_depths=[2]", "monitor.tensorboard=false"])

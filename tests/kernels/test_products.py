@@ -1,4 +1,4 @@
-"""The products of rpt/models/cells/products.py (oneDNN's; rpt's small-batch one) against float64.
+"""The products of rpt/kernels/cpu/products.py (oneDNN's; rpt's small-batch one) against float64.
 
 `linear` takes the oneDNN path only for large float32 CPU products, which the float64 parity tests of the
 cells never reach: here it is checked on its own, output and every gradient, and its fallbacks are checked to

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
-from rpt.models.lm import ClusteredHead, Head, token_counts
+from rpt.models.lm import ClusteredHead, Head
+from rpt.data.dataset import token_counts
 
 V, D, S = 40, 8, 6
 
@@ -101,7 +102,7 @@ def test_the_model_with_a_shortlist_steps_as_it_runs_and_scores_as_it_samples(ti
 
 def test_a_run_with_a_shortlist_learns_and_resumes_with_its_order(make_cfg, tmp_path, solo):
     from rpt.data.dataset import PreparedData
-    from rpt.train.checkpoint_store import CheckpointStore
+    from rpt.train.checkpoint.store import CheckpointStore
     from rpt.train.trainer import Trainer
 
     cfg = make_cfg("model.head_shortlist=32", "train.max_steps=30", "train.lr=1e-2")
@@ -109,7 +110,7 @@ def test_a_run_with_a_shortlist_learns_and_resumes_with_its_order(make_cfg, tmp_
     counts = token_counts(PreparedData(cfg.data.path).tokens("train"), 300)
     model = RecurrentLM(dataclasses.replace(cfg.model, vocab_size=300))
     checkpoints = CheckpointStore(str(tmp_path / "r" / "checkpoints"))
-    checkpoints.load(checkpoints.resolve("latest", str(tmp_path / "r")), model)
+    checkpoints.load(checkpoints.find("latest", str(tmp_path / "r")), model)
     assert set(model.head.order[:32].tolist()) == set(np.argsort(-counts, kind="stable")[:32].tolist())
     assert summary["val_loss"] < np.log(300) - 1.0  # learned well beyond a uniform guess
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rpt.errors import RptError
-from rpt.train.checkpoint_store import CheckpointStore
+from rpt.train.checkpoint.store import CheckpointStore
 from rpt.train.trainer import Trainer
 
 
@@ -17,8 +17,8 @@ def test_the_run_ends_with_the_mean_of_the_iterates_of_its_last_share(make_cfg, 
     iterates = []
     step = Trainer.train_step
 
-    def recording(self, batch):
-        out = step(self, batch)
+    def recording(self, batch, lr=None):
+        out = step(self, batch, lr)
         iterates.append({n: p.detach().clone() for n, p in self.runner.model.named_parameters()})
         return out
     monkeypatch.setattr(Trainer, "train_step", recording)

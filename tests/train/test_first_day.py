@@ -59,14 +59,14 @@ def test_best_is_ranked_by_one_measure_and_eval_says_which(finished):
 
 def test_a_mistyped_checkpoint_names_the_ones_there_are(finished):
     from rpt.errors import RptError
-    from rpt.train.checkpoint_store import CheckpointStore
+    from rpt.train.checkpoint.store import CheckpointStore
 
     ck = CheckpointStore(str(finished / "checkpoints"))
     for name in ("step_00000010", "10", str(finished / "checkpoints" / "step_00000010")):
-        assert ck.resolve(name, str(finished)).endswith("step_00000010")
+        assert ck.find(name, str(finished)).endswith("step_00000010")
     for name in ("step_00006000", "bestt", "no/such/folder"):
         with pytest.raises(RptError, match=f"no complete checkpoint '{name}'") as refused:
-            ck.resolve(name, str(finished))
+            ck.find(name, str(finished))
         assert "step_00000005, step_00000010, step_00000015, step_00000020" in str(refused.value)
     # the CLI says it as one message (the bad-input catalogue holds more of these)
     proc = rpt("eval", str(finished), "--checkpoint", "step_00006000")
@@ -124,7 +124,7 @@ def test_outside_a_terminal_progress_is_printed_as_plain_lines(tmp_path, tiny_da
 def test_generate_prints_whole_characters_only(finished):
     import io
 
-    from rpt.train.run import generate_text
+    from rpt.train.generation import generate_text
 
     for seed in (0, 1):  # hot sampling over a vocabulary with tokens that hold parts of characters
         out = io.StringIO()

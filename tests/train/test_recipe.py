@@ -105,9 +105,9 @@ def test_a_cell_without_weight_drop_is_regularised_without_it(make_cfg):
     for cell, expected in (("lstm", True), ("gru", False)):
         cfg = make_cfg(f"model.cell={cell}", "train.max_steps=2000", "train.recipe=auto")
         cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
-        cfg.given = frozenset()
-        recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 50_000, 10_000, np.ones(512))
-        assert cfg.model.embed_dropout > 0 and (cfg.model.weight_drop > 0) == expected
+        cfg.given = frozenset({"model.cell"})
+        recipe.apply_recipe(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 50_000, 10_000, np.ones(512))
+        assert cfg.model.cell == cell and cfg.model.embed_dropout > 0 and (cfg.model.weight_drop > 0) == expected
         assert any("model.embed_dropout" in note for note in cfg.notes)
 
 
@@ -119,7 +119,7 @@ def test_with_diloco_validations_fall_on_outer_steps(make_cfg):
                        "train.eval_interval=0")
         cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
         cfg.given = frozenset({"comm.mode", "comm.diloco_steps"})
-        recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 50_000, 10_000, np.ones(512))
+        recipe.apply_recipe(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 50_000, 10_000, np.ones(512))
         plain = recipe.choose(50_000, 10_000, {"steps": 2000}, dict.fromkeys(recipe.LADDER, 1.0),
                               cfg.train.batch_size * cfg.train.seq_len, frozenset())
         interval = chosen(plain)["train.eval_interval"]
@@ -166,7 +166,7 @@ def test_attention_joins_the_stack_only_where_the_data_not_the_compute_limits_th
         cfg = make_cfg("train.max_steps=2000", "train.recipe=auto", *sets)
         cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
         cfg.given = frozenset(given)
-        recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), train_tokens, 10_000, np.ones(512))
+        recipe.apply_recipe(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), train_tokens, 10_000, np.ones(512))
         return cfg
 
     many = resolved("model.attention_every=0")  # 2,000 steps over 20K tokens: many passes
@@ -195,7 +195,7 @@ def test_larger_batches_only_where_the_compute_not_the_data_limits_the_run(make_
                        "train.seq_len=16", "model.attention_every=0", *sets)
         cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
         cfg.given = frozenset(given)
-        recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), train_tokens, 10_000, np.ones(512))
+        recipe.apply_recipe(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), train_tokens, 10_000, np.ones(512))
         return cfg
 
     few = resolved(train_tokens=10**9)  # 400K tokens over 1G: under one pass
@@ -229,5 +229,28 @@ def test_under_a_time_budget_one_size_is_measured_once_and_the_larger_batch_foll
                    "train.seq_len=16", "model.attention_every=0")
     cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
     cfg.given = frozenset()
-    recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 10**12, 10_000, np.ones(512))
+    recipe.apply_recipe(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 10**12, 10_000, np.ones(512))
     assert cfg.train.batch_size == 64 and timed == [((2, 256), 4, 0)]
+
+
+def test_the_family_is_the_devices_measured_best_and_a_given_cell_is_kept(make_cfg):
+    """The cell where none is given: FAMILIES' entry for the device, with its reason; an unmeasured device gets the
+    CPU's, said as unmeasured; a given cell (and its options) is kept."""
+    from types import SimpleNamespace
+
+    def resolved(device, *sets, given=()):
+        cfg = make_cfg("train.max_steps=2000", "train.recipe=auto", *sets)
+        cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
+        cfg.given = frozenset(given)
+        choices = recipe.cell_choice(cfg, __import__("torch").device(device))
+        recipe.apply_recipe(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 10**9, 10_000, np.ones(512))
+        return cfg, choices
+
+    cfg, choices = resolved("cpu", "model.cell=gru")  # a default's cell, not given: the recipe chooses
+    assert cfg.model.cell == recipe.FAMILIES["cpu"][0] == chosen(choices)["model.cell"]
+    assert any(f"model.cell = {cfg.model.cell}: measured best" in note for note in cfg.notes)
+    _, elsewhere = resolved("meta")
+    assert chosen(elsewhere)["model.cell"] == recipe.FAMILIES["cpu"][0] and "not yet measured" in elsewhere[0].why
+    kept, none = resolved("cpu", "model.cell=mlstm", "model.heads=2", given={"model.cell", "model.heads"})
+    assert none == [] and (kept.model.cell, kept.model.heads) == ("mlstm", 2)
+    assert not any("model.cell" in note for note in kept.notes)

@@ -90,7 +90,7 @@ def test_restarts_without_checkpoints_are_warned_of(tmp_path, tiny_data):
 def test_keeping_no_checkpoint_at_all_is_refused_and_the_newest_is_always_kept(tmp_path, cli):
     code, _, err = cli("config", "--set", "checkpoint.keep_last=0", "--set", "checkpoint.keep_best=0")
     assert code == 2 and "would delete every checkpoint" in err
-    from rpt.train.checkpoint_store import CheckpointStore
+    from rpt.train.checkpoint.store import CheckpointStore
 
     model = torch.nn.Linear(3, 2)
     ck = CheckpointStore(str(tmp_path / "ck"), keep_last=0, keep_best=1)
@@ -124,7 +124,7 @@ def test_the_recipe_measures_within_its_share_of_the_budget(make_cfg, monkeypatc
         return forward(self, x, *args, **kwargs)
     monkeypatch.setattr(RecurrentLM, "forward", slow)
     cfg = make_cfg("train.recipe=auto", "train.max_time=20", "train.seq_len=64", "train.max_steps=0").thawed()
-    seconds = recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu")), 50_000, 10_000,
+    seconds = recipe.apply_recipe(cfg, SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu")), 50_000, 10_000,
                              np.ones(300))
     assert seconds < 2.0  # two whole-window steps alone would take 2.6 s
     assert any("measuring stopped at the recipe's share of the budget" in n for n in cfg.notes)
@@ -217,7 +217,8 @@ def test_rpt_config_without_a_preset_marks_what_the_recipe_chooses(cli):
     lines = out.splitlines()
     assert "n_layers = 2  # the default recipe chooses" in lines
     assert "d_model = 64" in lines  # given: the recipe leaves it alone
-    assert "cell = \"lstm\"" in lines
+    assert "cell = \"lstm\"  # the default recipe chooses" in lines  # the family, by the device's measurements
+    assert "seq_len = 64" in lines  # the recipe does not choose the window
 
 
 def test_settings_that_cannot_take_effect_are_warned_of_or_refused(tmp_path, cli):

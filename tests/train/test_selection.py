@@ -8,8 +8,9 @@ import itertools
 import pytest
 
 import rpt.train.evaluate as evaluate_module
-from rpt.train.checkpoint_store import CheckpointStore
-from rpt.train.trainer import Trainer, param_digest
+from rpt.train.checkpoint.store import CheckpointStore
+from rpt.parallel.fsdp import param_digest
+from rpt.train.trainer import Trainer
 
 
 @pytest.fixture

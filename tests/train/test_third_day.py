@@ -208,7 +208,7 @@ def _recipe(make_cfg, monkeypatch, speed: float, train_tokens: int, *sets: str):
     cfg = make_cfg("train.max_steps=0", "train.max_time=60", "train.recipe=auto", "train.batch_size=16",
                    "train.seq_len=64", *sets).thawed()
     cfg.given = frozenset()
-    recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), train_tokens, 10_000, np.ones(512))
+    recipe.apply_recipe(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), train_tokens, 10_000, np.ones(512))
     passes = {float(p) for note in cfg.notes for p in re.findall(r"([\d.]+) passes(?! with| without)", note)}
     return cfg, timed, passes
 
@@ -239,7 +239,7 @@ def test_a_short_run_of_known_steps_validates_and_decays(make_cfg, monkeypatch):
     cfg = make_cfg("train.max_steps=0", "train.max_tokens=120000", "train.recipe=auto", "train.batch_size=16",
                    "train.seq_len=64").thawed()
     cfg.given = frozenset()
-    recipe.resolve(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 10**6, 10_000, np.ones(512))
+    recipe.apply_recipe(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 10**6, 10_000, np.ones(512))
     steps = 120_000 / (cfg.train.batch_size * cfg.train.seq_len)  # 29 steps at 64 rows
     assert steps // cfg.train.eval_interval >= 3 and cfg.train.warmup_steps <= steps / 10
     assert cfg.origins["train.warmup_steps"] == "the default recipe"
@@ -347,7 +347,7 @@ def test_generation_refuses_an_exit_or_a_depth_it_cannot_run_before_printing(loo
     import io
 
     from rpt.errors import RptError
-    from rpt.train.run import generate_text
+    from rpt.train.generation import generate_text
 
     out = io.StringIO()
     with pytest.raises(RptError, match="this model's head has no shortlist"):

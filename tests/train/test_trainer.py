@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rpt.errors import RptError
-from rpt.train.checkpoint_store import CheckpointStore
+from rpt.train.checkpoint.store import CheckpointStore
 from rpt.train.trainer import Trainer
 
 

@@ -8,8 +8,8 @@ and gru_cpu.cpp are the Python loops of their loops.py step for step on the same
 part one pass of the same arithmetic on the CPU: CELL_steps.h, on step_passes.h's vector helpers; at few rows the
 whole loop in one parallel region: `threaded_loops.h`), minrnn_cpu.cpp minGRU's and minLSTM's linear recurrence
 in one pass each way; beside this file, what they share: the per-step product (`project.h`, and for few rows
-`small_batch_product.cpp`), and the allocator of exact BPTT in chunks and of FSDP (`page_pool.cpp`). They build
-into one library whose operators are torch.ops.rpt_loops.
+`small_batch_product.cpp`); and the allocator of exact BPTT in chunks and of FSDP (rpt/runtime/page_pool.cpp).
+They build into one library whose operators are torch.ops.rpt_loops.
 
 It is built with torch's JIT extension builder (g++ and ninja) into ~/.cache/rpt/native/ (RPT_NATIVE_DIR
 overrides), one folder per torch version, source and compile flags, by one process at a time (the others wait
@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 OPS = Path(__file__).parents[2] / "ops"  # the recurrences' own C++ (rpt/ops/CELL/CELL_cpu.cpp, CELL_steps.h)
-SOURCES = [Path(__file__).with_name(name) for name in ("small_batch_product.cpp", "page_pool.cpp")] + \
+RUNTIME = Path(__file__).parents[2] / "runtime"  # its allocator, the page pool (rpt/runtime/page_pool.cpp)
+SOURCES = [Path(__file__).with_name("small_batch_product.cpp"), RUNTIME / "page_pool.cpp"] + \
     [OPS / cell / f"{cell}_cpu.cpp" for cell in ("modlstm", "gru", "minrnn")]
 HEADERS = [Path(__file__).with_name(name) for name in ("project.h", "step_passes.h", "threaded_loops.h")] + \
     [OPS / cell / f"{cell}_steps.h" for cell in ("modlstm", "gru")]  # in the build's key

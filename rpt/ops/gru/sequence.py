@@ -46,7 +46,7 @@ def forward(cell, x: Tensor, state: tuple, reset: Optional[Tensor]):
     """The cell (rpt.models.cells.gru.GRU: its parameters) over x, from `state`: (y, state)."""
     form = kernels.current().form(x, forms(cell.d_hidden, cell.heads, x.is_cuda))
     if form is Form.TRITON_LOOP:  # a program per head, blocks on chip
-        from rpt.ops.gru.triton import gru_sequence as loop
+        from rpt.ops.gru.triton import gru_triton_loop as loop
 
         keep = None if reset is None else (~reset).float().t().contiguous()
         y, new = loop(x, cell.w_ih, cell.w_hh, cell.b_ih, cell.b_hh, state[0], keep, cell.heads)

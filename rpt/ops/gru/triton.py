@@ -149,7 +149,7 @@ def _gru_backward(ctx, d_hs, _):
 gru_loop.register_autograd(_gru_backward, setup_context=_gru_setup)
 
 
-def gru_sequence(x, w_ih, w_hh, b_ih, b_hh, h0, keep, heads: int):
+def gru_triton_loop(x, w_ih, w_hh, b_ih, b_hh, h0, keep, heads: int):
     """The head-wise GRU over x [B, T, D] from h0: (y [B, T, H], (h_T,)). w_hh holds the recurrent blocks
     ([3H, H / heads]); keep [T, B] float (0 where a row's state resets before that step) or None."""
     B, T, _ = x.shape

@@ -26,10 +26,10 @@ def forward(cell, x: Tensor, state: tuple, reset: Optional[Tensor]):
     """The cell (rpt.models.cells.lstm.LSTM: its parameters) over x, from `state`: (y, state)."""
     form = kernels.current().form(x, forms(cell.d_hidden, cell.heads, x.is_cuda))
     if form is Form.TRITON_LOOP:
-        from rpt.ops.lstm.triton import lstm_sequence
+        from rpt.ops.lstm.triton import lstm_triton_loop
 
         keep = None if reset is None else (~reset).float().t().contiguous()
-        y, new = lstm_sequence(x, cell.w_ih, cell.recurrent_blocks(), cell.b_ih, cell.b_hh, state[0], state[1], keep,
+        y, new = lstm_triton_loop(x, cell.w_ih, cell.recurrent_blocks(), cell.b_ih, cell.b_hh, state[0], state[1], keep,
                                cell.heads)
         return y.to(x.dtype), tuple(s.to(state[0].dtype) for s in new)
     weights = [cell.w_ih, cell.recurrent_weight(), cell.b_ih, cell.b_hh]

@@ -171,7 +171,7 @@ def _lstm_backward(ctx, d_hs, d_cs, _):
 lstm_loop.register_autograd(_lstm_backward, setup_context=_lstm_setup)
 
 
-def lstm_sequence(x, w_ih, w_hh, b_ih, b_hh, h0, c0, keep, heads: int):
+def lstm_triton_loop(x, w_ih, w_hh, b_ih, b_hh, h0, c0, keep, heads: int):
     """The head-wise LSTM over x [B, T, D] from (h0, c0): (y [B, T, H], (h_T, c_T)). w_hh holds the recurrent
     blocks ([4H, H / heads]); keep [T, B] float (0 where a row's state resets before that step) or None."""
     B, T, _ = x.shape

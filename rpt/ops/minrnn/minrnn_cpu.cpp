@@ -1,7 +1,7 @@
 // The minGRU / minLSTM recurrence on the CPU in one pass over time each way (sequence.py beside this file).
 //
 // The Python form builds the scan's coefficients a, b with a handful of elementwise ops, runs the chunked
-// scan of rpt/models/scan.py (about five passes over [B, T, H] forward and eight backward, plus the
+// scan of rpt/ops/minrnn/scan.py (about five passes over [B, T, H] forward and eight backward, plus the
 // coefficients' own autograd): the whole layer's forward and backward ran 1.1-1.25x longer with it than with
 // this file (benchmarks/cells.py; the projections' GEMMs are the rest of the step). Here the gates
 // (computed by the caller with ATen's vectorised sigmoid, the only transcendental) and the candidate are read

@@ -3,7 +3,7 @@
 // (on the CPU each step's elementwise part as one pass: modlstm_steps.h; elsewhere the same ATen ops). At few rows
 // each loop runs in one parallel region instead (threaded_loops.h, and modlstm_forward_threaded below).
 // Why this file exists, and how it is built: rpt/kernels/cpu/build.py. The Python loop is the readable form; a
-// change there is made here too, and tests/kernels/test_native_loops.py holds the two equal.
+// change there is made here too, and tests/ops/test_native_loops.py holds the two equal.
 //
 // Buffers are time-major ([T, B, ...]); every step writes its slice of the caller's buffers in place.
 // build.py builds with AVX2 (CPU_CAPABILITY=AVX2) where the CPU has it; elsewhere ATen's vector type

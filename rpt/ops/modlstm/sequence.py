@@ -93,7 +93,7 @@ def forward(cell, x: Tensor, state: tuple, reset: Optional[Tensor]):
     """The cell (rpt.models.cells.modlstm.ModLSTM: its parameters and variant) over x, from `state`: (y, state)."""
     form = kernels.current().form(x, forms(cell.variant, cell.d_hidden, cell.heads, x.is_cuda))
     if form is Form.TRITON_LOOP:  # the whole time loop in one kernel, a program per head
-        from rpt.ops.modlstm.triton import modlstm_sequence as loop
+        from rpt.ops.modlstm.triton import modlstm_triton_loop as loop
 
         keep = None if reset is None else (~reset).float().t().contiguous()
         y, final = loop(x, cell.w_x, cell.w_h, cell.bias, cell.ln_weight, cell.ln_bias, cell.peep, state, keep,
@@ -144,7 +144,7 @@ def modlstm_sequence(x: Tensor, w_x: Optional[Tensor], w_h: Tensor, bias: Option
     if form == Form.TRITON_STEPS:  # a product and one Triton kernel a step, the loop one CUDA graph
         from rpt.ops.modlstm import triton_steps as modlstm_steps
 
-        final = modlstm_steps.forward_steps(gate, coupled, XP, w_h, keep, state, *buffers, ln_w, ln_b, peep)
+        final = modlstm_steps.triton_forward_steps(gate, coupled, XP, w_h, keep, state, *buffers, ln_w, ln_b, peep)
     elif form in (Form.NATIVE_ONE_PASS, Form.NATIVE):
         final = backend.loops().modlstm_forward(XP, *W.operand, keep, h0, c0, n0, m0, *buffers, ln_w, ln_b, peep,
                                                 v.native_gate, coupled, form == Form.NATIVE_ONE_PASS)
@@ -192,7 +192,7 @@ def modlstm_sequence_backward(
         from rpt.ops.modlstm import triton_steps as modlstm_steps
 
         factors = backward_factors(v, acts, pre, cs, ns, keep3, state, peep)
-        grad_state = modlstm_steps.backward_steps(grad_y, *factors, dP, dP_raw, keep, w_h, dh, dc, dn, ln_w, ln_in,
+        grad_state = modlstm_steps.triton_backward_steps(grad_y, *factors, dP, dP_raw, keep, w_h, dh, dc, dn, ln_w, ln_in,
                                                   ln_stats)
     elif form == Form.NATIVE_ONE_PASS:  # the factors derived inside each step's pass
         norm_sums = [x.new_zeros(G, H), x.new_zeros(G, H)] if v.gate_norm else [None, None]

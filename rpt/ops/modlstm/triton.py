@@ -439,7 +439,7 @@ def _modlstm_backward(ctx, d_hs, d_cs, d_ns, *_):
 modlstm_loop.register_autograd(_modlstm_backward, setup_context=_modlstm_setup)
 
 
-def modlstm_sequence(x, w_x, w_h, bias, ln_w, ln_b, peep, state: tuple, keep, gate: str, coupled: bool, heads: int):
+def modlstm_triton_loop(x, w_x, w_h, bias, ln_w, ln_b, peep, state: tuple, keep, gate: str, coupled: bool, heads: int):
     """The head-wise modified LSTM over x [B, T, D] from `state` ((h, c), or (h, c, n, m) for the exponential
     gate): (y [B, T, H], the final state). w_h holds the recurrent blocks ([G*H, H / heads]); keep [T, B] float
     (0 where a row's state resets before that step) or None; a registered gate needs its Triton form

@@ -174,7 +174,7 @@ def _grid(B: int, H: int, norm: bool) -> tuple[tuple[int, int], int]:
     return (B, triton.cdiv(H, block)), block
 
 
-def forward_steps(gate: str, coupled: bool, XP: Tensor, w_h: Tensor, keep: Optional[Tensor], state: tuple,
+def triton_forward_steps(gate: str, coupled: bool, XP: Tensor, w_h: Tensor, keep: Optional[Tensor], state: tuple,
                   acts: Tensor, pre: Optional[Tensor], cs: Tensor, hs: Tensor, ns: Optional[Tensor],
                   ln_in: Optional[Tensor], ln_stats: Optional[Tensor], ln_w: Optional[Tensor], ln_b: Optional[Tensor],
                   peep: Optional[Tensor]) -> tuple:
@@ -217,7 +217,7 @@ def _forward_loop(flags, inputs, outputs) -> list[Tensor]:
     return [hs[-1], cs[-1], ns[-1], m] if exp else [hs[-1], cs[-1]]
 
 
-def backward_steps(grad_y: Tensor, K_c: Tensor, K_o: Tensor, K_dc: Tensor, K_cc: Tensor, K_n: Optional[Tensor],
+def triton_backward_steps(grad_y: Tensor, K_c: Tensor, K_o: Tensor, K_dc: Tensor, K_cc: Tensor, K_n: Optional[Tensor],
                    K_dn: Optional[Tensor], dP: Tensor, dP_raw: Tensor, keep: Optional[Tensor], w_h: Tensor,
                    dh: Tensor, dc: Tensor, dn: Optional[Tensor], ln_w: Optional[Tensor], ln_in: Optional[Tensor],
                    ln_stats: Optional[Tensor]) -> tuple:

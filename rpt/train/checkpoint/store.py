@@ -202,7 +202,7 @@ class CheckpointStore:
         found = comparable(self.complete(verify=True))
         return min(found)[1] if found else self.latest()
 
-    def resolve(self, name: str, run_dir: str) -> str:
+    def find(self, name: str, run_dir: str) -> str:
         """A checkpoint named as the CLI takes it (best, latest, step_N, N, or a folder) as a complete
         checkpoint's path; anything else is refused with the checkpoints there are."""
         found = {"best": self.best, "latest": self.latest}.get(name)

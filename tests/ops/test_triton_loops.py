@@ -15,8 +15,8 @@ from rpt.models.lm import build_cell
 
 
 def reference_and_kernel(cell_name: str, heads: int, B: int, T: int, resets: bool, width: int = 16):
-    from rpt.ops.gru.triton import gru_sequence
-    from rpt.ops.lstm.triton import lstm_sequence
+    from rpt.ops.gru.triton import gru_triton_loop
+    from rpt.ops.lstm.triton import lstm_triton_loop
 
     torch.manual_seed(0)
     D = H = width * heads  # no projection: the loop's output is the cell's
@@ -45,9 +45,9 @@ def reference_and_kernel(cell_name: str, heads: int, B: int, T: int, resets: boo
     w_ih, w_hh, b_ih, b_hh = f32[len(inputs):]
     keep = (~reset).float().t().contiguous() if resets else None
     if cell_name == "lstm":
-        y, s = lstm_sequence(xf, w_ih, w_hh, b_ih, b_hh, *s0, keep, heads)
+        y, s = lstm_triton_loop(xf, w_ih, w_hh, b_ih, b_hh, *s0, keep, heads)
     else:
-        y, s = gru_sequence(xf, w_ih, w_hh, b_ih, b_hh, *s0, keep, heads)
+        y, s = gru_triton_loop(xf, w_ih, w_hh, b_ih, b_hh, *s0, keep, heads)
     g = torch.autograd.grad(loss(y, s), f32)
     return (y_ref, s_ref, g_ref), (y, s, g)
 
@@ -69,9 +69,9 @@ def test_triton_loop_equals_the_float64_reference(cell, heads, B, T, resets, wid
 def test_torch_compile_traces_each_triton_loop_in_one_graph(cell):
     """The loops are custom operators with fake forms: torch.compile traces through them without a graph break
     (fullgraph), and the compiled function's outputs and gradients are the eager ones."""
-    from rpt.ops.gru.triton import gru_sequence
-    from rpt.ops.lstm.triton import lstm_sequence
-    from rpt.ops.modlstm.triton import modlstm_sequence
+    from rpt.ops.gru.triton import gru_triton_loop
+    from rpt.ops.lstm.triton import lstm_triton_loop
+    from rpt.ops.modlstm.triton import modlstm_triton_loop
 
     torch.manual_seed(0)
     heads, H, B, T = 2, 32, 3, 4
@@ -85,11 +85,11 @@ def test_torch_compile_traces_each_triton_loop_in_one_graph(cell):
 
     def run(x):
         if name == "lstm":
-            y, s = lstm_sequence(x, module.w_ih, module.w_hh, module.b_ih, module.b_hh, *state, keep, heads)
+            y, s = lstm_triton_loop(x, module.w_ih, module.w_hh, module.b_ih, module.b_hh, *state, keep, heads)
         elif name == "gru":
-            y, s = gru_sequence(x, module.w_ih, module.w_hh, module.b_ih, module.b_hh, *state, keep, heads)
+            y, s = gru_triton_loop(x, module.w_ih, module.w_hh, module.b_ih, module.b_hh, *state, keep, heads)
         else:
-            y, s = modlstm_sequence(x, module.w_x, module.w_h, module.bias, None, None, module.peep, state, keep,
+            y, s = modlstm_triton_loop(x, module.w_x, module.w_h, module.bias, None, None, module.peep, state, keep,
                                     module.gate, False, heads)
         return y.square().sum() + s[0].sum()
 

@@ -320,12 +320,12 @@ def choose_mode(grad_bytes: int, cfg: CommConfig, precision: str) -> tuple[str, 
     allowed = ["allreduce"]
     if precision != "fp16" and cfg.compression in ("none", "fp16", "bf16") and not cfg.adaptive:
         allowed += ["ps", "ps-sharded"]
-    mode = links.choose({m: t for m, t in timed.items() if m in allowed})
+    mode = links.fastest({m: t for m, t in timed.items() if m in allowed})
     codec = cfg.compression
     if codec == "none" and not cfg.adaptive:
         saved = timed[mode] - min(timed[m] * HALF_WIDTH_SHARE[m] for m in allowed)
         if saved >= HALF_WIDTH_WORTH:
-            mode = links.choose({m: timed[m] * HALF_WIDTH_SHARE[m] for m in allowed})
+            mode = links.fastest({m: timed[m] * HALF_WIDTH_SHARE[m] for m in allowed})
             codec = "bf16"
     log.info("comm.mode auto: model %s, timed %s (seconds per step); chose %s with compression %s\n%s", predictions,
              timed, mode, codec, links.format_table(topo, predictions, grad_bytes, timed))

@@ -34,7 +34,7 @@ VARIANTS = {  # name: (modlstm options, heads, a head's width)
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_triton_modlstm_loop_equals_the_float64_reference(name):
-    from rpt.ops.modlstm.triton import modlstm_sequence
+    from rpt.ops.modlstm.triton import modlstm_triton_loop
 
     options, heads, width = VARIANTS[name]
     torch.manual_seed(0)
@@ -60,7 +60,7 @@ def test_triton_modlstm_loop_equals_the_float64_reference(name):
     p32 = dict(zip(params, f32[len(inputs):]))
     keep = (~reset).float().t().contiguous()
     s0 = tuple(rest) + ((state[3].float(),) if cell.exp else ())
-    y, s = modlstm_sequence(xf, p32["w_x"], p32["w_h"], p32.get("bias"), p32.get("ln_weight"), p32.get("ln_bias"),
+    y, s = modlstm_triton_loop(xf, p32["w_x"], p32["w_h"], p32.get("bias"), p32.get("ln_weight"), p32.get("ln_bias"),
                             p32.get("peep"), s0, keep, cell.gate, cell.coupled, heads)
     torch.testing.assert_close(y.double(), y_ref, atol=2e-5, rtol=1e-4)
     for a, b in zip(s, s_ref):

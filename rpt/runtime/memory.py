@@ -11,7 +11,7 @@ jemalloc or tcmalloc through LD_PRELOAD; this needs no extra library. A no-op of
 parameters gathered and freed in turn), free and reallocate large blocks all step long, and a heap that keeps
 every freed block fragments and grows (with the window: 2.8x a 1,024-token window's peak at 65,536 tokens; under
 FSDP past DDP's whole state), while glibc's default returns them to the OS, so that each one page-faults in again.
-Blocks of 2 MiB and more then come from rpt's page pool (rpt/kernels/cpu/page_pool.cpp), which hands freed pages
+Blocks of 2 MiB and more then come from rpt's page pool (rpt/runtime/page_pool.cpp), which hands freed pages
 to later blocks whatever their sizes and holds no more than the most in use at once; smaller ones from the heap
 setting. Where the native library cannot be built, `return_large_blocks()` hands blocks of 1 MiB and more back to
 the OS as they are freed: flat memory for half again the time (benchmarks/RESULTS.md, "Long sequences" and

@@ -1,4 +1,4 @@
-"""rpt's page pool (rpt/kernels/cpu/page_pool.cpp), the CPU allocator of exact BPTT in chunks.
+"""rpt's page pool (rpt/runtime/page_pool.cpp), the CPU allocator of exact BPTT in chunks.
 
 It replaces the allocator of the whole process, so each check runs in a fresh one: blocks keep what is written to
 them when built from the pages of freed blocks, the pool never holds more than the most its blocks had in use at
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rpt import runtime
+from rpt.runtime import memory as runtime
 from rpt.kernels.cpu.build import built_loops
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or built_lo
 
 BLOCKS = """
 import json, torch
-from rpt.runtime import pool_large_blocks
+from rpt.runtime.memory import pool_large_blocks
 assert pool_large_blocks() == "pool"
 stats = lambda: dict(zip(["used", "held", "high_water", "moved"],
                          torch.ops.rpt_loops.page_pool_stats()))
@@ -71,7 +71,7 @@ def test_blocks_reuse_freed_pages_whatever_their_sizes():
 
 CHUNKED = """
 import json, sys, torch
-from rpt.runtime import pool_large_blocks
+from rpt.runtime.memory import pool_large_blocks
 from rpt.config import ModelConfig
 from rpt.models.lm import RecurrentLM
 from rpt.parallel.bptt import chunk_windows

@@ -1,6 +1,6 @@
 """The checkpoint section as a component of the trainer: when to save, and what.
 
-The store (rpt/train/checkpoint_store.py: where checkpoints are written, found, verified and loaded) is this
+The store (rpt/train/checkpoint/store.py: where checkpoints are written, found, verified and loaded) is this
 component's own: the trainer asks it to save, resume and select, never the store. A checkpoint holds the model,
 the optimiser, and every part of the run that has state, as one registry
 (name -> object with `state_dict()` / `load_state_dict()`): saving writes each part's state under its name,
@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from rpt.errors import RptError
-from rpt.train.checkpoint_store import CheckpointStore
+from rpt.train.checkpoint.store import CheckpointStore
 from rpt.train.hooks import StepHooks
 
 log = logging.getLogger("rpt.train")
@@ -25,10 +25,13 @@ log = logging.getLogger("rpt.train")
 
 class Checkpointing:
     def __init__(self, cfg, default_root: str, rank: int, world_size: int, is_main: bool, hooks: list[StepHooks],
-                 layout: dict | None = None):
-        self.cfg, self.is_main, self.hooks = cfg, is_main, hooks
+                 state, layout: dict | None = None):
+        """`cfg`: the checkpoint section; `state`: what a checkpoint holds (rpt.parallel.runner.CheckpointState: the
+        model, its optimiser and every part with state), the one provider save and resume read and write;
+        `layout`: the run's shape (pp, dp, fsdp, cp), which a checkpoint records and a resume compares."""
+        self.cfg, self.is_main, self.hooks, self.state = cfg, is_main, hooks, state
         self._store = CheckpointStore(cfg.path or default_root, rank, world_size, cfg.keep_last, cfg.keep_best,
-                                         cfg.async_save, layout)
+                                      cfg.async_save, layout)
         self.last_saved_step = -1
         self.saved_at: float | None = None  # the agreed training clock at the last timed checkpoint (or the start)
 
@@ -57,29 +60,32 @@ class Checkpointing:
         for hook in self.hooks:
             hook.checkpoint_written(step)
 
-    def save(self, step: int, model, optimizer, parts: dict, val: tuple[float, int] | None) -> None:
+    def save(self, step: int, val: tuple[float, int] | None) -> None:
         """A checkpoint of `step`, ranked by `val` (loss, validation tokens) when it has one."""
-        extras = {name: part.state_dict() for name, part in parts.items()}
-        path = self._store.save(step, model, optimizer, extras, val=val,
-                                      before_commit=lambda: self._written(step))
+        st = self.state
+        extras = {name: part.state_dict() for name, part in st.parts.items()}
+        path = self._store.save(step, st.model, st.optimizer, extras, val=val,
+                                before_commit=lambda: self._written(step))
         for hook in self.hooks:
             hook.checkpoint_complete(step, None if self.cfg.async_save else path)
         self.last_saved_step = step
 
-    def finish(self, step: int, model, optimizer, parts: dict, val: tuple[float, int]) -> None:
+    def finish(self, step: int, val: tuple[float, int]) -> None:
         """The end of a run: its last step saved (or, saved by the interval at this very step, given its loss)."""
         if self.last_saved_step == step:
             self._store.finish_pending()
             self._store.set_val_loss(step, val)
         else:
-            self.save(step, model, optimizer, parts, val)
+            self.save(step, val)
         self._store.finish_pending()
 
-    def resume(self, model, optimizer, parts: dict, partial: bool, per_rank: tuple = ()) -> str | None:
+    def resume(self) -> str | None:
         """Load the newest complete checkpoint into the model, the optimiser and every part; its path, or None
         (a run with no complete checkpoint starts from step 0, and says so). A checkpoint of another layout
-        loads resharded, and the parts named in `per_rank` (state of one rank's place: random generators,
+        loads resharded, and the parts that are one rank's own (the state's `per_rank`: random generators,
         codec state) start afresh, as they would in a new run."""
+        st = self.state
+        parts, per_rank = st.parts, st.per_rank
         path = self._store.latest()
         for damaged, problem in self._store.damaged.items():
             self._say(f"skipping the damaged checkpoint {damaged}: {problem}")
@@ -88,7 +94,7 @@ class Checkpointing:
             self._say(f"no complete checkpoint in {self._store.root}: this run starts fresh from step 0")
             return None
         resharded = self._store.resharded(path)
-        extras = self._store.load(path, model, optimizer, partial=partial)
+        extras = self._store.load(path, st.model, st.optimizer, partial=st.partial)
         if resharded:
             parts = {name: part for name, part in parts.items() if name not in per_rank}
             saved = ", ".join(f"{k} {v}" for k, v in self._store.saved_layout(path).items())
@@ -113,12 +119,12 @@ class Checkpointing:
         """Wait for an asynchronous save still being written."""
         self._store.finish_pending()
 
-    def select_best(self, step: int, best: dict, best_weights: dict | None, model, partial: bool) -> dict:
+    def select_best(self, step: int, best: dict, best_weights: dict | None) -> dict:
         """Put the weights of the best periodic validation `best` (its step, loss, tokens) into `model`: from
         `best_weights` where this run kept them (written as a weights-only checkpoint of their step unless one is
         there), else from that step's checkpoint (a resumed run); the selection as the summary records it. The
         last step's weights stay where neither exists."""
-        last = {"selected_step": step, "selected_by": "the last step"}
+        model, last = self.state.model, {"selected_step": step, "selected_by": "the last step"}
         if best["step"] == step:
             return {**last, "selected_by": "the best periodic validation, at the last step"}
         saved = {m["step"]: p for p, m in self._store.complete()}
@@ -127,7 +133,7 @@ class Checkpointing:
             if best["step"] not in saved:  # weights only: a resume continues from the last step's checkpoint
                 self._store.save(best["step"], model, None, {"selected": True}, val=(best["loss"], best["tokens"]))
         elif best["step"] in saved:  # a resumed run: the best was found before, and checkpointed
-            self._store.load(saved[best["step"]], model, None, partial=partial)
+            self._store.load(saved[best["step"]], model, None, partial=self.state.partial)
         else:
             return {**last, "selected_by": f"the last step (the best validation, step {best['step']}, came before a "
                                            "resume and has no checkpoint)"}

@@ -50,8 +50,9 @@ def test_built_wherever_a_compiler_is():
 
 def test_the_build_key_covers_every_header(tmp_path, monkeypatch):
     """The loops include headers (rpt/kernels/cpu, rpt/ops/CELL): a changed header must give a new build folder, or
-    every machine would go on loading the library built from the old one; and a header left out of HEADERS would."""
-    folders = [Path(build.__file__).parent, *build.OPS.iterdir()]
+    every machine would go on loading the library built from the old one; and a header left out of HEADERS would.
+    (rpt/runtime's page pool builds into the same library.)"""
+    folders = [Path(build.__file__).parent, build.RUNTIME, *build.OPS.iterdir()]
     assert set(build.HEADERS) == {p for folder in folders for p in folder.glob("*.h")}
     assert set(build.SOURCES) == {p for folder in folders for p in folder.glob("*.cpp")}
     header = tmp_path / "passes.h"
@@ -260,7 +261,7 @@ import sys, torch
 import rpt.models
 from rpt import kernels
 from rpt.kernels.cpu import build
-from tests.kernels.test_native_loops import portable_case_outputs
+from tests.ops.test_native_loops import portable_case_outputs
 assert not any("avx" in flag.lower() for flag in build.compile_flags()), build.compile_flags()
 assert kernels.current().loops() is not None, "the portable build failed"
 torch.save(portable_case_outputs(), sys.argv[1])
