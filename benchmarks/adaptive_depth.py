@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+import harness
+from harness import generation_speed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,19 +68,6 @@ def step_speed(model, tokens: np.ndarray, depth: int, exit=None, shared: bool = 
     return count / (time.perf_counter() - began)
 
 
-@torch.no_grad()
-def generation_speed(model, depth: int, exit=None, shared: bool = False, tokens: int = 200) -> float:
-    from rpt import kernels
-    from rpt.kernels.cpu.products import generating
-
-    stream = generating(model, model.generate(torch.zeros(1, dtype=torch.long), tokens, temperature=0,
-                                              depth=depth, exit=exit, shared=shared), kernels.current())
-    next(stream)
-    began = time.perf_counter()
-    count = sum(1 for _ in stream)
-    return count / (time.perf_counter() - began)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True)
@@ -92,7 +81,7 @@ def main() -> None:
     from rpt.models.loop_exit import Exit
     from rpt.train.run_dir import load_run
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = harness.commit()
     cfg, model, tokenizer, _, _ = load_run(args.run, "latest", "cpu")
     data = open_dataset(cfg.data)
     tokens = data.tokens("val")[:args.tokens + 1]
@@ -112,7 +101,7 @@ def main() -> None:
         mean_depth = rule.mean_depth if rule else depth
         speed = step_speed(model, tokens[:args.speed_tokens], depth, Exit.parse(text) if text else None, shared)
         speed_rule = Exit.parse(text) if text else None
-        generated = generation_speed(model, depth, speed_rule, shared)
+        generated = generation_speed(model, depth=depth, exit=speed_rule, shared=shared)
         results[name] = dict(bpb=bpb, mean_depth=mean_depth, tokens_per_s=speed, generation_tokens_per_s=generated,
                              generation_depth=speed_rule.mean_depth if speed_rule else depth)
         print(f"{name}: bpb {bpb:.4f}, mean depth {mean_depth:.2f}; {speed:.0f} tokens/s on held-out text; "

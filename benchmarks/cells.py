@@ -21,6 +21,7 @@ from datetime import date
 
 import torch
 
+from harness import sync, timed
 from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
 from rpt.models.lm import build_cell
@@ -44,23 +45,6 @@ CELLS = [
     ("mlstm-chunk128", dict(cell="mlstm", d_hidden=768, heads=6, chunk_size=128)),
 ]
 SHAPES = [(16, 256), (16, 512), (2, 2048)]
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device, repeats):
-    fn()  # warm-up
-    sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def matmul_peak(device, repeats) -> tuple[float, str]:

@@ -12,26 +12,18 @@ recompiles): issue 43 found about 35, from the gate probe's counting inside the 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO, metrics, rpt_train
 
 
 def train(data: str, steps: int, backend: str, extra: list[str], run_dir: Path) -> tuple[list[float], int]:
-    args = [sys.executable, "-m", "rpt", "train", "--config", str(REPO / "configs" / "shakespeare-bench.toml"),
-            "--run-dir", str(run_dir), "--set", f"data.path={data}", "--set", f"train.max_steps={steps}",
-            "--set", "train.max_time=0", "--set", "train.early_stop=0", "--set", "monitor.log_interval=25",
-            "--set", f"train.compile={backend}", *[a for kv in extra for a in ("--set", kv)]]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=3600)
-    if done.returncode:
-        raise SystemExit(done.stderr[-3000:])
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    speeds = [r["tokens_per_s"] for r in records if r["kind"] == "train"]
+    done = rpt_train(run_dir, [f"data.path={data}", f"train.max_steps={steps}", "train.max_time=0", "train.early_stop=0",
+                               "monitor.log_interval=25", f"train.compile={backend}", *extra],
+                     config=REPO / "configs" / "shakespeare-bench.toml", timeout=3600)
+    speeds = [r["tokens_per_s"] for r in metrics(run_dir, "train")]
     dynamo = sum("torch/_dynamo" in line for line in done.stderr.splitlines())
     return speeds, dynamo
 

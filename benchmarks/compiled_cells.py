@@ -1,6 +1,6 @@
 """Eager against torch.compile(fullgraph=True) for the fused recurrent kernels, forward + backward.
 
-Why: on a GPU modlstm's fused kernel issues ~10 small kernels per time step (benchmarks/RESULTS.md, the H200 run:
+Why: on a GPU modlstm's fused kernel issues ~10 small kernels per time step (benchmarks/results/cells.md, the H200 run:
 0.14-0.15 of cuDNN's LSTM). Its kernel is a torch custom operator, so a compiled model keeps it whole, and with
 mode="reduce-overhead" torch.compile records the compiled step as CUDA graphs: a replay launches the captured
 per-step kernels without the host. This measures what that gives, and checks the compiled results against eager.
@@ -13,28 +13,14 @@ On the CPU (--device cpu: a dry run of the script) it compiles with aot_eager an
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from harness import timed
 from rpt.config import ModelConfig
 from rpt.models.lm import build_cell
 
 VARIANTS = {"modlstm": dict(cell="modlstm"), "modlstm-exp": dict(cell="modlstm", gate="exp"), "gru": dict(cell="gru")}
-
-
-def timed(fn, device, repeats):
-    """Best of `repeats` calls of fn, in ms."""
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 def main():
@@ -69,8 +55,8 @@ def main():
             for _ in range(3):  # compile, record the graphs, warm up
                 got = run(compiled)
             diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, eager))
-            t_eager = timed(lambda: run(cell), device, args.repeats)
-            t_compiled = timed(lambda: run(compiled), device, args.repeats)
+            t_eager = 1e3 * timed(lambda: run(cell), device, args.repeats, warmup=0)
+            t_compiled = 1e3 * timed(lambda: run(compiled), device, args.repeats, warmup=0)
             print(f"| {name} | {B} x {T} x {D} | {t_eager:.1f} | {t_compiled:.1f} | {t_eager / t_compiled:.2f}x "
                   f"| {diff:.1e} |", flush=True)
 

@@ -14,43 +14,33 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
+from harness import generation_speed, rpt_train, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(name: str, out: Path, args, *overrides: str) -> Path:
     run = out / name
-    command = [sys.executable, "-m", "rpt", "train", "--config", str(ROOT / "configs" / "demo-cpu.toml"),
-               "--run-dir", str(run), "--set", f"data.path={args.data}", "--set", f"model.cell={args.cell}",
-               "--set", "train.max_steps=0", "--set", f"train.max_time={args.seconds}", "--set", "train.eval_interval=0",
-               "--set", "checkpoint.interval=0", *[a for o in overrides for a in ("--set", o)]]
     began = time.perf_counter()
-    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    summary = json.loads((run / "summary.json").read_text())
-    print(f"{name}: {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['wall_seconds']:.0f} s "
+    rpt_train(run, [f"data.path={args.data}", f"model.cell={args.cell}", "train.max_steps=0",
+                    f"train.max_time={args.seconds}", "train.eval_interval=0", "checkpoint.interval=0", *overrides],
+              config=ROOT / "configs" / "demo-cpu.toml")
+    s = summary(run)
+    print(f"{name}: {s['steps']} steps, {s['tokens']:,} tokens in {s['wall_seconds']:.0f} s "
           f"({time.perf_counter() - began:.0f} s with start and final evaluation)", file=sys.stderr, flush=True)
     return run
 
 
-def generation_speed(run: Path, depth: int | None, tokens: int = 200) -> float:
-    """Greedy tokens per second after a short prompt, one row, on this process's threads."""
-    from rpt import kernels
-    from rpt.kernels.cpu.products import generating
+def run_generation_speed(run: Path, depth: int | None) -> float:
+    """Greedy tokens per second of a run's last weights after a short prompt, one row, on this process's threads."""
     from rpt.train.run_dir import load_run
 
     _, model, _, _, _ = load_run(str(run), "latest", "cpu")
-    prompt = torch.zeros(1, dtype=torch.long)
-    stream = generating(model, model.generate(prompt, tokens, temperature=0, depth=depth), kernels.current())
-    next(stream)  # the prompt's forward and the first token
-    began = time.perf_counter()
-    count = 1 + sum(1 for _ in stream)
-    return (count - 1) / (time.perf_counter() - began)
+    return generation_speed(model, depth=depth)
 
 
 def main() -> None:
@@ -80,8 +70,9 @@ def main() -> None:
     curve = {d: eval_run(str(runs["looped"]), "latest", "cpu", None, d)["bpb"] for d in depths}
     plain = {name: eval_run(str(runs[name]), "latest", "cpu", None)["bpb"] for name in ("three", "six")}
     mean_depth = round(args.mean)
-    speed = {"looped": generation_speed(runs["looped"], mean_depth), "three": generation_speed(runs["three"], None)}
-    tokens = {name: json.loads((run / "summary.json").read_text())["tokens"] for name, run in runs.items()}
+    speed = {"looped": run_generation_speed(runs["looped"], mean_depth),
+             "three": run_generation_speed(runs["three"], None)}
+    tokens = {name: summary(run)["tokens"] for name, run in runs.items()}
     r = mean_depth
     at = lambda d: curve.get(d, float("nan"))  # noqa: E731
     checks = {

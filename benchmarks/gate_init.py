@@ -3,17 +3,16 @@
     .venv/bin/python benchmarks/gate_init.py --data data/shakespeare [--steps 300] [--cases exp:1,exp:auto,...]
 
 Each case is GATE:FORGET_BIAS ("auto" is the gate's own default); every case trains the same 2 x 128 model
-for the same steps and prints its periodic and final validation losses, as the RESULTS.md rows show them.
+for the same steps and prints its periodic and final validation losses, as the rows of benchmarks/results/cells.md show them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from harness import metrics, rpt_train
 
 DEFAULT_CASES = "sigmoid:auto,hard_sigmoid:auto,exp:1.0,exp:0.0,exp:-0.5,exp:auto,exp:-2.0,exp:-3.0"
 
@@ -24,12 +23,8 @@ def run(data: str, gate: str, bias: str, steps: int, folder: Path) -> dict:
             "model.d_model=128", "model.n_layers=2", "train.batch_size=16", "train.seq_len=64",
             f"train.max_steps={steps}", f"train.eval_interval={steps // 3}", "train.eval_tokens=16384",
             "train.warmup_steps=20", "monitor.tensorboard=false"]
-    proc = subprocess.run([sys.executable, "-m", "rpt", "train", "--run-dir", str(run_dir),
-                           *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(proc.stderr[-2000:])
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in records if r["kind"] == "eval"]
+    rpt_train(run_dir, sets)
+    evals = metrics(run_dir, "eval")
     return {"periodic": [round(r["loss"], 4) for r in evals if not r["final"]],
             "final": round(next(r["loss"] for r in evals if r["final"]), 4)}
 

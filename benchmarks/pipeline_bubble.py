@@ -19,14 +19,11 @@ the ideal alone is 1.15x the theory at m = 16); with 12 the partitioner's cut le
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import rpt_train, summary
 
 
 def run_case(data: str, p: int, m: int, steps: int, schedule: str, layers_per_stage: int, rows: int,
@@ -38,14 +35,8 @@ def run_case(data: str, p: int, m: int, steps: int, schedule: str, layers_per_st
                 "train.eval_tokens": 4096, "parallel.pp": p, "parallel.microbatches": m,
                 "parallel.schedule": schedule, "parallel.stages_per_rank": stages_per_rank,
                 "monitor.log_interval": 10, "checkpoint.keep_last": 1}
-        cmd = [sys.executable, "-m", "rpt", "train", "--run-dir", str(run), "--nproc", str(p)]
-        for k, v in sets.items():
-            cmd += ["--set", f"{k}={v}"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr[-3000:])
-        return json.loads((run / "summary.json").read_text())
+        rpt_train(run, sets, nproc=p, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1200)
+        return summary(run)
 
 
 def main() -> None:

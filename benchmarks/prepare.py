@@ -1,7 +1,7 @@
 """Benchmark: `rpt prepare` on the embedded default corpus (the Python standard library).
 
 Target (issue 2): the whole corpus, tokenizer training included, in <= 15 s on the 2-core build machine.
-Prints one markdown row for benchmarks/RESULTS.md.
+Prints one markdown row for benchmarks/results/data.md.
 
     .venv/bin/python benchmarks/prepare.py [--repeats 3] [--vocab-size 8192]
 """

@@ -17,31 +17,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 
 import torch
 
+from harness import timed
 from rpt import kernels
 from rpt.config import ModelConfig
 from rpt.kernels import Form
 from rpt.kernels.triton import on_chip
 from rpt.models.lm import build_cell
 from rpt.ops.modlstm.sequence import forms as modlstm_forms
-
-
-def timed(fn, device, repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - began)
-    return sorted(times)[len(times) // 2]
 
 
 def fwd_bwd(module, x):
@@ -122,7 +107,7 @@ def scans(args, device) -> None:
             times, outputs = [], []
             for backend in (dict(force=Form.TRITON_LOOP), dict(triton=False)):
                 with kernels.use(**backend):
-                    times.append(timed(fwd_bwd(cell, x), device, args.repeats))
+                    times.append(timed(fwd_bwd(cell, x), device, args.repeats, warmup=2, median=True))
                     with torch.no_grad():
                         outputs.append(cell(x)[0].float())
             tok = B * T
@@ -185,12 +170,12 @@ def row(cell_name: str, cell, kind: str, hidden: int, heads: int, B: int, T: int
             y.sum().backward()
     else:
         ours = fwd_bwd(cell, x)
-    t_ours = timed(ours, device, args.repeats)
+    t_ours = timed(ours, device, args.repeats, warmup=2, median=True)
     same = torch.nn.LSTM(hidden, hidden, batch_first=True).to(device)
     params = sum(p.numel() for p in cell.parameters())
     h_eq = equal_params_hidden(hidden, params)
     equal = torch.nn.LSTM(hidden, h_eq, batch_first=True).to(device)
-    t_same, t_equal = (timed(fwd_bwd(m, x), device, args.repeats) for m in (same, equal))
+    t_same, t_equal = (timed(fwd_bwd(m, x), device, args.repeats, warmup=2, median=True) for m in (same, equal))
     tok = B * T
     print(f"| {cell_name} | {hidden} | {heads} | {kind} | {B} x {T} | {tok / t_ours:,.0f} | {tok / t_same:,.0f} | "
           f"{t_same / t_ours:.2f} | {tok / t_equal:,.0f} ({h_eq}) | {t_equal / t_ours:.2f} |", flush=True)

@@ -1,6 +1,6 @@
 """Every repository file a tracked file names (code, docs, configs, pyproject.toml, the Makefile) exists: a moved or
 renamed file leaves no stale path behind. Not paths: placeholders (`rpt/ops/CELL/spec.py`), patterns, and
-benchmarks/RESULTS.md, whose rows name the files of their own commit."""
+benchmarks/results/*.md, whose rows name the files of their own commit."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ PACKAGES = "train|models|parallel|comm|ops|kernels|data|monitor|export"  # rpt's
 NAMED = re.compile(rf"(?<![\w./-])((?:rpt|tests|benchmarks|docs|configs|\.ci|{PACKAGES})/[\w./-]*\w\."
                    r"(?:py|cpp|h|md|toml|js|html|css|json|sh|png|txt|yaml))(?![\w/*])")
 READ = (".py", ".cpp", ".h", ".md", ".toml", ".js", ".html", ".css", ".sh")
-HISTORY = {"benchmarks/RESULTS.md"}
+HISTORY = {"benchmarks/RESULTS.md",
+           *(f"benchmarks/results/{p.name}" for p in (ROOT / "benchmarks" / "results").glob("*.md"))}
 
 
 def named_paths(text: str) -> set[str]:
@@ -70,3 +71,12 @@ def test_every_entry_of_the_architecture_map_exists():
         if name.endswith("/"):
             folders.append((depth, name))
     assert checked > 50  # the map was really read
+
+
+def test_the_benchmarks_index_lists_every_script():
+    """benchmarks/README.md names every script under benchmarks/ (and names none that is gone: the test above)."""
+    index = (ROOT / "benchmarks" / "README.md").read_text()
+    scripts = [p.relative_to(ROOT).as_posix() for p in (ROOT / "benchmarks").rglob("*")
+               if p.suffix in (".py", ".sh") and "__pycache__" not in p.parts]
+    assert len(scripts) > 20
+    assert not [s for s in scripts if s not in index], "scripts missing from benchmarks/README.md"

@@ -53,7 +53,7 @@ CASES = {
     "adaptive-unpinned": ["comm.mode=allreduce", "comm.compression=none", "comm.adaptive=true", "comm.adaptive_pin=[]",
                           "comm.adaptive_interval=20"],
     # the outer step plain averaging (rate 1, no momentum): with 4 outer steps in 120, Nesterov 0.9 at 0.7 (the
-    # paper's, for hundreds of outer steps) overshoots; the sweep is in RESULTS.md
+    # paper's, for hundreds of outer steps) overshoots; the sweep is in benchmarks/results/comm.md
     "diloco": ["comm.mode=diloco", "comm.compression=int8", f"comm.diloco_steps={DILOCO_STEPS}",
                "comm.diloco_outer_lr=1.0", "comm.diloco_momentum=0"],
     "auto": ["comm.mode=auto", "comm.compression=none"],

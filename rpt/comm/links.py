@@ -23,7 +23,7 @@ the latency; a central server wins only where its link is much faster than the w
 The model explains; `time_modes()` decides. It runs each mode's own traffic pattern once on a
 gradient-sized buffer (capped at 8 MB, scaled linearly): on the emulated 4-node cluster the
 ring measured 3x its model (four ranks on two cores stall the ring's pipeline) while the central
-server matched its model, so a model-only choice picked the slower mode (benchmarks/RESULTS.md).
+server matched its model, so a model-only choice picked the slower mode (benchmarks/results/comm.md).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def auto_vocab_size(texts: Iterable[str]) -> tuple[int, str]:
     pre-tokenizer, within which BPE merges) seen at least twice as one token, beside as many pieces that spell it
     and the rarer words (BPE makes a word whole by merging its prefixes): twice the repeated words, rounded up to
     a step of AUTO_VOCAB within its range. Whole words are what a small corpus's model predicts best
-    (benchmarks/RESULTS.md, issue 44). Reading stops once the largest size is certain."""
+    (benchmarks/results/quality.md, issue 44). Reading stops once the largest size is certain."""
     split = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str
     low, high, step = AUTO_VOCAB
     counts, repeated = Counter(), 0

@@ -33,6 +33,7 @@ from rpt.models.registry import get_cell, import_user_modules
 from rpt.models.sampling import sample_next
 from rpt.models.shapes import on_meta
 from rpt.models.state import map_state, owned
+from rpt.ops.stack.spec import at_least_fp32, clustered_log_probs, gated_mlp
 
 def part_names(cfg: ModelConfig) -> list[str]:
     """Every part of the whole model, in the order their seeds are numbered."""
@@ -260,8 +261,7 @@ class GatedMLP(nn.Module):
         self.down = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x):
-        a, b = self.up(x).chunk(2, dim=-1)
-        return self.down(F.silu(a) * b)
+        return gated_mlp(x, self.up.weight, self.down.weight)
 
     def flops_per_token(self) -> int:
         return 2 * 3 * self.up.in_features * self.down.in_features
@@ -394,12 +394,7 @@ class ClusteredHead(nn.Module):
         """Log-probabilities over the whole vocabulary, in token-id order: one product with the matrix as it is
         (not copied into shortlist order, which cost generation four times the product), each level normalised
         over its own tokens."""
-        z, rest = at_least_fp32(F.linear(h, self.weight)), at_least_fp32(self.rest(h))
-        short = torch.zeros(self.vocab_size, dtype=torch.bool, device=z.device)
-        short[self.order[:self.shortlist]] = True
-        first = torch.logsumexp(torch.cat([z.masked_fill(~short, -math.inf), rest], dim=-1), -1, keepdim=True)
-        tail = torch.logsumexp(z.masked_fill(short, -math.inf), -1, keepdim=True)
-        return torch.where(short, z - first, z - tail + rest - first)
+        return clustered_log_probs(h, self.weight, self.rest.weight, self.rest.bias, self.order, self.shortlist)
 
     def for_sampling(self, h: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
         """What `forward` gives, with the rarer tokens at -inf where sampling (rpt/models/sampling.py) cannot
@@ -436,8 +431,3 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str 
     reduction "none", in the targets' shape): the full head's nats and the pipeline's last stage."""
     loss = F.cross_entropy(at_least_fp32(logits).flatten(0, -2), targets.flatten(), reduction=reduction)
     return loss.view(targets.shape) if reduction == "none" else loss
-
-
-def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
-    """Softmax and loss in float32 whatever the autocast dtype (float64 stays float64)."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x

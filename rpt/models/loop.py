@@ -24,6 +24,7 @@ from torch import nn
 
 from rpt.config import ModelConfig
 from rpt.ops.loop.spec import run_loop
+from rpt.ops.stack.spec import inject
 
 INIT_STD = 0.63  # the random first state's std (truncated at 3 std), Huginn's sqrt(2/5)
 SIGMA = 0.5  # the spread of the Poisson-lognormal draw's log-rate
@@ -123,7 +124,7 @@ class DepthLoop(nn.Module):
                         self.norm, self.inject_norm, self.first_state, self.backprop, self.watch, stop, shared)
 
     def inject(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        return self.adapter(torch.cat([h, e], dim=-1)) if self.adapter is not None else h + e
+        return inject(h, e, self.adapter.weight if self.adapter is not None else None)
 
     def first_state(self, e: torch.Tensor) -> torch.Tensor:
         if self.init == "zero":

@@ -1,6 +1,7 @@
 """The recurrences, one folder each, laid out by op as flash-linear-attention lays out its ops: `lstm/`, `gru/`,
-`modlstm/`, `minrnn/` (minGRU and minLSTM), `mlstm/` (xLSTM's matrix-memory LSTM), and `loop/` (the depth loop's
-injection). Each holds every file that defines its maths:
+`modlstm/`, `minrnn/` (minGRU and minLSTM), `mlstm/` (xLSTM's matrix-memory LSTM), `loop/` (the depth loop) and
+`stack/` (the maths of the blocks and heads around the cells: attention, the gated MLP, the two-level head). Each
+holds every file that defines its maths:
 
     spec.py          the step in plain torch (it imports torch alone): the readable reference that rpt's cells
                      (rpt/models/cells) run as their step and reference forms, and that `rpt export` ships beside

@@ -31,13 +31,13 @@ import torch.distributed as dist
 from rpt.kernels.cpu.products import linear
 from rpt.models.cells.minrnn import _BUILT_IN, _MinRNN
 from rpt.models.cells.mlstm import MLSTM
-from rpt.models.lm import at_least_fp32
 from rpt.models.state import map_state
 from rpt.ops.minrnn import sequence
 from rpt.ops.minrnn.scan import linear_scan
 from rpt.ops.mlstm.chunkwise import Summary, advance, chunkwise, summary
 from rpt.ops.mlstm.spec import project, read_out
 from rpt.ops.precision import as_fp32
+from rpt.ops.stack.spec import at_least_fp32
 
 TAGS = 16  # message tags per sub-layer: one per tensor of its state
 

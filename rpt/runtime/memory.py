@@ -14,8 +14,8 @@ FSDP past DDP's whole state), while glibc's default returns them to the OS, so t
 Blocks of 2 MiB and more then come from rpt's page pool (rpt/runtime/page_pool.cpp), which hands freed pages
 to later blocks whatever their sizes and holds no more than the most in use at once; smaller ones from the heap
 setting. Where the native library cannot be built, `return_large_blocks()` hands blocks of 1 MiB and more back to
-the OS as they are freed: flat memory for half again the time (benchmarks/RESULTS.md, "Long sequences" and
-"Sharding and resizing").
+the OS as they are freed: flat memory for half again the time (benchmarks/results/long.md and
+benchmarks/results/parallel.md, "Sharding and resizing").
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ steps the budget gives. Every
 choice is printed with its reason, written into the run's config.toml, and a key given with --set (or by a file)
 is never touched. The recipe's time is outside train.max_time (which budgets training), and at most RECIPE_SHARE
 of it.
-The rules and the runs that set them: benchmarks/RESULTS.md, "Quality per second against peers" (issue 22).
+The rules and the runs that set them: benchmarks/results/quality.md (issues 22, 44, 59).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ FREE_PASSES = 2.0  # passes over the data that need no regularisation; then 0.1 
 # Past this many passes the data, not the compute, limits the run (attention, SGD, the default's rows a step); under
 # it the compute-bound choices. Measured on both sides: at 2.4 passes (an 11.7 MB corpus, 1,200 s) the compute-bound
 # choices reached 0.70 bits per byte where the data-bound ones reached 0.95; at 5.7 passes (tiny-shakespeare,
-# 600 s) SGD reached 1.986 where AdamW reached 2.021 (benchmarks/RESULTS.md, issues 44 and 59)
+# 600 s) SGD reached 1.986 where AdamW reached 2.021 (benchmarks/results/quality.md, issues 44 and 59)
 REGIME_PASSES = 4.0
 # each regulariser at its share of that strength (at most 0.5): the residual branches', the embedding's, the
 # recurrent matrix's (lstm: the only cell with weight drop)
@@ -70,7 +70,7 @@ AGREE = 0.25  # two steps' speeds within this of each other agree
 
 
 # The recurrent family where none is given, by the device the run trains on: the family measured best there at the
-# scaling curve's budgets, and the figures (benchmarks/RESULTS.md, issue 59). A device not listed gets the CPU's
+# scaling curve's budgets, and the figures (benchmarks/results/quality.md, issue 59). A device not listed gets the CPU's
 # choice, said as unmeasured; no candidate is left for timing until a device's measurements leave two.
 FAMILIES = {"cpu": ("lstm", "ahead of mlstm on the embedded corpus at equal time (by 0.019 bits per byte at "
                             "300 s) and of the scans (minGRU), oneDNN fusing its steps")}
@@ -214,7 +214,7 @@ def attention_choice(cfg, plain: float, attended: float) -> list[Choice]:
     if plain > REGIME_PASSES and attended > REGIME_PASSES:
         return [Choice("model.attention_every", ATTENTION_EVERY, f"{attended:.1f} passes with it ({plain:.1f} "
                        f"without): compute to spare, which attention every {ATTENTION_EVERY}nd block turns into "
-                       "better held-out text (benchmarks/RESULTS.md, issue 44)")]
+                       "better held-out text (benchmarks/results/quality.md, issue 44)")]
     why = (f"{plain:.1f} passes: compute is short" if plain <= REGIME_PASSES else
            f"{plain:.1f} passes without it, but {attended:.1f} with it: no compute to spare")
     return [Choice("model.attention_every", 0, why + ", and attention's cost would buy less than the tokens it "
@@ -231,7 +231,7 @@ def cell_choice(cfg, device: torch.device) -> list[Choice]:
         return [Choice("model.cell", cell, f"measured best on this device: {why}")]
     cell, _ = FAMILIES["cpu"]
     return [Choice("model.cell", cell, f"the CPU's measured choice: the families are not yet measured on "
-                   f"{device.type} (benchmarks/RESULTS.md, issue 59)")]
+                   f"{device.type} (benchmarks/results/quality.md, issue 59)")]
 
 
 def batch_open(cfg, rank_tokens: int) -> bool:
@@ -251,7 +251,7 @@ def batch_choice(cfg, passes: float) -> list[Choice]:
     and the smaller batches' more steps are kept."""
     if passes < REGIME_PASSES:
         return [Choice("train.batch_size", COMPUTE_BOUND_BATCH, f"{passes:.1f} passes: compute is short, and larger "
-                       "steps reach a lower loss in the same time (benchmarks/RESULTS.md, issue 44)")]
+                       "steps reach a lower loss in the same time (benchmarks/results/quality.md, issue 44)")]
     return [Choice("train.batch_size", cfg.train.batch_size, f"{passes:.1f} passes: the data limits the run, "
                    "and smaller batches' more steps generalise better")]
 

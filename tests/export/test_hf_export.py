@@ -75,11 +75,13 @@ def tokens(model, eot: int, seed: int = 0) -> torch.Tensor:
 
 
 def assert_steps_are_the_specs(folder: Path) -> None:
-    """The exported step forms are rpt's spec files byte for byte (rpt/ops/CELL/spec.py, which rpt's cells run),
-    each importing torch alone; modeling_rpt.py writes no gate function of its own (they come from the specs)."""
+    """The exported step forms are rpt's spec files byte for byte (rpt/ops/CELL/spec.py, which rpt's cells run;
+    rpt/ops/stack/spec.py, which its blocks and heads run), each importing torch alone; modeling_rpt.py imports
+    nothing else of its folder and writes no maths of its own (no gate, attention, MLP, softmax or loop injection:
+    they come from the specs)."""
     ops = Path(rpt.__file__).parent / "ops"
     specs = sorted(ops.glob("*/spec.py"))
-    assert {p.parent.name for p in specs} == {"lstm", "gru", "modlstm", "minrnn", "mlstm", "loop"}
+    assert {p.parent.name for p in specs} == {"lstm", "gru", "modlstm", "minrnn", "mlstm", "loop", "stack"}
     for spec in specs:
         shipped = folder / f"spec_{spec.parent.name}.py"
         assert shipped.read_bytes() == spec.read_bytes(), shipped
@@ -89,8 +91,11 @@ def assert_steps_are_the_specs(folder: Path) -> None:
         assert imported == {"torch"}, (spec, imported)
     modeling = (folder / "modeling_rpt.py").read_text()
     assert "from .spec_lstm import lstm_step" in modeling
-    assert not any(f in modeling for f in ("torch.sigmoid", "torch.tanh", "torch.exp(", "torch.clamp(")), \
-        "a gate or step written in modeling_rpt.py instead of taken from the spec"
+    relative = {node.module for node in ast.walk(ast.parse(modeling)) if isinstance(node, ast.ImportFrom) and node.level}
+    assert relative == {"configuration_rpt", *(f"spec_{p.parent.name}" for p in specs)}, relative
+    maths = ("torch.sigmoid", "torch.tanh", "torch.exp(", "torch.clamp(", "scaled_dot_product_attention", "silu",
+             "logsumexp", "log_softmax", "block_diag(")
+    assert not [f for f in maths if f in modeling], "maths written in modeling_rpt.py instead of taken from a spec"
 
 
 def hf_model(folder: Path):

@@ -144,7 +144,7 @@ def test_flops_count_every_matrix_product():
 def test_heads_equal_the_dense_cell_with_a_block_diagonal_matrix(name):
     """model.heads = k is the dense cell whose recurrent matrix is block-diagonal (k blocks per gate group): the
     same outputs and final state, and the blocks' gradients are the dense matrix's gradient on those blocks."""
-    from rpt.models.cells.base import block_diagonal
+    from rpt.ops.stack.spec import block_diagonal
 
     cell = make(name)
     dense = build_cell(ModelConfig(d_model=D, **{**VARIANTS[name], "heads": 1})).double()

@@ -7,7 +7,9 @@
 builds the model without rpt installed. The cells run their reference forms: the step of each recurrence in
 plain torch ops (F.linear and pointwise), in a Python loop over time. Each step is rpt's own spec, the file
 rpt/ops/CELL/spec.py that rpt's cells run, shipped beside this one as spec_CELL.py and imported relatively
-(transformers copies such files with the module), so the exported model cannot drift from rpt's. That is exact
+(transformers copies such files with the module), and so is the rest of the maths (spec_stack.py: attention, the
+gated MLP, the two-level head, the loop's injection; spec_loop.py: the loop): this file only assembles the parts,
+so the exported model cannot drift from rpt's. That is exact
 and runs on any device, but it is much slower than rpt's fused kernels: train and evaluate at scale with rpt, use
 this for interchange.
 
@@ -38,6 +40,7 @@ from .spec_lstm import lstm_step
 from .spec_minrnn import COEFFICIENTS, min_step
 from .spec_mlstm import mlstm_layer_step
 from .spec_modlstm import GATES, gate_groups, modlstm_step
+from .spec_stack import block_diagonal, clustered_log_probs, gated_mlp, inject, sliding_window_attention
 
 
 # ---------------------------------------------------------------------------------------------- cells (one step)
@@ -54,16 +57,6 @@ class _Cell(nn.Module):
 
     def out(self, h):
         return self.proj(h) if self.proj is not None else h
-
-
-def block_diagonal(w: torch.Tensor, groups: int, heads: int) -> torch.Tensor:
-    """The dense recurrent matrix of `heads` heads kept as its blocks [groups * H, H / heads]: in each gate group,
-    head j's rows read only head j's part of the state."""
-    if heads == 1:
-        return w
-    d = w.shape[1]
-    blocks = w.view(groups, heads, d, d)
-    return torch.cat([torch.block_diag(*blocks[g].unbind(0)) for g in range(groups)])
 
 
 class _Gated(_Cell):
@@ -180,20 +173,7 @@ class SlidingWindowAttention(nn.Module):
         return zeros, zeros.clone(), like.new_zeros(batch, self.window)
 
     def forward(self, x, state, reset):
-        B, T, D = x.shape
-        W, nh = self.window, self.n_heads
-        k_old, v_old, valid = state
-        q, k, v = self.qkv(x).split(D, dim=-1)
-        keys, values = torch.cat([k_old, k], 1), torch.cat([v_old, v], 1)
-        doc = reset.long().cumsum(1)  # each reset opens a new document; the cache is document 0 where valid
-        doc_all = torch.cat([torch.where(valid > 0, 0, -1).to(doc.dtype), doc], 1)
-        pos_q = torch.arange(T, device=x.device)[:, None] + W
-        pos_k = torch.arange(W + T, device=x.device)[None, :]
-        mask = ((pos_k <= pos_q) & (pos_k > pos_q - W))[None] & (doc_all[:, None, :] == doc[:, :, None])
-        heads = lambda t: t.view(B, -1, nh, D // nh).transpose(1, 2)
-        y = F.scaled_dot_product_attention(heads(q), heads(keys), heads(values), attn_mask=mask[:, None])
-        y = self.out(y.transpose(1, 2).reshape(B, T, D))
-        return y, (keys[:, -W:], values[:, -W:], (doc_all[:, -W:] == doc[:, -1:]).to(valid.dtype))
+        return sliding_window_attention(x, state, reset, self.qkv.weight, self.out.weight, self.n_heads, self.window)
 
 
 class GatedMLP(nn.Module):
@@ -203,8 +183,7 @@ class GatedMLP(nn.Module):
         self.up, self.down = nn.Linear(d_model, 2 * hidden, bias=False), nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x):
-        a, b = self.up(x).chunk(2, dim=-1)
-        return self.down(F.silu(a) * b)
+        return gated_mlp(x, self.up.weight, self.down.weight)
 
 
 def make_norm(cfg: RptConfig) -> nn.Module:
@@ -270,13 +249,7 @@ class ClusteredHead(Head):
         self.register_buffer("order", torch.arange(cfg.vocab_size))
 
     def forward(self, h):
-        S = self.shortlist
-        short, tail = self.weight[self.order[:S]], self.weight[self.order[S:]]
-        head = torch.cat([F.linear(h, short), self.rest(h)], dim=-1).float().log_softmax(-1)
-        tail = F.linear(h, tail).float().log_softmax(-1) + head[..., S:]
-        rank = torch.empty_like(self.order)
-        rank[self.order] = torch.arange(len(self.order), device=self.order.device)
-        return torch.cat([head[..., :S], tail], dim=-1).index_select(-1, rank)
+        return clustered_log_probs(h, self.weight, self.rest.weight, self.rest.bias, self.order, self.shortlist)
 
 
 class Loop(nn.Module):
@@ -291,7 +264,7 @@ class Loop(nn.Module):
         self.norm, self.inject_norm = make_norm(cfg), make_norm(cfg)
 
     def inject(self, h, e):
-        return self.adapter(torch.cat([h, e], dim=-1)) if self.adapter is not None else h + e
+        return inject(h, e, self.adapter.weight if self.adapter is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------- transformers

@@ -3,7 +3,7 @@
 Why our own C++: at small batch each step of the recurrent loops is one small matrix product and 6-10 small
 elementwise ops, and from Python each op costs several times its dispatch from C++; torch.compile would unroll
 the T steps of the loop (and TorchScript is deprecated), and no library offers these cells' loops (figures:
-benchmarks/RESULTS.md). Each recurrence's C++ lives in its folder of rpt/ops, listed here: modlstm_cpu.cpp
+benchmarks/results/cells.md). Each recurrence's C++ lives in its folder of rpt/ops, listed here: modlstm_cpu.cpp
 and gru_cpu.cpp are the Python loops of their loops.py step for step on the same buffers (each step's elementwise
 part one pass of the same arithmetic on the CPU: CELL_steps.h, on step_passes.h's vector helpers; at few rows the
 whole loop in one parallel region: `threaded_loops.h`), minrnn_cpu.cpp minGRU's and minLSTM's linear recurrence

@@ -11,7 +11,7 @@
   on a packing of each weight kept for the generation.
 
 Where oneDNN's ops are missing, off the CPU, or not float32, all of these fall back to addmm, so results never
-depend on them (figures: benchmarks/RESULTS.md).
+depend on them (figures: benchmarks/results/cells.md).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _packed_available() -> bool:
 # Few rows and a small enough W: rpt's own product reads W once per three rows of h, and the native loops run it with
 # the step's elementwise part split over the same threads; faster than oneDNN's product while that traffic stays
 # within SMALL_BATCH_TRAFFIC, and at any number of rows for a W that stays in the threads' L2 caches (the crossovers
-# of a grid of modlstm and gru forward + backward, benchmarks/RESULTS.md).
+# of a grid of modlstm and gru forward + backward, benchmarks/results/cells.md).
 SMALL_BATCH_TRAFFIC = 16 << 20  # bytes a step: ceil(rows / 3) x W
 CACHED_WEIGHT = 1 << 20  # bytes
 

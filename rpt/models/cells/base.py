@@ -25,6 +25,7 @@ from torch import nn
 
 from rpt.errors import RptError
 from rpt.ops.segments import reset_rows
+from rpt.ops.stack.spec import block_diagonal
 
 
 State = tuple[torch.Tensor, ...]
@@ -134,18 +135,7 @@ def head_width(d_hidden: int, heads: int) -> int:
     return d_hidden // heads
 
 
-def block_diagonal(w: torch.Tensor, groups: int, heads: int) -> torch.Tensor:
-    """The dense [groups * H, H] recurrent matrix of a head-wise one kept as its blocks, [groups * H, H / heads]:
-    in each gate group the rows of head j read only head j's part of the state, as xLSTM's sLSTM does. The
-    reference and CPU paths multiply by the dense matrix; a kernel may read the blocks directly."""
-    if heads == 1:
-        return w
-    d = w.shape[1]
-    blocks = w.view(groups, heads, d, d)
-    return torch.cat([torch.block_diag(*blocks[g].unbind(0)) for g in range(groups)])
-
-
 # The cuDNN cells (lstm, gru) keep their four weights as separate parameters, so that weight norm and
 # DropConnect act on them; cuDNN copies them into one buffer per call (at no measurable cost next to nn.LSTM's
-# flattened weights: benchmarks/RESULTS.md) and warns once per process.
+# flattened weights: benchmarks/results/cells.md) and warns once per process.
 warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous chunk")

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from rpt.errors import RptError
-from rpt.models.cells.base import Cell, block_diagonal, head_width
+from rpt.models.cells.base import Cell, head_width
+from rpt.ops.stack.spec import block_diagonal
 from rpt.models.registry import GateFunction, default_forget_bias, get_gate, register_cell
 from rpt.ops.modlstm import sequence
 from rpt.ops.modlstm.sequence import Variant

@@ -4,7 +4,7 @@
     i, f, g, o = sigmoid, sigmoid, tanh, sigmoid of P_t's four gate groups
     c_t = f c_{t-1} + i g;  h_t = o tanh(c_t)
 
-R is block-diagonal (rpt.models.cells.base.block_diagonal): program (j, b) keeps head j's four [d, d] blocks and
+R is block-diagonal (rpt.ops.stack.spec.block_diagonal): program (j, b) keeps head j's four [d, d] blocks and
 its rows' (h, c) on chip and walks the whole sequence, reading GX_t and writing h_t, c_t and the gate values the
 backward reads. The backward walks back in time with the same blocks and writes the pre-activations' gradient; the
 products outside turn it into the gradients of x, W_ih, the biases and R (one batched product over the heads,

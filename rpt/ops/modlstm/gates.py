@@ -39,7 +39,7 @@ class GateFunction:
 # The exponential gate's forget bias: f = exp(P_f) weighs the carried average against each new input, so
 # a positive bias (f > 1) makes the normalised state hold on to the first tokens and ignore new ones: with
 # the sigmoid's +1 the model did not learn (validation rose at every evaluation); from -1 to -3 it learned
-# as well as or better than the sigmoid gate (benchmarks/RESULTS.md). At -1 the state keeps 1/e of its past
+# as well as or better than the sigmoid gate (benchmarks/results/cells.md). At -1 the state keeps 1/e of its past
 # per step at the start, as xLSTM's sLSTM starts its forget gate well below saturation.
 EXP_FORGET_BIAS = -1.0
 

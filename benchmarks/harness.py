@@ -1,0 +1,84 @@
+"""What the benchmark scripts share: timing a function on a device, greedy generation speed, and `rpt train` run
+as a user runs it (a fresh process, the run's files read back). Imported by the scripts beside it (each is run as
+`python benchmarks/NAME.py`, which puts this folder on the path)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int, warmup: int = 1, median: bool = False) -> float:
+    """Seconds of one call of `fn` on `device` (its queue drained before and after each): the best of `repeats`
+    calls after `warmup` untimed ones, or their median."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        began = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - began)
+    return sorted(times)[len(times) // 2] if median else min(times)
+
+
+@torch.no_grad()
+def generation_speed(model, tokens: int = 200, **generate) -> float:
+    """Greedy tokens per second of one row after a one-token prompt (the prompt's forward and the first token left
+    out), with the CPU's one-row products where the model runs on the CPU; `generate`: more of model.generate's
+    arguments (depth, exit, shared)."""
+    from rpt import kernels
+    from rpt.kernels.cpu.products import generating
+
+    prompt = torch.zeros(1, dtype=torch.long, device=next(model.parameters()).device)
+    stream = model.generate(prompt, tokens, temperature=0, **generate)
+    if prompt.device.type == "cpu":
+        stream = generating(model, stream, kernels.current())
+    next(stream)
+    began = time.perf_counter()
+    count = sum(1 for _ in stream)
+    return count / (time.perf_counter() - began)
+
+
+def rpt_train(run_dir: Path, sets: dict | list, config: str | None = None, nproc: int | None = None,
+              env: dict | None = None, timeout: float | None = None, quiet: bool = True) -> subprocess.CompletedProcess:
+    """`rpt train --run-dir RUN_DIR [--config CONFIG] [--nproc N] --set K=V ...` in a fresh process from the
+    repository's root; its output captured (`quiet`) or passed through. A failed run stops the benchmark with the
+    end of its error."""
+    pairs = sets.items() if isinstance(sets, dict) else (kv.split("=", 1) for kv in sets)
+    cmd = [sys.executable, "-m", "rpt", "train", "--run-dir", str(run_dir),
+           *(["--config", str(config)] if config else []), *(["--nproc", str(nproc)] if nproc else []),
+           *(a for k, v in pairs for a in ("--set", f"{k}={v}"))]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=quiet, text=True, timeout=timeout)
+    if done.returncode:
+        raise SystemExit(f"rpt train failed ({' '.join(cmd[1:])}):\n{(done.stderr or '')[-3000:]}")
+    return done
+
+
+def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
+    """A run's metrics.jsonl records (those of one `kind`: train, eval)."""
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if kind is None or r["kind"] == kind]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def commit() -> str:
+    """The short hash of the checkout the benchmark runs from (a row's identity with its date)."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=REPO).stdout.strip()
