@@ -23,7 +23,7 @@
 #   2. benchmarks/triton_cells.py: rpt's cells on their GPU paths (issue 27's Triton loops, the modlstm's CUDA-graph
 #      step loop) against cuDNN's nn.LSTM, each path first checked against its reference loop
 #   3. training runs at a GPU-sized shape (4 x 1024, bf16): lstm, mingru, modlstm with 16 heads, dense modlstm,
-#      each with its top GPU kernels over three profiled steps (benchmarks/trace_top.py)
+#      each with its top GPU kernels over three profiled steps (tools/trace_top.py)
 #   4. tests/models, the scan and the mlstm forms on the GPU (RPT_TEST_DEVICE=cuda): every cell's fast path against its reference
 #   5. benchmarks/cells.py on the GPU (issue 3's table, generation memory); benchmarks/compiled_cells.py
 #   6. rpt train on the GPU: fp32, bf16 (with a profiled range), fp16 with loss scaling; exact resume; a mixed job
@@ -106,7 +106,7 @@ part big-modlstm 75 $PY -m rpt train "${COMMON[@]}" "${BIGSET[@]}" --set model.c
     --run-dir "$RUNS/big-modlstm"
 for run in big-lstm big-mingru big-modlstm-heads big-modlstm; do  # where each big step's GPU time went
     if [ -f "$RUNS/$run/traces/rank0.json" ]; then
-        $PY benchmarks/trace_top.py "$RUNS/$run" --top 8 >>"$SUMMARY" 2>&1
+        $PY tools/trace_top.py "$RUNS/$run" --top 8 >>"$SUMMARY" 2>&1
         rm -rf "$RUNS/$run/traces"  # tens of MB: logs.tgz must stay under the device tool's 16 MiB a file
     fi
 done
@@ -174,7 +174,7 @@ part mixed 120 bash -c "$(declare -p COMMON RUNS PY DEV); $(declare -f mixed_ran
 note "  $(grep -h -o 'mixes CPU and GPU ranks' "$WORK/mixed.log" | head -1); digests: \
 $(grep -h -o 'parameter digest [0-9a-f]\{12\}' "$RUNS"/mixed/logs/rank*.log | tr '\n' ' ')"
 
-$PY benchmarks/run_report.py "$RUNS"/{fp32,fp32-again,bf16,fp16,gru-bf16,modlstm-bf16,resumed,mixed,big-lstm,big-mingru,big-modlstm-heads,big-modlstm} \
+$PY tools/run_report.py "$RUNS"/{fp32,fp32-again,bf16,fp16,gru-bf16,modlstm-bf16,resumed,mixed,big-lstm,big-mingru,big-modlstm-heads,big-modlstm} \
     ${BF16_PEAK:+--peak-tflops $BF16_PEAK} | tee -a "$SUMMARY"
 
 part overhead 75 $PY benchmarks/train_overhead.py --data data/stdlib --device "$DEV" --steps $((STEPS / 2)) --rounds 2

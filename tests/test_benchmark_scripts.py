@@ -1,6 +1,7 @@
-"""Every benchmark script runs from its place: `--help` exits 0 and prints its usage (the scripts that only run on
-a GPU or need root included: their --help needs neither), and benchmarks/scaling.py's arithmetic on known points.
-The fast scripts run for real in their own tests (test_benchmark_peers.py, kernels/test_triton_compiles.py)."""
+"""Every benchmark script (and tool) runs from its place: `--help` exits 0 and prints its usage (the scripts that
+only run on a GPU or need root included: their --help needs neither), and benchmarks/scaling.py's arithmetic on
+known points. The fast scripts run for real in their own tests (tests/test_benchmark_peers.py,
+tests/kernels/test_triton_compiles.py)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,19 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-LIBRARIES = {"cluster/netns.py", "harness.py"}  # imported by the scripts, not run
-SCRIPTS = sorted(p.relative_to(BENCHMARKS).as_posix() for p in BENCHMARKS.rglob("*.py")
-                 if "__pycache__" not in p.parts and p.relative_to(BENCHMARKS).as_posix() not in LIBRARIES)
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+LIBRARIES = {"benchmarks/cluster/netns.py", "benchmarks/harness.py"}  # imported by the scripts, not run
+SCRIPTS = sorted(p.relative_to(REPO).as_posix() for folder in (BENCHMARKS, REPO / "tools") for p in folder.rglob("*.py")
+                 if "__pycache__" not in p.parts and p.relative_to(REPO).as_posix() not in LIBRARIES)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_each_script_answers_help(script):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (the tests' own: triton_compile.py
     # refuses it, since it compiles the kernels)
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"], capture_output=True, text=True,
-                          timeout=120, cwd=BENCHMARKS.parent, env=env)
+    done = subprocess.run([sys.executable, str(REPO / script), "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage:" in done.stdout
 

@@ -42,7 +42,8 @@ def test_every_file_path_named_in_the_repository_exists():
         for named in named_paths(path.read_text(encoding="utf8", errors="replace")):
             if not ((ROOT / named).exists() or (ROOT / "rpt" / named).exists()):
                 missing.setdefault(named, []).append(name)
-    assert not missing, "stale paths (named -> where): " + "; ".join(f"{k} -> {', '.join(v)}" for k, v in missing.items())
+    assert not missing, "stale paths (named -> where): " + "; ".join(f"{k} -> {', '.join(v)}"
+                                                                    for k, v in missing.items())
 
 
 def test_every_entry_of_the_architecture_map_exists():

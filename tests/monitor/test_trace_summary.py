@@ -45,12 +45,12 @@ def test_gpu_kernels_make_the_timeline_when_present():
 
 
 def test_trace_top_sums_each_kernel_and_the_gpu_busy_time_over_the_profiled_steps():
-    """benchmarks/trace_top.py on a synthetic trace: kernels summed by name, largest first, their shares of the
+    """tools/trace_top.py on a synthetic trace: kernels summed by name, largest first, their shares of the
     busy time, which is the union of overlapping kernels (not their sum)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "trace_top", Path(__file__).resolve().parents[2] / "benchmarks" / "trace_top.py")
+        "trace_top", Path(__file__).resolve().parents[2] / "tools" / "trace_top.py")
     trace_top = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(trace_top)
     step = lambda n, ts: {"ph": "X", "name": f"{STEP}{n}", "ts": ts, "dur": 1000, "cat": "annotation"}  # noqa: E731

@@ -5,7 +5,7 @@ any finished run, here or copied from a GPU machine. Steady tokens/s is the medi
 intervals after the first (which holds start-up and warm-up); model FLOP/s = flops_per_token x tokens/s
 (summary.json's training count: forward + backward, recurrent products included), over `--peak-tflops`.
 
-    python benchmarks/run_report.py RUN_DIR [RUN_DIR ...] [--peak-tflops 790]
+    python tools/run_report.py RUN_DIR [RUN_DIR ...] [--peak-tflops 790]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where a profiled run's GPU time went: the kernels of its `--profile` steps, summed by name, largest first.
 
-    python benchmarks/trace_top.py RUN_DIR [--top 12]
+    python tools/trace_top.py RUN_DIR [--top 12]
 
 Reads RUN_DIR/traces/rank0.json (written by `rpt train --profile START:END`) and prints the profiled steps' wall
 time, the time the GPU was busy (the union of its kernels), and each of the top kernels' total time, call count and
