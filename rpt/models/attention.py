@@ -29,7 +29,7 @@ class SlidingWindowAttention(nn.Module):
         return zeros, zeros.clone(), torch.zeros(batch, self.window, device=device, dtype=dtype)
 
     def forward(self, x, state, reset=None):
-        return sliding_window_attention(x, state, reset, self.qkv.weight, self.out.weight, self.n_heads, self.window)
+        return sliding_window_attention(x, state, reset, self.qkv, self.out, self.n_heads, self.window)
 
     def flops_per_token(self) -> int:
         D = self.d_model

@@ -261,7 +261,7 @@ class GatedMLP(nn.Module):
         self.down = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x):
-        return gated_mlp(x, self.up.weight, self.down.weight)
+        return gated_mlp(x, self.up, self.down)
 
     def flops_per_token(self) -> int:
         return 2 * 3 * self.up.in_features * self.down.in_features

@@ -124,7 +124,7 @@ class DepthLoop(nn.Module):
                         self.norm, self.inject_norm, self.first_state, self.backprop, self.watch, stop, shared)
 
     def inject(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        return inject(h, e, self.adapter.weight if self.adapter is not None else None)
+        return inject(h, e, self.adapter)
 
     def first_state(self, e: torch.Tensor) -> torch.Tensor:
         if self.init == "zero":

@@ -73,8 +73,8 @@ AGREE = 0.25  # two steps' speeds within this of each other agree
 # scaling curve's budgets, and the figures (benchmarks/results/quality.md, issue 59). A device not listed gets the CPU's
 # choice, said as unmeasured; no candidate is left for timing until a device's measurements leave two.
 FAMILIES = {"cpu": ("lstm", "on the embedded corpus at equal time, ahead of minGRU by 0.011 bits per byte and of "
-                            "mlstm by 0.019 at 0.6 passes (300 s); at 1.5 passes (1,200 s) mlstm led by 0.009 in one "
-                            "run, twice the lstm's run-to-run spread: not yet a rule")}
+                            "mlstm by 0.019 at 300 s; at 1,200 s mlstm led by 0.009 in one run, twice the lstm's "
+                            "run-to-run spread: not yet a rule")}
 
 # every key the recipe may choose (a key a file or --set gives is left alone)
 CHOOSES = frozenset({"model.cell", "model.n_layers", "model.d_model", "model.head_shortlist", "model.attention_every",

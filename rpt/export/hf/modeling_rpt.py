@@ -173,7 +173,7 @@ class SlidingWindowAttention(nn.Module):
         return zeros, zeros.clone(), like.new_zeros(batch, self.window)
 
     def forward(self, x, state, reset):
-        return sliding_window_attention(x, state, reset, self.qkv.weight, self.out.weight, self.n_heads, self.window)
+        return sliding_window_attention(x, state, reset, self.qkv, self.out, self.n_heads, self.window)
 
 
 class GatedMLP(nn.Module):
@@ -183,7 +183,7 @@ class GatedMLP(nn.Module):
         self.up, self.down = nn.Linear(d_model, 2 * hidden, bias=False), nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x):
-        return gated_mlp(x, self.up.weight, self.down.weight)
+        return gated_mlp(x, self.up, self.down)
 
 
 def make_norm(cfg: RptConfig) -> nn.Module:
@@ -264,7 +264,7 @@ class Loop(nn.Module):
         self.norm, self.inject_norm = make_norm(cfg), make_norm(cfg)
 
     def inject(self, h, e):
-        return inject(h, e, self.adapter.weight if self.adapter is not None else None)
+        return inject(h, e, self.adapter)
 
 
 # ---------------------------------------------------------------------------------------------- transformers

@@ -31,14 +31,15 @@ def block_diagonal(w: torch.Tensor, groups: int, heads: int) -> torch.Tensor:
     return torch.cat([torch.block_diag(*blocks[g].unbind(0)) for g in range(groups)])
 
 
-def sliding_window_attention(x, state, reset, qkv_weight, out_weight, n_heads: int, window: int):
+def sliding_window_attention(x, state, reset, qkv, out, n_heads: int, window: int):
     """x [B, T, D] from `state` (keys [B, W, D], values [B, W, D], valid [B, W]: the last W positions, and which of
-    them belong to the current document); `reset` [B, T] (or None) opens a new document before a position. Each
-    position attends to itself and the W - 1 before it within its document. Returns (y [B, T, D], the new state)."""
+    them belong to the current document); `reset` [B, T] (or None) opens a new document before a position; `qkv`
+    and `out`: the projections (bias-free linear maps, as modules: generation swaps their products). Each position
+    attends to itself and the W - 1 before it within its document. Returns (y [B, T, D], the new state)."""
     B, T, D = x.shape
     W, nh = window, n_heads
     k_cache, v_cache, valid = state
-    q, k, v = F.linear(x, qkv_weight).split(D, dim=-1)
+    q, k, v = qkv(x).split(D, dim=-1)
     keys, values = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)  # [B, W+T, D]
     # Document of every position: cached keys are document 0 while valid; each reset opens a new one.
     resets = reset.long() if reset is not None else torch.zeros(B, T, dtype=torch.long, device=x.device)
@@ -51,14 +52,15 @@ def sliding_window_attention(x, state, reset, qkv_weight, out_weight, n_heads: i
     mask = in_window[None] & (doc_all[:, None, :] == doc_new[:, :, None])  # [B, T, W+T]
     heads = lambda t: t.view(B, -1, nh, D // nh).transpose(1, 2)  # noqa: E731
     y = F.scaled_dot_product_attention(heads(q), heads(keys), heads(values), attn_mask=mask[:, None])
-    y = F.linear(y.transpose(1, 2).reshape(B, T, D), out_weight)
+    y = out(y.transpose(1, 2).reshape(B, T, D))
     new_valid = (doc_all[:, -W:] == doc_new[:, -1:]).to(valid.dtype)
     return y, (keys[:, -W:], values[:, -W:], new_valid)
 
 
-def gated_mlp(x: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor) -> torch.Tensor:
-    a, b = F.linear(x, up_weight).chunk(2, dim=-1)
-    return F.linear(F.silu(a) * b, down_weight)
+def gated_mlp(x: torch.Tensor, up, down) -> torch.Tensor:
+    """`up` and `down`: the bias-free linear maps (modules: generation swaps their products)."""
+    a, b = up(x).chunk(2, dim=-1)
+    return down(F.silu(a) * b)
 
 
 def clustered_log_probs(h, weight, rest_weight, rest_bias, order, shortlist: int) -> torch.Tensor:
@@ -74,6 +76,7 @@ def clustered_log_probs(h, weight, rest_weight, rest_bias, order, shortlist: int
     return torch.where(short, z - first, z - tail + rest - first)
 
 
-def inject(h: torch.Tensor, e: torch.Tensor, adapter_weight: torch.Tensor | None) -> torch.Tensor:
-    """The depth loop's input to each iteration of its core from the state h and the prelude's output e."""
-    return F.linear(torch.cat([h, e], dim=-1), adapter_weight) if adapter_weight is not None else h + e
+def inject(h: torch.Tensor, e: torch.Tensor, adapter) -> torch.Tensor:
+    """The depth loop's input to each iteration of its core from the state h and the prelude's output e;
+    `adapter`: the linear map of cat(h, e) (a module), or None for h + e."""
+    return adapter(torch.cat([h, e], dim=-1)) if adapter is not None else h + e
