@@ -5,7 +5,7 @@ The trainer calls eight names:
 
     runner.layout                                this rank's place (Layout: immutable; what telemetry shows and a
                                                  checkpoint records)
-    runner.model                                 the parameters this rank holds (initial weights, averaging)
+    runner.probes()                              the blocks the gate probe may run a logged step's tokens through
     runner.bind(make_optimizer)                  the optimiser, made over the parameters this rank steps
     runner.init_state(batch)                     the recurrent state of this rank's blocks
     record, state = runner.train_step(x, y, reset, state, step, lr, clock, in_forward)

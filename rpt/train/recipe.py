@@ -2,25 +2,25 @@
 `train.recipe = "auto"`).
 
 First the recurrent family (FAMILIES: the one measured best on the run's device) and the head: a two-level
-softmax's shortlist where it costs at most half a full softmax (token frequencies of the training split). Then rank 0 times optimiser steps of one size on this machine, once (random tokens drawn
-as often as the corpus has them, the run's batch shape: measure_speed), scales that speed by FLOPs to a
-ladder of sizes and families (their parameters and FLOPs asked of the run's cell), reads the corpus's training
-tokens, and from the budget derives how many passes over the data each would make. A corpus the budget passes over many times is over-fitted long before the budget
+softmax's shortlist where it costs at most half a full softmax (token frequencies of the training split). Then rank
+0 times optimiser steps of one size on this machine, once (random tokens drawn as often as the corpus has them, the
+run's batch shape: measure_speed), scales that speed by FLOPs to a ladder of sizes and families (their parameters
+and FLOPs asked of the run's cell), reads the corpus's training tokens, and from the budget derives how many passes
+over the data each would make. A corpus the budget passes over many times is over-fitted long before the budget
 ends, so the recipe regularises by the passes (dropout, embedding dropout, weight drop; SGD with momentum for
 AdamW; early stopping armed); a corpus larger than the budget gets none of them, and the widest model that still
 sees enough tokens per parameter (width before depth). Where the plain stack and the stack with sliding-window
 attention in every 2nd block both make more than REGIME_PASSES passes, the data limits the run: the family takes
 the attention, SGD with momentum replaces AdamW and the rows a step stay the default's; where the run at
 COMPUTE_BOUND_BATCH rows a step (4 x the default's) makes fewer, the compute limits it, and those larger steps
-reach a lower loss in the same time (a step budget keeps its batch). Dropout grows gradually from FREE_PASSES. Each decision is made
-on the passes of the configuration it leads to, so every line printed agrees. A regulariser the cell does not
-take (weight drop beside lstm) is left out. The periodic validation is sized to cost a small share of the budget
-(and, where the steps are known, to come at least MIN_VALIDATIONS times), the warm-up to at most a tenth of the
-steps the budget gives. Every
-choice is printed with its reason, written into the run's config.toml, and a key given with --set (or by a file)
-is never touched. The recipe's time is outside train.max_time (which budgets training), and at most RECIPE_SHARE
-of it.
-The rules and the runs that set them: benchmarks/results/quality.md (issues 22, 44, 59).
+reach a lower loss in the same time (a step budget keeps its batch). Dropout grows gradually from FREE_PASSES. Each
+decision is made on the passes of the configuration it leads to, so every line printed agrees. A regulariser the
+cell does not take (weight drop beside lstm) is left out. The periodic validation is sized to cost a small share of
+the budget (and, where the steps are known, to come at least MIN_VALIDATIONS times), the warm-up to at most a tenth
+of the steps the budget gives. Every choice is printed with its reason, written into the run's config.toml, and a
+key given with --set (or by a file) is never touched. The recipe's time is outside train.max_time (which budgets
+training), and at most RECIPE_SHARE of it. The rules and the runs that set them: benchmarks/results/quality.md
+(issues 22, 44, 59).
 """
 
 from __future__ import annotations

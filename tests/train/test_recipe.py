@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from rpt.train import recipe
 
@@ -242,7 +243,7 @@ def test_the_family_is_the_devices_measured_best_and_a_given_cell_is_kept(make_c
         cfg = make_cfg("train.max_steps=2000", "train.recipe=auto", *sets)
         cfg = cfg.thawed()  # the recipe resolves a thawed copy (rpt/train/resolve.py)
         cfg.given = frozenset(given)
-        choices = recipe.cell_choice(cfg, __import__("torch").device(device))
+        choices = recipe.cell_choice(cfg, torch.device(device))
         recipe.apply_recipe(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), 10**9, 10_000, np.ones(512))
         return cfg, choices
 
