@@ -280,7 +280,10 @@ def _cmd_train(args) -> None:
     first_look = int(os.environ.get("RANK", "0")) == 0 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     if first_look and not args.resume and (run_dir / "config.toml").exists():
         raise RptError(f"{run_dir} already holds a run", "continue it with --resume, or choose another --run-dir")
-    summary = train(cfg, run_dir, args.resume, args.nproc, args.max_restarts, args.device)
+    from rpt.testing import faults  # RPT_FAULT: a rank that fails on purpose (rpt/testing/faults.py)
+
+    summary = train(cfg, run_dir, args.resume, args.nproc, args.max_restarts, args.device,
+                    faults.hooks_from_env if faults.from_env() else None)
     if summary is not None and summary.get("interrupted"):  # stopped after a step, with a checkpoint (said)
         sys.exit(130)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: rank 0 reports for the job

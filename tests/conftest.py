@@ -119,7 +119,7 @@ def cut_and_resumed(make_cfg, tmp_path, solo):
         Trainer(make_cfg(*given, "train.max_steps=3"), tmp_path / "cut", solo, show_progress=False).run()
         resumed = Trainer(make_cfg(*given, "train.max_steps=6"), tmp_path / "cut", solo, resume=True,
                           show_progress=False)
-        assert resumed.step == 3
+        assert resumed.progress.step == 3
         return full, resumed
     return run
 

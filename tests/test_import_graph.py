@@ -51,6 +51,16 @@ def test_packages_import_one_way():
     assert not cycles, cycles
 
 
+def test_fault_injection_reaches_the_loop_only_through_the_cli():
+    """rpt/testing (fault injection) is installed by `rpt train` (rpt/cli.py) when RPT_FAULT asks: no package of
+    the real loop imports it."""
+    edges = import_edges()
+    assert ("cli", "testing") in edges  # the graph is really read
+    wrong = {f"{a} -> testing ({', '.join(sorted(set(files)))})" for (a, b), files in edges.items()
+             if b == "testing" and a != "cli"}
+    assert not wrong, wrong
+
+
 def test_models_hold_no_branch_for_how_they_are_run():
     """Parallelism is applied from outside (rpt/parallel/apply.py): nothing in rpt/models reads the settings of
     activation checkpointing, compile, pipelines or data parallelism, nor the train/parallel/comm sections."""

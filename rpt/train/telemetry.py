@@ -279,6 +279,14 @@ class Telemetry:
         with open(Path(self.run_dir) / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def state_dict(self) -> dict:
+        """Telemetry's part of a checkpoint: the last logged training loss, which a resumed run's summary reports
+        until it logs its own."""
+        return {"train_loss": self.last_train_loss}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.last_train_loss = saved["train_loss"]
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -16,7 +16,7 @@ The loop is here; the step is the runner's, which `rpt.parallel.apply.paralleliz
 runs on the ranks (pipeline, DDP, comm modes, FSDP): the trainer holds that one handle. What happens around the
 step are components that own their config section and their timing: Telemetry (monitor), Evaluation
 (train.eval_*), Checkpointing (checkpoint), Budget (train.max_* and the learning rate), and the step hooks a run
-installs (rpt/train/hooks.py: the stall watchdog, the profiler, fault injection).
+installs (rpt/train/hooks.py: the stall watchdog, the profiler; fault injection, which rpt/cli.py hands in).
 Everything a run writes goes into its run directory: config.toml, meta.json of the data, logs/rank*.log,
 metrics.jsonl, checkpoints/, summary.json.
 """
@@ -29,6 +29,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import closing, contextmanager
 from functools import partial
 from pathlib import Path
@@ -55,7 +56,6 @@ from rpt.parallel.fsdp import param_digest
 from rpt.parallel.launch import Dist, restart_count
 from rpt.parallel.runner import StepRecord, autocast_for
 from rpt.runtime.signals import StopRequest
-from rpt.train import faults
 from rpt.train.averaging import WeightAverage
 from rpt.train.budget import Budget
 from rpt.train.checkpoint.manager import Checkpointing, RandomState
@@ -63,6 +63,7 @@ from rpt.train.evaluate import Evaluation
 from rpt.train.hooks import StepHooks
 from rpt.train.init_from import load_weights, read_weights
 from rpt.train.optim import build_optimizer
+from rpt.train.progress import Progress
 from rpt.train.resolve import resolve
 from rpt.train.run_dir import setup_logging
 from rpt.train.step_profiler import StepProfiler
@@ -71,21 +72,26 @@ from rpt.train.watchdog import Watchdog
 
 log = logging.getLogger("rpt.train")
 IN_STEP = ("data", "forward", "backward", "optimizer")  # the phases of a step
+ExtraHooks = Callable[[int], list[StepHooks]]  # rank -> step hooks
 
 
-def train(cfg: Config, run_dir: Path, resume: bool, nproc: int, max_restarts: int, device: str | None) -> dict | None:
-    """Run training here (one process, or this rank under torchrun) or launch `nproc` local workers."""
+def train(cfg: Config, run_dir: Path, resume: bool, nproc: int, max_restarts: int, device: str | None,
+          extra_hooks: ExtraHooks | None = None) -> dict | None:
+    """Run training here (one process, or this rank under torchrun) or launch `nproc` local workers.
+    `extra_hooks(rank)`: step hooks to install besides the run's own (a module-level function, since workers
+    start in fresh processes: fault injection)."""
     if nproc > 1:
-        interrupted = launch.launch_local(nproc, max_restarts, train_worker, cfg, str(run_dir), resume, device)
+        interrupted = launch.launch_local(nproc, max_restarts, train_worker, cfg, str(run_dir), resume, device,
+                                          True, extra_hooks)
         if interrupted:
             return {"interrupted": True, "signal": interrupted}
         summary_path = run_dir / "summary.json"
         return json.loads(summary_path.read_text()) if summary_path.exists() else None
-    return train_worker(cfg, str(run_dir), resume, device)
+    return train_worker(cfg, str(run_dir), resume, device, extra_hooks=extra_hooks)
 
 
 def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None,
-                 show_progress: bool = True) -> dict:
+                 show_progress: bool = True, extra_hooks: ExtraHooks | None = None) -> dict:
     """What every rank runs, alone, under torchrun or as one of the workers `--nproc` launches (a top-level
     function, so that the launcher can start it in a fresh process). Each rank logs to RUN_DIR/logs/rankR.log."""
     d = launch.setup(device)
@@ -95,7 +101,7 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None,
     run_dir = Path(run_dir)
     setup_logging(run_dir, d.rank)
     try:
-        return Trainer(cfg, run_dir, d, resume=resume, show_progress=show_progress).run()
+        return Trainer(cfg, run_dir, d, resume=resume, show_progress=show_progress, extra_hooks=extra_hooks).run()
     except RptError as exc:
         if (run_dir / "config.toml").exists():  # a run that exists keeps the record; a refused new one leaves nothing
             logging.getLogger("rpt").error("%s", exc)
@@ -109,7 +115,7 @@ def train_worker(cfg: Config, run_dir: str, resume: bool, device: str | None,
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, dist_info: Dist, resume: bool = False,
-                 show_progress: bool = True):
+                 show_progress: bool = True, extra_hooks: ExtraHooks | None = None):
         """`cfg`: the user's configuration, resolved here (rpt/train/resolve.py) into `self.resolved`, whose frozen
         `cfg` everything after reads. `resume`: --resume (an elastic restart resumes too)."""
         self.run_dir, self.d, self.device = Path(run_dir), dist_info, dist_info.device
@@ -136,14 +142,15 @@ class Trainer:
         make_loader = self.data.stream if cfg.data.mix else partial(TokenStream, self.data.tokens("train"))
         self.loader = make_loader(t.batch_size, t.seq_len, rank=self.dp_rank, world_size=self.dp_size, seed=t.seed,
                                   mode=cfg.data.loader, eot_id=self.data.eot_id)
-        self.state = runner.init_state(t.batch_size)  # a pipeline stage: its blocks' state
-        self.step = self.tokens = self.skipped_steps = self.bad_streak = 0
-        self.elapsed_before, self.started = 0.0, time.perf_counter()  # training seconds of earlier runs; this one's
-        self.stopped: float | None = None  # when this run's training time ended (before the final evaluations)
+        # how far the run is, and the recurrent state it carries (a pipeline stage: its blocks' state)
+        self.progress = Progress(runner.init_state(t.batch_size), {**layout.shape, "rank": dist_info.rank},
+                                 self.device, self.resolved.recipe_seconds)
+        self.bad_streak = 0
         self.agreed_clock: float | None = None  # elapsed() as every rank agreed it this step, where they did
         self.budget, self.ended_by, self.spent_share = Budget(t), None, 0.0
         self.pending_skip = None  # on a GPU: the last step's non-finite flag, not read yet
-        self.hooks = step_hooks(t, cfg.monitor, dist_info, self.run_dir)
+        self.hooks = [*(extra_hooks(dist_info.rank) if extra_hooks else []),
+                      *step_hooks(t, cfg.monitor, dist_info, self.run_dir)]
         self.profiler = next((h for h in self.hooks if isinstance(h, StepProfiler)), None)
         self.clock = PhaseClock(self.device, self.mark_phase)
         self.averaging = WeightAverage(t.average, list(self.held.model.parameters()))
@@ -151,14 +158,15 @@ class Trainer:
         self.evaluation = Evaluation(t, self.data, token_byte_lengths(self.data.tokenizer), self.device,
                                      self.dp_rank, self.dp_size, cfg.data.reset_at_documents,
                                      partial(autocast_for, layout.precision, layout.device))
+        self.telemetry = Telemetry(cfg.monitor, layout, self.run_dir, runner.probes(), show_progress)
         # what a checkpoint holds beside the model, the optimiser and the runner's parts: save and resume walk this
         # one provider (the parts a rank's place owns start afresh on another layout)
-        self.held = self.held.with_parts({"trainer": self, "loader": self.loader, "budget": self.budget,
+        self.held = self.held.with_parts({"progress": self.progress, "loader": self.loader, "budget": self.budget,
                                           "evaluation": self.evaluation, "averaging": self.averaging,
+                                          "telemetry": self.telemetry,
                                           "rng": RandomState(self.device)}, per_rank=("rng", "averaging"))
         self.checkpoints = Checkpointing(cfg.checkpoint, str(self.run_dir / "checkpoints"), dist_info.rank,
                                          dist_info.world_size, dist_info.is_main, self.hooks, self.held, layout.shape)
-        self.telemetry = Telemetry(cfg.monitor, layout, self.run_dir, runner.probes(), show_progress)
         if self.initialised_from:
             self.telemetry.say(self.initialised_from)
         torch.manual_seed(t.seed + 1000 * dist_info.rank)  # dropout differs per rank
@@ -169,7 +177,6 @@ class Trainer:
         # there (or a checkpoint of another shape) leave the run's config.toml as it was, resumable as before.
         self.recorded = False
         self.resumed_at: int | None = None  # the step a resume continued from (None: a new run)
-        self.recipe_seconds = self.resolved.recipe_seconds  # what the default recipe took at the run's start
         if resume:
             self._resume()
         else:
@@ -180,14 +187,15 @@ class Trainer:
         """One optimiser step over one batch at learning rate `lr` (the runner's; None: the optimiser's as it is),
         and its skip counted."""
         x, y, reset = batch
-        record, self.state = self.runner.train_step(x, y, reset if self.cfg.data.reset_at_documents else None,
-                                                    self.state, self.step, lr, self.clock, self._in_forward)
+        p = self.progress
+        record, p.state = self.runner.train_step(x, y, reset if self.cfg.data.reset_at_documents else None,
+                                                 p.state, p.step, lr, self.clock, self._in_forward)
         self._count_skip(record.nonfinite)
         return record
 
     def _in_forward(self, loss: torch.Tensor) -> torch.Tensor:
         for hook in self.hooks:
-            loss = hook.in_forward(self.step, loss)
+            loss = hook.in_forward(self.progress.step, loss)
         return loss
 
     def _count_skip(self, nonfinite: torch.Tensor) -> None:
@@ -209,10 +217,10 @@ class Trainer:
         if event is not None:
             event.synchronize()
         skipped = bool(flag)
-        self.skipped_steps += skipped
+        self.progress.skipped_steps += skipped
         self.bad_streak = self.bad_streak + 1 if skipped else 0
-        if skipped and not all_finite(self.state):  # a step late on a GPU: that step was skipped as well
-            self.state = self.runner.init_state(self.cfg.train.batch_size)
+        if skipped and not all_finite(self.progress.state):  # a step late on a GPU: that step was skipped as well
+            self.progress.state = self.runner.init_state(self.cfg.train.batch_size)
 
     def _settle_pending_skip(self) -> None:
         """Read the last step's flag now (before a checkpoint, a log line, the end)."""
@@ -223,9 +231,9 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
         tel = self.telemetry
-        self.started = time.perf_counter()
+        self.progress.start()
         t = self.cfg.train
-        tel.open(self.params, self.step, self.spent(), self.resolved.notes, self.budget.describe(),
+        tel.open(self.params, self.progress.step, self.spent(), self.resolved.notes, self.budget.describe(),
                  [self.checkpoints.describe(), *[line for line in [self.averaging.describe()] if line]],
                  config=self.cfg.to_dict(), meta={"config": self.cfg.to_toml(),
                                                   "tokens_per_rank_step": t.batch_size * t.seq_len,
@@ -236,33 +244,35 @@ class Trainer:
                 elapsed, stopping = self._agreed(stop)
                 if stopping:
                     return self._stop_interrupted(stop)
-                self.spent_share = self.budget.progress(self.step, self.tokens, elapsed)
-                self.ended_by = self.budget.ended_by(self.step, self.tokens, elapsed) or self.evaluation.stale
+                self.spent_share = self.budget.progress(self.progress.step, self.progress.tokens, elapsed)
+                self.ended_by = (self.budget.ended_by(self.progress.step, self.progress.tokens, elapsed)
+                                 or self.evaluation.stale)
                 if self.ended_by:
                     break
-                lr = self.budget.lr(self.step, self.spent_share)
+                lr = self.budget.lr(self.progress.step, self.spent_share)
                 with self.clock("data"):
                     batch = self._next_batch()
                 for hook in self.hooks:
-                    hook.step_begins(self.step)
+                    hook.step_begins(self.progress.step)
                 record = self.train_step(batch, lr)
                 self.averaging.step(self.spent_share)
-                self.step += 1
+                self.progress.step += 1
                 if not self.recorded:
                     self._write_run_files()
                 for hook in self.hooks:
-                    hook.step_ends(self.step)
-                self.tokens += record.tokens
-                tel.step_done(self.step, record, self.spent())
+                    hook.step_ends(self.progress.step)
+                self.progress.tokens += record.tokens
+                tel.step_done(self.progress.step, record, self.spent())
                 self._check_bad_streak()
-                if tel.should_log(self.step):
+                if tel.should_log(self.progress.step):
                     self._settle_pending_skip()
                     self.mark_phase("log")
-                    tel.log_interval(record, lr, self.where(), self.skipped_steps, self.clock.take(), self.state,
+                    tel.log_interval(record, lr, self.where(), self.progress.skipped_steps, self.clock.take(),
+                                     self.progress.state,
                                      self._tokens_by_source())
-                if self.evaluation.should_evaluate(self.step, self.spent_share, self.eval_align):
+                if self.evaluation.should_evaluate(self.progress.step, self.spent_share, self.eval_align):
                     self._evaluate(final=False)
-                if self.checkpoints.should_save(self.step, self.agreed_clock):
+                if self.checkpoints.should_save(self.progress.step, self.agreed_clock):
                     self._settle_pending_skip()
                     if self.bad_streak == 0:  # keep good ones good
                         self._save()
@@ -271,29 +281,28 @@ class Trainer:
     def _finish(self) -> dict:
         """After the last step: the evaluations, the last checkpoint (ranked by the periodic measure), the summary."""
         tel = self.telemetry
-        if self.resumed_at == self.step:
+        if self.resumed_at == self.progress.step:
             return self._nothing_trained()
-        tel.say(f"ended by {self.ended_by} at step {self.step:,} ({self.tokens:,} tokens)")
+        tel.say(f"ended by {self.ended_by} at step {self.progress.step:,} ({self.progress.tokens:,} tokens)")
         if not self.recorded:
             self._write_run_files()
         self._settle_pending_skip()
-        self.stopped = time.perf_counter()
-        segment = self.stopped - self.started
-        profile = tel.profile(self.profiler, self.step)
+        segment = self.progress.stop()
+        profile = tel.profile(self.profiler, self.progress.step)
         ending = self.runner.finish()
         self.averaging.put_in()  # the run ends with the average (its iterate kept for a resume)
         log.info("parameter digest %s", param_digest(self.held.model))  # ranks compare equal under data parallel
         ev = self.evaluation
-        if ev.last is not None and ev.ranking(self.step) is None:
-            self._evaluate(final=False)  # the measure checkpoints are ranked and the best chosen by, at the last step too
+        if ev.last is not None and ev.ranking(self.progress.step) is None:
+            self._evaluate(final=False)  # the measure checkpoints are ranked and the best chosen by, at the last step
         if ev.last is None:  # no periodic evaluation: the final one ranks the last checkpoint
             final = self._evaluate(final=True)
-            selected = {"selected_step": self.step, "selected_by": "the last step (no periodic validation)"}
+            selected = {"selected_step": self.progress.step, "selected_by": "the last step (no periodic validation)"}
             val = (final["loss"], final["tokens"])
         else:
-            val = ev.ranking(self.step)
+            val = ev.ranking(self.progress.step)
         with self.clock("checkpoint"):
-            self.checkpoints.finish(self.step, val)
+            self.checkpoints.finish(self.progress.step, val)
         if ev.last is not None:
             selected = self._select_best()
             final = self._evaluate(final=True, weights_step=selected["selected_step"])
@@ -311,19 +320,22 @@ class Trainer:
             hook.run_ends()
         self.telemetry.close()
         summary = self.run_dir / "summary.json"
-        return json.loads(summary.read_text()) if summary.is_file() else {"interrupted": True, "steps": self.step}
+        if summary.is_file():
+            return json.loads(summary.read_text())
+        return {"interrupted": True, "steps": self.progress.step}
 
     def _next_batch(self):
         batch = next(self.loader)
         largest = max(int(batch[0].max()), int(batch[1].max()))  # on the CPU, before the device
         if largest >= self.cfg.model.vocab_size:
-            raise_bad_id(largest, None, f"the training batch of step {self.step + 1}", self.cfg.model.vocab_size)
+            raise_bad_id(largest, None, f"the training batch of step {self.progress.step + 1}",
+                         self.cfg.model.vocab_size)
         return batch
 
     def _check_bad_streak(self) -> None:
         if self.bad_streak >= self.cfg.train.max_bad_steps:
             raise RptError(f"{self.bad_streak} optimiser steps in a row had non-finite gradients "
-                           f"(step {self.step}); the run stopped",
+                           f"(step {self.progress.step}); the run stopped",
                            "lower train.lr, raise train.warmup_steps or use precision fp32/bf16; "
                            f"the last good checkpoint is {self.checkpoints.latest() or 'none'}")
 
@@ -332,36 +344,33 @@ class Trainer:
         with --resume), and the command that continues it. A second signal meanwhile stops at once."""
         tel = self.telemetry
         self.ended_by = stop.requested or "an interrupt on another rank"
-        tel.say(f"stopping after step {self.step:,} ({self.ended_by}): writing a checkpoint; "
+        tel.say(f"stopping after step {self.progress.step:,} ({self.ended_by}): writing a checkpoint; "
                 "Ctrl-C again stops at once")
         self._settle_pending_skip()
-        if self.checkpoints.last_saved_step != self.step and self.step > 0:
+        if self.checkpoints.last_saved_step != self.progress.step and self.progress.step > 0:
             self._save()
         self.checkpoints.finish_pending()
         for hook in self.hooks:
             hook.run_ends()
         tel.close()
         saved = self.checkpoints.latest()
-        tel.say(f"interrupted at step {self.step:,}; " + (f"the checkpoint {saved} holds it. " if saved else "")
+        tel.say(f"interrupted at step {self.progress.step:,}; "
+                + (f"the checkpoint {saved} holds it. " if saved else "")
                 + f"Continue with: rpt train --run-dir {self.run_dir} --resume"
                 + (f" --nproc {os.environ['RPT_NPROC']}" if "RPT_NPROC" in os.environ else
                    " (launched as before)" if self.d.enabled else ""))
-        return {"interrupted": True, "steps": self.step, "signal": stop.requested}
+        return {"interrupted": True, "steps": self.progress.step, "signal": stop.requested}
 
     # ------------------------------------------------------------------ pieces
     def mark_phase(self, phase: str) -> None:
         """Tell the step hooks (the stall watchdog) which phase this rank enters; a phase of the step being run
         counts as step + 1."""
         for hook in self.hooks:
-            hook.phase(self.step + (phase in IN_STEP), phase)
-
-    def elapsed(self) -> float:
-        """Training seconds of this run directory: earlier runs' and this one's."""
-        return self.elapsed_before + (self.stopped or time.perf_counter()) - self.started
+            hook.phase(self.progress.step + (phase in IN_STEP), phase)
 
     def spent(self) -> float:
         """The spent share of the budget."""
-        return self.budget.progress(self.step, self.tokens, self.elapsed())
+        return self.budget.progress(self.progress.step, self.progress.tokens, self.progress.elapsed())
 
     def _agreed(self, stop: StopRequest) -> tuple[float, bool]:
         """One clock and one stop decision for every rank, in one small collective (a CPU tensor: gloo, no
@@ -369,11 +378,11 @@ class Trainer:
         learning rate (which follows the spent fraction of the budget) stays identical across replicas; and
         a stop asked of any rank stops them all after the same step. Without a time budget the ranks agree
         at each log interval only (whose loss is all-reduced anyway), so a stop waits for that step."""
-        elapsed, self.agreed_clock = self.elapsed(), None
+        elapsed, self.agreed_clock = self.progress.elapsed(), None
         if self.d.world_size == 1:
             self.agreed_clock = elapsed
             return elapsed, stop.requested is not None
-        if not self.cfg.train.max_time and self.step % self.cfg.monitor.log_interval:
+        if not self.cfg.train.max_time and self.progress.step % self.cfg.monitor.log_interval:
             return elapsed, False
         agreed = torch.tensor([elapsed, float(stop.requested is not None)], dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
@@ -383,9 +392,9 @@ class Trainer:
     def where(self) -> dict:
         """How far the run is: its step (of train.max_steps), the spent share of the budget, and the budget nearest
         its end."""
-        return {"step": self.step, "tokens": self.tokens, "max_steps": self.cfg.train.max_steps,
+        return {"step": self.progress.step, "tokens": self.progress.tokens, "max_steps": self.cfg.train.max_steps,
                 "spent": min(1.0, self.spent()),
-                "budget": self.budget.leading(self.step, self.tokens, self.elapsed())}
+                "budget": self.budget.leading(self.progress.step, self.progress.tokens, self.progress.elapsed())}
 
     def _tokens_by_source(self) -> dict:
         """A mixture's tokens read from each source so far (empty for one dataset)."""
@@ -395,11 +404,11 @@ class Trainer:
     def _run_figures(self, segment: float, profile: list[dict] | None, selected: dict) -> dict:
         """What the run's summary says of the run itself (telemetry adds the losses and the communication): every
         figure over the whole run, all its segments (resumes) together, but those named `segment_*`."""
-        ev, recipe, wall = self.evaluation, self.recipe_seconds, self.elapsed()
-        return {"steps": self.step, "tokens": self.tokens, "wall_seconds": round(wall, 3),
-                "tokens_per_second": self.tokens / max(wall, 1e-9), "params": self.params,
+        ev, recipe, wall = self.evaluation, self.progress.recipe_seconds, self.progress.elapsed()
+        return {"steps": self.progress.step, "tokens": self.progress.tokens, "wall_seconds": round(wall, 3),
+                "tokens_per_second": self.progress.tokens / max(wall, 1e-9), "params": self.params,
                 "flops_per_token": self.flops_per_token, "ended_by": self.ended_by,
-                "skipped_steps": self.skipped_steps, "precision": self.cfg.train.precision,
+                "skipped_steps": self.progress.skipped_steps, "precision": self.cfg.train.precision,
                 "compression": self.cfg.comm.compression, "device": str(self.device), "profile_by_rank": profile,
                 **selected, "best_periodic_val_loss": ev.best["loss"] if ev.best else None,
                 "eval_seconds": round(ev.seconds, 3), "eval_share": ev.seconds / max(wall, 1e-9),
@@ -410,10 +419,10 @@ class Trainer:
     def _evaluate(self, final: bool, weights_step: int | None = None) -> dict:
         """A validation of the model's weights (those of `weights_step` where they were loaded back)."""
         with self.clock("eval"), self.averaging.in_model():  # averaging: the average is what is validated
-            result = self.evaluation.run(self.runner.eval_model(), self.step, final)
+            result = self.evaluation.run(self.runner.eval_model(), self.progress.step, final)
             if not final:
                 self.evaluation.keep_if_best(self._weights, self.spent_share)
-        self.telemetry.evaluation(self.step, result, final, weights_step)
+        self.telemetry.evaluation(self.progress.step, result, final, weights_step)
         self.telemetry.say(*self.evaluation.take_warnings())
         return result
 
@@ -425,40 +434,19 @@ class Trainer:
         validation, loaded back (rpt/train/checkpoint/manager.py: Checkpointing.select_best); else the last step's."""
         best = self.evaluation.best
         if best is None or not self.cfg.train.select_best:
-            return {"selected_step": self.step, "selected_by": "the last step"}
+            return {"selected_step": self.progress.step, "selected_by": "the last step"}
         with self.clock("checkpoint"):
-            selected = self.checkpoints.select_best(self.step, best, self.evaluation.best_weights)
-        if selected["selected_step"] != self.step:
+            selected = self.checkpoints.select_best(self.progress.step, best, self.evaluation.best_weights)
+        if selected["selected_step"] != self.progress.step:
             self.telemetry.say(f"selected the weights of step {best['step']:,}: the best periodic validation loss "
-                               f"{best['loss']:.4f}, against {self.evaluation.last['loss']:.4f} at step {self.step:,}")
+                               f"{best['loss']:.4f}, against {self.evaluation.last['loss']:.4f} at step "
+                               f"{self.progress.step:,}")
         return selected
 
     def _save(self, val: tuple[float, int] | None = None) -> None:
         """A checkpoint of this step, ranked by its periodic evaluation when it has one."""
         with self.clock("checkpoint"), self.averaging.in_model():  # a checkpoint's model is what the run stands at
-            self.checkpoints.save(self.step, val or self.evaluation.ranking(self.step))
-
-    def state_dict(self) -> dict:
-        """The trainer's own part of a checkpoint: how far the run is, and the recurrent state it carries."""
-        return {"step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
-                "elapsed": self.elapsed(), "recipe_seconds": self.recipe_seconds,
-                "train_loss": self.telemetry.last_train_loss, "state": self.state,
-                "layout": {**self.layout.shape, "rank": self.d.rank}}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.tokens, self.skipped_steps = state["step"], state["tokens"], state["skipped_steps"]
-        self.elapsed_before = state["elapsed"]
-        self.recipe_seconds = state.get("recipe_seconds", 0.0)  # (older checkpoints: not kept)
-        self.telemetry.last_train_loss = state.get("train_loss")  # until this segment logs its own
-        layout = {**self.layout.shape, "rank": self.d.rank}
-        if state.get("layout", layout) != layout:
-            return  # another rank's rows: the recurrent state starts afresh (Checkpointing.resume says so)
-        saved, fresh = shapes(state["state"]), shapes(self.state)
-        if saved != fresh:  # another batch size (or state width): each row starts afresh, as the loader's rows do
-            self.telemetry.say(f"the recurrent state starts afresh: it was saved for {saved[0][0] if saved else 0} "
-                               f"rows, this run has {fresh[0][0] if fresh else 0} (train.batch_size)")
-            return
-        self.state = map_state(lambda t: t.to(self.device), state["state"])
+            self.checkpoints.save(self.progress.step, val or self.evaluation.ranking(self.progress.step))
 
     def _init_from(self, t) -> str:
         weights = read_weights(t.init_from)
@@ -475,23 +463,25 @@ class Trainer:
                 self.telemetry.say(self._init_from(self.cfg.train))
             return
         first_look = restart_count() == 0  # an elastic restart goes on as the run was
-        extending = self.budget.resume(self.step, self.tokens, self.elapsed_before, refuse_spent=first_look)
-        lines = [f"resumed from {path} at step {self.step}", *([extending] if extending else [])]
+        p = self.progress
+        extending = self.budget.resume(p.step, p.tokens, p.elapsed_before, refuse_spent=first_look)
+        lines = [f"resumed from {path} at step {p.step}", *([extending] if extending else []),
+                 *([p.afresh] if p.afresh else [])]
         ev = self.evaluation
         if self.budget.rescale != 1.0:
             ev.rescale_progress(self.budget.rescale)
         if ev.stale and first_look:
             if self.budget.rescale >= 1.0:  # not extended
                 raise RptError(f"this run was ended by {ev.stale}: resumed as it is, it would stop before its first "
-                               "step", f"extend its budget ({self.budget.larger(self.step, self.elapsed_before)}), "
+                               "step", f"extend its budget ({self.budget.larger(p.step, p.elapsed_before)}), "
                                "which starts the early stop's patience afresh, or turn it off with --set "
                                "train.early_stop=0")
-            ev.restart_patience(self.budget.progress(self.step, self.tokens, self.elapsed_before))
+            ev.restart_patience(self.budget.progress(p.step, p.tokens, p.elapsed_before))
             lines.append(f"the run had stopped early (train.early_stop = {self.cfg.train.early_stop:g}): its patience "
                          "starts afresh here, so it stops again only after that share of the extended budget without "
                          f"a validation better than the best ({ev.best['loss']:.4f}, step {ev.best['step']:,})")
-        self.resumed_at = self.step
-        log.info("resumed from %s at step %d", path, self.step)
+        self.resumed_at = self.progress.step
+        log.info("resumed from %s at step %d", path, self.progress.step)
         self.telemetry.say(*lines)
 
     def _write_run_files(self) -> None:
@@ -547,9 +537,9 @@ class PhaseClock:
 
 
 def step_hooks(train, monitor, d: Dist, run_dir: Path) -> list[StepHooks]:
-    """The step hooks (rpt/train/hooks.py) this run installs: RPT_FAULT's, the stall watchdog on several
+    """The step hooks (rpt/train/hooks.py) this run's configuration asks for: the stall watchdog on several
     processes (the train section's stall_timeout), the profiler when steps are to be traced (monitor.profile)."""
-    hooks = faults.hooks_from_env(d.rank)
+    hooks: list[StepHooks] = []
     if d.world_size > 1 and train.stall_timeout:
         hooks.append(Watchdog(d.rank, d.world_size, train.stall_timeout))
     if monitor.profile:

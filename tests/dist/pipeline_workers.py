@@ -32,6 +32,7 @@ def train_runs(data: str, out_dir: str, runs: list[tuple[str, list[str], bool]])
     the run directory of the same name. Returns per run: summary, this rank's parameters, losses (rank 0)."""
     from rpt.config import Config
     from rpt.parallel import launch
+    from rpt.testing.faults import hooks_from_env  # RPT_FAULT, as `rpt train` installs it
     from rpt.train.trainer import Trainer
 
     d = launch.setup("cpu")
@@ -41,7 +42,7 @@ def train_runs(data: str, out_dir: str, runs: list[tuple[str, list[str], bool]])
         for name, overrides, resume in runs:
             cfg = Config.load(None, pipeline_overrides(data) + overrides)
             run_dir = Path(out_dir) / name
-            trainer = Trainer(cfg, run_dir, d, resume=resume, show_progress=False)
+            trainer = Trainer(cfg, run_dir, d, resume=resume, show_progress=False, extra_hooks=hooks_from_env)
             summary = trainer.run()
             results[name + ("+resumed" if resume else "")] = {
                 "summary": summary, "losses": losses_of(run_dir) if d.rank == 0 else {},
@@ -90,7 +91,7 @@ def resize_runs(data: str, out_dir: str, runs: list[tuple[str, list[str], str | 
             first = next(p for n, p in trainer.runner.model.named_parameters() if n.endswith("w_ih"))
             moments = trainer.runner.optimizer.state.get(first, {})
             loaded = {"params": {n: whole(p) for n, p in trainer.runner.model.named_parameters()},
-                      "loader": trainer.loader.state_dict(), "step": trainer.step,
+                      "loader": trainer.loader.state_dict(), "step": trainer.progress.step,
                       "exp_avg": whole(moments["exp_avg"]) if "exp_avg" in moments else None}
             summary = trainer.run()
             results[name] = {"summary": summary, "losses": losses_of(run_dir) if d.rank == 0 else {},

@@ -14,6 +14,7 @@ from pipeline_workers import losses_of, pipeline_overrides, train_runs
 from rpt.config import Config
 from rpt.monitor.store import MetricsReader
 from rpt.parallel.launch import Dist
+from rpt.testing.faults import hooks_from_env
 from rpt.train.evaluate import eval_run
 from rpt.train.trainer import Trainer
 
@@ -25,7 +26,7 @@ def reference(data, tmp_path, name: str, *overrides: str) -> tuple[dict, dict]:
     """The same model trained in this one process, without a pipeline: (losses by step, parameters)."""
     torch.set_num_threads(1)
     cfg = Config.load(None, pipeline_overrides(str(data)) + list(overrides))
-    trainer = Trainer(cfg, tmp_path / name, SOLO, show_progress=False)
+    trainer = Trainer(cfg, tmp_path / name, SOLO, show_progress=False, extra_hooks=hooks_from_env)  # RPT_FAULT
     trainer.run()
     return losses_of(tmp_path / name), {n: p.detach() for n, p in trainer.runner.model.named_parameters()}
 

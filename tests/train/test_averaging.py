@@ -46,7 +46,7 @@ def test_a_resume_inside_the_averaged_stretch_continues_exactly(make_cfg, tmp_pa
     shutil.rmtree(cut / "checkpoints" / "step_00000008")  # as if killed after the checkpoint of step 6
     (cut / "config.toml").write_text((cut / "config.toml").read_text().replace(str(tmp_path / "whole"), str(cut)))
     again = Trainer(make_cfg(*overrides), cut, solo, resume=True, show_progress=False)
-    assert again.step == 6 and again.averaging.count == 2  # the average of steps 5 and 6, and their iterate
+    assert again.progress.step == 6 and again.averaging.count == 2  # the average of steps 5 and 6, and their iterate
     again.run()
     assert again.averaging.count == whole.averaging.count == 4
     for (name, a), b in zip(whole.runner.model.named_parameters(), again.runner.model.parameters()):

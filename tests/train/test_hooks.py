@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rpt.train.faults import FaultHooks
+from rpt.testing.faults import FaultHooks, hooks_from_env
 from rpt.train.hooks import StepHooks
 from rpt.train.step_profiler import StepProfiler
 from rpt.train.trainer import Trainer
@@ -41,7 +41,8 @@ class Recorder(StepHooks):
 def test_a_run_installs_only_the_hooks_it_asks_for(make_cfg, tmp_path, monkeypatch, solo):
     assert Trainer(make_cfg(), tmp_path / "plain", solo, show_progress=False).hooks == []
     monkeypatch.setenv("RPT_FAULT", "nan@2")
-    trainer = Trainer(make_cfg("monitor.profile=2:3"), tmp_path / "both", solo, show_progress=False)
+    trainer = Trainer(make_cfg("monitor.profile=2:3"), tmp_path / "both", solo, show_progress=False,
+                      extra_hooks=hooks_from_env)
     assert [type(h) for h in trainer.hooks] == [FaultHooks, StepProfiler] and trainer.profiler is trainer.hooks[1]
 
 

@@ -37,7 +37,7 @@ def test_weights_of_a_run_or_a_checkpoint_start_the_new_run(make_cfg, solo, sour
                     show_progress=False)
         got = params(t)
         assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in got)
-        assert t.step == 0 and t.runner.optimizer.state == {}  # a fresh optimiser and schedule
+        assert t.progress.step == 0 and t.runner.optimizer.state == {}  # a fresh optimiser and schedule
     fresh = params(Trainer(make_cfg("model.tie_embeddings=false"), tmp_path / "fresh", solo, show_progress=False))
     assert not torch.equal(fresh["blocks.0.cell.w_hh"], saved["blocks.0.cell.w_hh"])
 

@@ -38,7 +38,7 @@ def test_activation_checkpointing_gives_a_looped_step_the_same_result(make_cfg, 
                           tmp_path / recompute, solo, show_progress=False)
         torch.manual_seed(0)
         for step in range(2):
-            trainer.step = step
+            trainer.progress.step = step
             trainer.train_step(trainer.loader.batch(step))
         params.append(torch.cat([p.detach().flatten() for p in trainer.runner.model.parameters()]))
     torch.testing.assert_close(params[0], params[1], rtol=0, atol=1e-5)

@@ -130,7 +130,7 @@ def test_an_early_stopped_run_is_refused_unextended_and_trains_on_extended(make_
 def test_after_a_resume_every_figure_of_the_summary_covers_the_whole_run(cut_and_resumed):
     """Before: wall_seconds counted the last segment only, eval_seconds / tokens / steps the whole run."""
     full, resumed = cut_and_resumed("train.eval_interval=1", "train.eval_tokens=256")
-    before = resumed.elapsed_before
+    before = resumed.progress.elapsed_before
     summary = resumed.run()
     assert summary["steps"] == 6 and summary["segment_first_step"] == 3
     assert summary["wall_seconds"] >= before + summary["segment_wall_seconds"] - 1e-3

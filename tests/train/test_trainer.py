@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rpt.errors import RptError
+from rpt.testing.faults import hooks_from_env
 from rpt.train.checkpoint.store import CheckpointStore
 from rpt.train.trainer import Trainer
 
@@ -98,12 +99,12 @@ def test_mixed_precision_paths_train_on_cpu(make_cfg, tmp_path, precision, solo)
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(make_cfg, tmp_path, monkeypatch, solo):
     monkeypatch.setenv("RPT_FAULT", "nan@2")
-    trainer = Trainer(make_cfg(), tmp_path / "once", solo, show_progress=False)
+    trainer = Trainer(make_cfg(), tmp_path / "once", solo, show_progress=False, extra_hooks=hooks_from_env)
     summary = trainer.run()
     assert summary["skipped_steps"] == 1 and summary["steps"] == 6
     monkeypatch.setenv("RPT_FAULT", "nan@2-99")
     trainer = Trainer(make_cfg("train.max_bad_steps=3", "checkpoint.interval=1", "train.max_steps=20"),
-                      tmp_path / "always", solo, show_progress=False)
+                      tmp_path / "always", solo, show_progress=False, extra_hooks=hooks_from_env)
     with pytest.raises(RptError, match="3 optimiser steps in a row had non-finite gradients") as info:
         trainer.run()
     assert "step_00000002" in info.value.fix  # the last good checkpoint is named and kept
@@ -111,8 +112,9 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(make_cfg, tmp_path, monk
 
 def test_a_skipped_step_leaves_parameters_and_optimiser_state_alone(make_cfg, tmp_path, monkeypatch, solo):
     """The skip happens inside fused AdamW (no host sync): nothing of the model or optimiser may move."""
-    monkeypatch.setenv("RPT_FAULT", "nan@1")  # the loss of the second step (trainer.step == 1) is poisoned
-    trainer = Trainer(make_cfg("train.weight_decay=0.1"), tmp_path / "r", solo, show_progress=False)
+    monkeypatch.setenv("RPT_FAULT", "nan@1")  # the loss of the second step (trainer.progress.step == 1) is poisoned
+    trainer = Trainer(make_cfg("train.weight_decay=0.1"), tmp_path / "r", solo, show_progress=False,
+                      extra_hooks=hooks_from_env)
 
     def snapshot():
         opt = trainer.runner.optimizer.state_dict()["state"]
@@ -120,16 +122,16 @@ def test_a_skipped_step_leaves_parameters_and_optimiser_state_alone(make_cfg, tm
                 [{k: v.clone() for k, v in s.items()} for s in opt.values()])
 
     trainer.train_step(next(trainer.loader))
-    trainer.step = 1
+    trainer.progress.step = 1
     params, moments = snapshot()
     trainer.train_step(next(trainer.loader))
-    assert trainer.skipped_steps == 1 and trainer.bad_streak == 1
+    assert trainer.progress.skipped_steps == 1 and trainer.bad_streak == 1
     params_after, moments_after = snapshot()
     assert all(torch.equal(a, b) for a, b in zip(params, params_after))
     assert all(torch.equal(a[k], b[k]) for a, b in zip(moments, moments_after) for k in a)  # step counts too
-    trainer.step = 2
+    trainer.progress.step = 2
     trainer.train_step(next(trainer.loader))
-    assert trainer.skipped_steps == 1 and trainer.bad_streak == 0
+    assert trainer.progress.skipped_steps == 1 and trainer.bad_streak == 0
     assert not all(torch.equal(a, p) for a, p in zip(params, trainer.runner.model.parameters()))
 
 
@@ -189,7 +191,7 @@ def test_checkpoints_to_urls_and_in_the_background_resume(make_cfg, tmp_path, so
     store = CheckpointStore(first.cfg.checkpoint.path or str(tmp_path / "r" / "checkpoints"))
     assert [m["step"] for _, m in store.complete(verify=True)][-1] == 3
     resumed = Trainer(make_cfg("train.max_steps=5", *extra), tmp_path / "r", solo, resume=True, show_progress=False)
-    assert resumed.step == 3
+    assert resumed.progress.step == 3
     for a, b in zip(first.runner.model.parameters(), resumed.runner.model.parameters()):
         assert torch.equal(a, b)
     assert resumed.run()["steps"] == 5

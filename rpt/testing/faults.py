@@ -1,5 +1,6 @@
-"""Fault injection for tests: make a chosen rank fail at a chosen step, as real faults do. The faults are step
-hooks (rpt/train/hooks.py) that RPT_FAULT installs; a test may install its own.
+"""Fault injection: make a chosen rank fail at a chosen step, as real faults do, to test that a run (or a
+deployment's launcher) recovers. The faults are step hooks (rpt/train/hooks.py); `rpt train` installs them when
+RPT_FAULT asks (rpt/cli.py: the trainer itself knows none), a test hands them to the Trainer.
 
     RPT_FAULT="kill@5"            rank 0 kills itself (SIGKILL) when step 5 begins
     RPT_FAULT="kill@5:rank=1"     rank 1 does

@@ -1,0 +1,1 @@
+"""What rpt ships for testing a deployment: fault injection (faults.py)."""
