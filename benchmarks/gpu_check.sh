@@ -20,12 +20,12 @@
 #
 # Parts, in order of what matters most if time runs out:
 #   1. probe: the GPU, torch, and the measured matmul peaks (fp32, tf32, bf16)
-#   2. benchmarks/triton_cells.py: rpt's cells on their GPU paths (issue 27's Triton loops, the modlstm's CUDA-graph
+#   2. benchmarks/cells/triton_speed.py: rpt's cells on their GPU paths (issue 27's Triton loops, the modlstm's CUDA-graph
 #      step loop) against cuDNN's nn.LSTM, each path first checked against its reference loop
 #   3. training runs at a GPU-sized shape (4 x 1024, bf16): lstm, mingru, modlstm with 16 heads, dense modlstm,
 #      each with its top GPU kernels over three profiled steps (tools/trace_top.py)
 #   4. tests/models, the scan and the mlstm forms on the GPU (RPT_TEST_DEVICE=cuda): every cell's fast path against its reference
-#   5. benchmarks/cells.py on the GPU (issue 3's table, generation memory); benchmarks/compiled_cells.py
+#   5. benchmarks/cells/speed.py on the GPU (issue 3's table, generation memory); benchmarks/cells/compiled.py
 #   6. rpt train on the GPU: fp32, bf16 (with a profiled range), fp16 with loss scaling; exact resume; a mixed job
 #   7. the run report of every run, and trainer overhead against a minimal loop
 set -u
@@ -83,8 +83,8 @@ fi
 BF16_PEAK=${PEAK_BF16:-}
 
 # the head-wise modlstm, lstm and gru on rpt's Triton loops against cuDNN's nn.LSTM (issue 27); a dry run: the interpreter
-if [ "$QUICK" = 1 ]; then TRITON_RUN=(env TRITON_INTERPRET=1 $PY benchmarks/triton_cells.py --quick --repeats 1)
-else TRITON_RUN=($PY benchmarks/triton_cells.py); fi
+if [ "$QUICK" = 1 ]; then TRITON_RUN=(env TRITON_INTERPRET=1 $PY benchmarks/cells/triton_speed.py --quick --repeats 1)
+else TRITON_RUN=($PY benchmarks/cells/triton_speed.py); fi
 part triton-cells 300 "${TRITON_RUN[@]}"
 grep -E "^\||reference|^tuned" "$WORK/triton-cells.log" >>"$SUMMARY"
 
@@ -120,11 +120,11 @@ else
 fi
 
 if [ "$QUICK" = 1 ]; then CELLS_ARGS="--repeats 1 --gen-tokens 10,50 --device cpu"; else CELLS_ARGS="--repeats 3"; fi
-part cells 130 $PY benchmarks/cells.py $CELLS_ARGS
+part cells 130 $PY benchmarks/cells/speed.py $CELLS_ARGS
 grep -E "^\||matmul peak" "$WORK/cells.log" >>"$SUMMARY"
 
 # modlstm's fused kernel compiled whole with CUDA graphs (mode="reduce-overhead") against eager: its per-step launches
-part compiled-cells 90 $PY benchmarks/compiled_cells.py --device "$DEV" --repeats $([ "$QUICK" = 1 ] && echo 2 || echo 10)
+part compiled-cells 90 $PY benchmarks/cells/compiled.py --device "$DEV" --repeats $([ "$QUICK" = 1 ] && echo 2 || echo 10)
 grep -E "^\|" "$WORK/compiled-cells.log" >>"$SUMMARY"
 
 part train-fp32 60 $PY -m rpt train "${COMMON[@]}" --set train.max_steps=$STEPS --run-dir "$RUNS/fp32"
@@ -177,9 +177,9 @@ $(grep -h -o 'parameter digest [0-9a-f]\{12\}' "$RUNS"/mixed/logs/rank*.log | tr
 $PY tools/run_report.py "$RUNS"/{fp32,fp32-again,bf16,fp16,gru-bf16,modlstm-bf16,resumed,mixed,big-lstm,big-mingru,big-modlstm-heads,big-modlstm} \
     ${BF16_PEAK:+--peak-tflops $BF16_PEAK} | tee -a "$SUMMARY"
 
-part overhead 75 $PY benchmarks/train_overhead.py --data data/stdlib --device "$DEV" --steps $((STEPS / 2)) --rounds 2
+part overhead 75 $PY benchmarks/architecture/train_overhead.py --data data/stdlib --device "$DEV" --steps $((STEPS / 2)) --rounds 2
 tail -3 "$WORK/overhead.log" | tee -a "$SUMMARY"
-part overhead-big 75 $PY benchmarks/train_overhead.py --data data/stdlib --device "$DEV" --steps 40 --rounds 2 \
+part overhead-big 75 $PY benchmarks/architecture/train_overhead.py --data data/stdlib --device "$DEV" --steps 40 --rounds 2 \
     --set "$BIG" --set model.n_layers=4 --set train.batch_size=64 --set train.seq_len=256 --set train.precision=bf16
 tail -3 "$WORK/overhead-big.log" | tee -a "$SUMMARY"
 tar czf "$OUT/logs.tgz" --exclude checkpoints -C "$WORK" .

@@ -1,6 +1,7 @@
 """What the benchmark scripts share: timing a function on a device, greedy generation speed, and `rpt train` run
-as a user runs it (a fresh process, the run's files read back). Imported by the scripts beside it (each is run as
-`python benchmarks/NAME.py`, which puts this folder on the path)."""
+as a user runs it (a fresh process, the run's files read back). Imported by the scripts of the area folders
+(each is run as `python benchmarks/AREA/NAME.py` and puts this folder on the path). The emulated cluster's scripts
+(benchmarks/comm/) launch `rpt train` their own way: one torchrun per node, each in its network namespace."""
 
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ class ModelConfig(_Section):
     loop_max: int = 0  # a cap on the drawn r, and the iterations whose state training carries; 0: 4 x loop_mean
     loop_sampler: Literal["poisson-lognormal", "fixed", "uniform"] = "poisson-lognormal"
     # The prelude's output into each iteration: h + e, or "linear", adapter(cat(h, e)) as Huginn (0.056 bpb worse in
-    # benchmarks/depth_curve.py at equal time, benchmarks/results/depth.md)
+    # benchmarks/depth/curve.py at equal time, benchmarks/results/depth.md)
     loop_inject: Literal["add", "linear"] = "add"
     # The iterations' first state: zero (validation deterministic, every layout equal to one process), or random
     # (truncated normal, std 0.63, drawn at each forward, as Huginn trains)

@@ -1,4 +1,4 @@
-"""benchmarks/peers.py turns each peer's loss into bits per byte with that peer's own token count: checked on
+"""benchmarks/quality/peers.py turns each peer's loss into bits per byte with that peer's own token count: checked on
 tiny texts where the answer is known."""
 
 import importlib.util
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SPEC = importlib.util.spec_from_file_location("peers", Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py")
+SPEC = importlib.util.spec_from_file_location("peers", Path(__file__).resolve().parents[1] / "benchmarks" / "quality" / "peers.py")
 peers = importlib.util.module_from_spec(SPEC)
 sys.modules['peers'] = peers  # its dataclasses look themselves up there
 SPEC.loader.exec_module(peers)

@@ -1,5 +1,5 @@
 """Every benchmark script (and tool) runs from its place: `--help` exits 0 and prints its usage (the scripts that
-only run on a GPU or need root included: their --help needs neither), and benchmarks/scaling.py's arithmetic on
+only run on a GPU or need root included: their --help needs neither), and benchmarks/quality/scaling.py's arithmetic on
 known points. The fast scripts run for real in their own tests (tests/test_benchmark_peers.py,
 tests/kernels/test_triton_compiles.py)."""
 
@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
-LIBRARIES = {"benchmarks/cluster/netns.py", "benchmarks/harness.py"}  # imported by the scripts, not run
+LIBRARIES = {"benchmarks/comm/netns.py", "benchmarks/harness.py"}  # imported by the scripts, not run
 SCRIPTS = sorted(p.relative_to(REPO).as_posix() for folder in (BENCHMARKS, REPO / "tools") for p in folder.rglob("*.py")
                  if "__pycache__" not in p.parts and p.relative_to(REPO).as_posix() not in LIBRARIES)
 
@@ -32,7 +32,7 @@ def test_each_script_answers_help(script):
 
 
 def load_scaling():
-    spec = importlib.util.spec_from_file_location("scaling", BENCHMARKS / "scaling.py")
+    spec = importlib.util.spec_from_file_location("scaling", BENCHMARKS / "quality" / "scaling.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -2,7 +2,7 @@
 
 `keep_freed_memory()`: glibc returns large freed blocks to the OS (they are mmap'ed), so every
 new activation buffer of a training step page-faults its memory back in: on the build machine
-that costs 5-25% of a recurrent layer's forward+backward (measured with benchmarks/cells.py;
+that costs 5-25% of a recurrent layer's forward+backward (measured with benchmarks/cells/speed.py;
 nn.LSTM itself gains 20%). Telling malloc to serve large blocks from its heap and not to trim
 it keeps the pages mapped across steps. PyTorch's CPU tuning guide reaches the same effect with
 jemalloc or tcmalloc through LD_PRELOAD; this needs no extra library. A no-op off glibc.

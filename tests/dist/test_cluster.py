@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "cluster"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "comm"))
 from netns import Cluster, available  # noqa: E402
 
 OK, WHY = available()

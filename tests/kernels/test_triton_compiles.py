@@ -1,5 +1,5 @@
 """The Triton kernels compile for an H200 (sm_90) here, without a GPU: Triton's interpreter, which the other tests
-run them through, accepts programs its compiler refuses. benchmarks/triton_compile.py --quick compiles one or two
+run them through, accepts programs its compiler refuses. benchmarks/cells/triton_compile.py --quick compiles one or two
 variants of each kernel (recorded from the cells' own host code) with Triton's ptxas, in a process of its own
 (the compiled kernels must not be the interpreter's)."""
 
@@ -23,7 +23,7 @@ def test_every_triton_kernel_compiles_for_sm90():
         pytest.skip("this triton wheel carries no NVIDIA toolchain")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(REPO), TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "triton_compile.py"), "--quick"], env=env,
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cells" / "triton_compile.py"), "--quick"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "_kernel" in line]

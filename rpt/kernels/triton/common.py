@@ -19,7 +19,7 @@ def tuned(*key: str):
     """triton.autotune over the warps a program runs: a loop kernel is latency-bound and holds its blocks in
     registers, so which count wins depends on the head width and the GPU; timed at the first call of each key. Heads
     of 16 units try 2 and 4 warps, wider ones 4 and 8 (2 spill kilobytes a thread there:
-    benchmarks/triton_compile.py), so each width compiles twice. One config under the interpreter, which cannot
+    benchmarks/cells/triton_compile.py), so each width compiles twice. One config under the interpreter, which cannot
     time. The loop kernels only write their outputs (nothing is accumulated in place), so running one several times
     while timing leaves the same results."""
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -76,7 +76,7 @@ def recurrent_grad(dgx: Tensor, hs: Tensor, h0: Tensor, keep: Optional[Tensor], 
     """The gradient of the recurrent blocks R [G, heads, d, d] from that of the pre-activations dGX [T, B, G*H]:
     dR_g = sum over steps and rows of dGX_g^T h_{t-1} (h_{t-1} after the step's reset), head by head, as one
     batched product. Summed in the loop kernels instead, the four [d, d] accumulators and their products per step
-    spilled registers at heads of 48-64 units (benchmarks/triton_compile.py)."""
+    spilled registers at heads of 48-64 units (benchmarks/cells/triton_compile.py)."""
     T, B, H = hs.shape
     d = H // heads
     h_prev = torch.cat([h0.to(hs.dtype)[None], hs[:-1]])

@@ -3,7 +3,7 @@
 // The Python form builds the scan's coefficients a, b with a handful of elementwise ops, runs the chunked
 // scan of rpt/ops/minrnn/scan.py (about five passes over [B, T, H] forward and eight backward, plus the
 // coefficients' own autograd): the whole layer's forward and backward ran 1.1-1.25x longer with it than with
-// this file (benchmarks/cells.py; the projections' GEMMs are the rest of the step). Here the gates
+// this file (benchmarks/cells/speed.py; the projections' GEMMs are the rest of the step). Here the gates
 // (computed by the caller with ATen's vectorised sigmoid, the only transcendental) and the candidate are read
 // once, the state is carried along time in a block of L1, and the backward writes the gradient of the projected
 // input u directly: one read of each input and one write of each output per direction.

@@ -5,7 +5,7 @@ memmap with plain slicing and does nothing else. The two alternate, `--rounds` t
 process; the ratio of their best rounds and the median of the per-round ratios are printed
 (these machines are noisy).
 
-    .venv/bin/python benchmarks/train_overhead.py --data data/shakespeare-512 [--steps 300] [--rounds 3]
+    .venv/bin/python benchmarks/architecture/train_overhead.py --data data/shakespeare-512 [--steps 300] [--rounds 3]
         [--device cuda] [--set model.d_model=1024 --set train.precision=bf16 ...]
 
 On a GPU the minimal loop never synchronises with the host, so the ratio also prices every

@@ -6,7 +6,7 @@ Then held-out bits per byte over the whole validation split: the looped model at
 curve), the others as they are; and greedy generation tokens/s of the looped model at its mean depth against the
 three unlooped blocks'. Prints a markdown table with the targets' checks; `--out` keeps the runs.
 
-    .venv/bin/python benchmarks/depth_curve.py [--data data/stdlib] [--seconds 150] [--cell mingru]
+    .venv/bin/python benchmarks/depth/curve.py [--data data/stdlib] [--seconds 150] [--cell mingru]
         [--depths 1,2,3,4,8,16] [--out /tmp/depth-curve]
 """
 
@@ -18,9 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness.py
 from harness import generation_speed, rpt_train, summary
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def train(name: str, out: Path, args, *overrides: str) -> Path:

@@ -6,7 +6,7 @@ rpt files and distinct lines executed, so docstrings, comments and untaken branc
             files of the step and the chain together
     whole   everything from `rpt train` to the first `optimizer.step()`, set-up included
 
-    .venv/bin/python benchmarks/step_reading.py --data DATA_DIR
+    .venv/bin/python benchmarks/architecture/step_reading.py --data DATA_DIR
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The scaling curve (issue 59): rpt's default recipe against the transformer peer's sizes on the embedded corpus at
 budgets of 150, 300, 600 and 1,200 s, as loss against wall time and against training FLOPs.
 
-    .venv/bin/python benchmarks/scaling.py                                   the table and the targets
-    .venv/bin/python benchmarks/scaling.py --add W/peers.json --date D --commit C   a run's points joined
-    .venv/bin/python benchmarks/scaling.py --plot docs/scaling.png           the curves (the `bench` extra)
+    .venv/bin/python benchmarks/quality/scaling.py                                   the table and the targets
+    .venv/bin/python benchmarks/quality/scaling.py --add W/peers.json --date D --commit C   a run's points joined
+    .venv/bin/python benchmarks/quality/scaling.py --plot docs/scaling.png           the curves (the `bench` extra)
 
-The curve takes hours of this machine, so it is measured a budget at a time (`benchmarks/peers.py --cases
-stdlib-1200 --peers gpt,rpt ...`) and each run's points kept in benchmarks/scaling_points.json, which this script
+The curve takes hours of this machine, so it is measured a budget at a time (`benchmarks/quality/peers.py --cases
+stdlib-1200 --peers gpt,rpt ...`) and each run's points kept in benchmarks/quality/scaling_points.json, which this script
 reads: one point a run (rpt) or a size (the gpt peer), with its date and commit. A budget measured twice shows the
 noise: the table gives each budget's runs, their mean, and the lead of rpt's mean over the peer's best size.
 Per FLOP: the training FLOPs rpt's curve needs to reach the peer's loss at the largest budget, read off rpt's points
@@ -28,7 +28,7 @@ FLOP_SHARE = 0.7  # of the peer's FLOPs at the largest budget, the most rpt may 
 
 
 def points_of(peers_json: Path, date: str, commit: str) -> list[dict]:
-    """A `benchmarks/peers.py` results file's points: each rpt run, and each size the gpt peer ran."""
+    """A `benchmarks/quality/peers.py` results file's points: each rpt run, and each size the gpt peer ran."""
     points = []
     for case, results in json.loads(peers_json.read_text()).items():
         corpus, seconds = case.rsplit("-", 1)
@@ -138,7 +138,7 @@ def plot(points: list[dict], corpus: str, out: Path) -> None:
     axes[0].set_xticks([], minor=True)
     axes[0].set_ylabel("validation bits per byte")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"rpt's default recipe against nanoGPT's sizes, {corpus} (benchmarks/scaling.py)")
+    fig.suptitle(f"rpt's default recipe against nanoGPT's sizes, {corpus} (benchmarks/quality/scaling.py)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(f"drew {out}")
@@ -147,7 +147,7 @@ def plot(points: list[dict], corpus: str, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", type=Path, default=POINTS)
-    parser.add_argument("--add", type=Path, help="a benchmarks/peers.py results file whose points to join")
+    parser.add_argument("--add", type=Path, help="a benchmarks/quality/peers.py results file whose points to join")
     parser.add_argument("--date", help="the run's date (with --add)")
     parser.add_argument("--commit", help="the commit it ran (with --add)")
     parser.add_argument("--corpus", default="stdlib")

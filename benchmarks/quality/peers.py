@@ -1,7 +1,7 @@
 """rpt against two published peers (../shared/peers: nanoGPT, pytorch/examples' word_language_model), trained for
 the same wall time on the same training text and scored in bits per UTF-8 byte on the same held-out text (issue 22).
 
-    .venv/bin/python benchmarks/peers.py [--cases shakespeare-130,shakespeare-600,stdlib-300,stdlib-600,prose-600]
+    .venv/bin/python benchmarks/quality/peers.py [--cases shakespeare-130,shakespeare-600,stdlib-300,stdlib-600,prose-600]
                                          [--peers nanogpt,gpt,wlm,rpt] [--work DIR]
                                          [--vocab-size N] [--rpt-set KEY=VALUE ...]   (ablations)
                                          [--gpt-sizes 4x128x64,...]                   (the gpt peer's sizes)
@@ -22,7 +22,7 @@ How each is run, never changing its code (each in a copy, since both write besid
                          iterations fitted to the budget from a timing run as below; the best size counts. Its
                          best vocabulary at these budgets is 8,192 (`--vocab-size 8192 --peers gpt`: the same hash
                          split, so the same validation bytes), not rpt's 32,768. `--cases scaling`: the stdlib at
-                         150, 300, 600 and 1,200 s, the points for benchmarks/scaling.py.
+                         150, 300, 600 and 1,200 s, the points for benchmarks/quality/scaling.py.
                          Its score: the checkpoint it kept (the best of its own validations) over the whole held-out
                          split, sliding windows of its block at a stride of half a block, each token scored once.
   nanoGPT                its README's CPU recipe (config/train_shakespeare_char.py + the README's flags), on a
@@ -62,7 +62,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness.py
+from harness import REPO, rpt_train  # noqa: E402
 SHARED = REPO.parent / "shared"
 PEERS = SHARED / "peers"
 SHAKESPEARE = SHARED / "data" / "tinyshakespeare" / "input.txt"
@@ -219,9 +220,10 @@ def run_rpt(case: Case, data: Path, work: Path, sets: list[str] = ()) -> dict:
     tag = f"rpt-{case.name}" + "".join(f"-{s}" for s in sets)
     run_dir = work / tag
     shutil.rmtree(run_dir, ignore_errors=True)
-    _, wall = run([sys.executable, "-m", "rpt", "train", "--run-dir", str(run_dir), "--set", f"data.path={data}",
-                   "--set", f"train.max_time={case.seconds}", *(a for s in sets for a in ("--set", s))], REPO,
-                  work / f"{tag}.log")
+    began = time.perf_counter()
+    done = rpt_train(run_dir, [f"data.path={data}", f"train.max_time={case.seconds}", *sets])
+    wall = time.perf_counter() - began
+    (work / f"{tag}.log").write_text(done.stdout + done.stderr)
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"peer": "rpt (default recipe)" + "".join(f" {s}" for s in sets), "wall_s": wall,
             "bpb": summary["val_bpb"], "summary": summary,

@@ -1,9 +1,9 @@
 """Every Triton kernel of rpt compiled for an H200 (sm_90) on this machine, no GPU needed: what each variant needs
 of a streaming multiprocessor (registers, stack where registers spill, shared memory) at each warp count.
 
-    python benchmarks/triton_compile.py            # every variant; the autotuned loops at 2, 4 and 8 warps
-    python benchmarks/triton_compile.py --quick    # one or two variants of each kernel at 4 warps (a test runs it)
-    pip install --no-deps --target /tmp/t36 triton==3.6.0 && PYTHONPATH=/tmp/t36 python benchmarks/triton_compile.py
+    python benchmarks/cells/triton_compile.py            # every variant; the autotuned loops at 2, 4 and 8 warps
+    python benchmarks/cells/triton_compile.py --quick    # one or two variants of each kernel at 4 warps (a test runs it)
+    pip install --no-deps --target /tmp/t36 triton==3.6.0 && PYTHONPATH=/tmp/t36 python benchmarks/cells/triton_compile.py
                                                    # with the GPU machine's triton
 
 Triton's interpreter, which the tests run the kernels through, accepts programs the compiler refuses (types that

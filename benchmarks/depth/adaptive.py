@@ -1,6 +1,6 @@
 """Adaptive depth per token against fixed depth, and the shared state against the exact one (issue 46's targets).
 
-On a trained looped run (e.g. `benchmarks/depth_curve.py --out DIR` leaves DIR/looped): held-out bits per byte in
+On a trained looped run (e.g. `benchmarks/depth/curve.py --out DIR` leaves DIR/looped): held-out bits per byte in
 the step form (one token at a time, as generation runs, the state carried and reset at each document) over the
 first `--tokens` of the validation split in `--rows` parallel streams; and tokens/s of one row, one token at a
 time, as generation runs (greedy head, every exit rule's own work), over held-out text (`--speed-tokens` of it:
@@ -8,13 +8,14 @@ the same text for every variant, since a two-level head costs more on a rarer to
 after a short prompt (each variant's own text). Variants: fixed depth (loop_mean and the cap, 4 x loop_mean),
 each exit rule with the cap as its most, and the shared state.
 
-    .venv/bin/python benchmarks/adaptive_depth.py --run /tmp/depth-curve/looped [--tokens 12288] [--rows 64]
+    .venv/bin/python benchmarks/depth/adaptive.py --run /tmp/depth-curve/looped [--tokens 12288] [--rows 64]
         [--exits kl:5e-4,shortlist:5e-4,change:0.01,change:0.03]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import math
 import time
@@ -23,10 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness.py
 import harness
 from harness import generation_speed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """Validation loss of modlstm per gate function and forget-gate bias, on a prepared corpus, in one run.
 
-    .venv/bin/python benchmarks/gate_init.py --data data/shakespeare [--steps 300] [--cases exp:1,exp:auto,...]
+    .venv/bin/python benchmarks/cells/gate_init.py --data data/shakespeare [--steps 300] [--cases exp:1,exp:auto,...]
 
 Each case is GATE:FORGET_BIAS ("auto" is the gate's own default); every case trains the same 2 x 128 model
 for the same steps and prints its periodic and final validation losses, as the rows of benchmarks/results/cells.md show them.
@@ -9,9 +9,11 @@ for the same steps and prints its periodic and final validation losses, as the r
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness.py
 from harness import metrics, rpt_train
 
 DEFAULT_CASES = "sigmoid:auto,hard_sigmoid:auto,exp:1.0,exp:0.0,exp:-0.5,exp:auto,exp:-2.0,exp:-3.0"

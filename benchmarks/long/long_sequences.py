@@ -9,7 +9,7 @@ step (a training run's steps after its first: the memory its allocator keeps is 
 shown too). Rows: the plain backward at each `--plain` window, exact BPTT over `--long` tokens in chunks of
 `--chunk`, and both at `--cost-window`, where both fit, for the time per token.
 
-    .venv/bin/python benchmarks/long_sequences.py [--long 65536] [--chunk 1024] [--plain 1024,8192]
+    .venv/bin/python benchmarks/long/long_sequences.py [--long 65536] [--chunk 1024] [--plain 1024,8192]
         [--cost-window 8192] [--allocator trainer|mmap|heap] [--steps 2] [--repeat 3]
 """
 
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 V = 32768
 
 

@@ -7,7 +7,7 @@ The corpus: tiny-shakespeare's speeches shuffled into documents of 1-8 KB (seede
 rows; the tokenizer is trained once beforehand and given to both, so only encoding is compared. Each side
 runs in its own process (its peak RSS is its own); the two alternate, `--rounds` times.
 
-    .venv/bin/python benchmarks/prepare_parquet.py --text ../shared/data/tinyshakespeare/input.txt [--mb 200] [--workers 2]
+    .venv/bin/python benchmarks/data/prepare_parquet.py --text ../shared/data/tinyshakespeare/input.txt [--mb 200] [--workers 2]
 """
 
 from __future__ import annotations

@@ -5,17 +5,19 @@ are noisy), and reads the steady speed from metrics.jsonl: the median tokens/s o
 steps (compiling happens in the first steps). It also counts the lines torch._dynamo printed (graph breaks,
 recompiles): issue 43 found about 35, from the gate probe's counting inside the compiled blocks.
 
-    .venv/bin/python benchmarks/compile_train.py --data data/shakespeare-512 [--steps 400] [--rounds 2]
+    .venv/bin/python benchmarks/training/compile_train.py --data data/shakespeare-512 [--steps 400] [--rounds 2]
         [--set model.d_model=64 ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import statistics
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness.py
 from harness import REPO, metrics, rpt_train
 
 

@@ -2,9 +2,9 @@
 # Quality per second on tiny-shakespeare (issue 4): prepare, train for 130 s, print the summary path last.
 # Target: val_bpb <= 2.05 (nanoGPT's CPU recipe: 2.72 bits/byte in the same 130 s on this machine).
 #
-#   bash benchmarks/shakespeare.sh [extra rpt train flags, e.g. --set model.cell=mingru]
+#   bash benchmarks/training/shakespeare.sh [extra rpt train flags, e.g. --set model.cell=mingru]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 TEXT=${RPT_SHAKESPEARE:-../shared/data/tinyshakespeare/input.txt}
 "$PY" -m rpt prepare --input "$TEXT" --out data/shakespeare-512 --vocab-size 512 >&2

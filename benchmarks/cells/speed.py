@@ -6,21 +6,25 @@ nn.LSTM with hidden 512 (2.1M parameters) is the reference; each cell's width is
 match its parameter count. Two shapes: B=16 x T=256 and B=2 x T=2048. Prints markdown rows; for the
 cells whose time loops run in C++ (rpt.kernels.cpu), also the speed-up over their Python loops.
 
-    .venv/bin/python benchmarks/cells.py [--repeats 3] [--device cpu|cuda] [--gen-tokens 100,10000]
+    .venv/bin/python benchmarks/cells/speed.py [--repeats 3] [--device cpu|cuda] [--gen-tokens 100,10000]
         [--cells lstm,mlstm] [--profile mlstm]    (--profile: where one cell's time goes, at 16 x 512)
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 import platform
 import subprocess
 import time
 from datetime import date
 
+from pathlib import Path
+
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness.py
 from harness import sync, timed
 from rpt.config import ModelConfig
 from rpt.models import RecurrentLM

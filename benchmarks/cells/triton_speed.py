@@ -1,7 +1,7 @@
 """rpt's recurrent cells on their GPU paths against cuDNN's nn.LSTM: forward + backward tokens/s, bf16 autocast.
 
-    python benchmarks/triton_cells.py                 # on a GPU
-    TRITON_INTERPRET=1 python benchmarks/triton_cells.py --quick   # the script itself, on the CPU interpreter
+    python benchmarks/cells/triton_speed.py                 # on a GPU
+    TRITON_INTERPRET=1 python benchmarks/cells/triton_speed.py --quick   # the script itself, on the CPU interpreter
 
 For each cell, hidden size and head count, one layer (d_model = hidden) at B x T: rpt's cell with `heads`, nn.LSTM
 of the same hidden size (dense: `heads` times the recurrent parameters) and nn.LSTM of equal parameters (the hidden
@@ -16,10 +16,14 @@ and minLSTM's Triton scan against the ATen chunked scan it replaced.
 from __future__ import annotations
 
 import argparse
+import sys
 import math
+
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness.py
 from harness import timed
 from rpt import kernels
 from rpt.config import ModelConfig

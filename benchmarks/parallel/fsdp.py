@@ -9,7 +9,7 @@ split (`--val-fraction 0.002`) so that the final evaluation of a model this size
 tokens/s at least 0.8x DDP's for a model that fits both ways.
 
     rpt prepare --input TEXT --out data/fsdp-bench --vocab-size 512 --val-fraction 0.002
-    .venv/bin/python benchmarks/fsdp.py --data data/fsdp-bench [--layouts ddp,fsdp] [--steps 4]
+    .venv/bin/python benchmarks/parallel/fsdp.py --data data/fsdp-bench [--layouts ddp,fsdp] [--steps 4]
         [--set model.d_model=2048 --set model.n_layers=7 ...]
 """
 

@@ -6,7 +6,7 @@ as comm.mode = "allreduce" runs it), timed over `--steps` steps after one warm-u
 in fresh processes: one process on one core, one process on two cores (two threads), and cp = 2 on two processes
 with one core (one thread) each.
 
-    .venv/bin/python benchmarks/context_parallel.py [--cells mingru,lstm] [--window 16384] [--steps 3]
+    .venv/bin/python benchmarks/long/context_parallel.py [--cells mingru,lstm] [--window 16384] [--steps 3]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 V = 8192
 
 

@@ -6,16 +6,20 @@ mode="reduce-overhead" torch.compile records the compiled step as CUDA graphs: a
 per-step kernels without the host. This measures what that gives, and checks the compiled results against eager.
 On the CPU (--device cpu: a dry run of the script) it compiles with aot_eager and no graphs.
 
-    python benchmarks/compiled_cells.py                 # on a GPU
-    python benchmarks/compiled_cells.py --device cpu    # a dry run
+    python benchmarks/cells/compiled.py                 # on a GPU
+    python benchmarks/cells/compiled.py --device cpu    # a dry run
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness.py
 from harness import timed
 from rpt.config import ModelConfig
 from rpt.models.lm import build_cell

@@ -5,8 +5,8 @@ prediction per mode), then `rpt train` under torchrun on every node for a fixed 
 steps, and read the run's summary. Prints one markdown row per case: measured communication
 time per step against the prediction, exposed and hidden time, bytes per rank, tokens/s, loss.
 
-    sudo .venv/bin/python benchmarks/cluster/comm_modes.py                 # the default cases
-    .venv/bin/python benchmarks/cluster/comm_modes.py --cases 2x100:allreduce:none 2x100:ps:none
+    sudo .venv/bin/python benchmarks/comm/modes.py                 # the default cases
+    .venv/bin/python benchmarks/comm/modes.py --cases 2x100:allreduce:none 2x100:ps:none
 
 A case is NODESxMBIT[/MBIT0]:MODE:CODEC; MBIT0, when given, is node 0's link (a faster server).
 One rank per node; on a 2-core machine 4 nodes share the cores, so compute slows while the
@@ -89,7 +89,7 @@ def main() -> None:
     if not ok:
         sys.exit(f"cannot build the emulated cluster here: {why}")
     if not (Path(args.data) / "meta.json").is_file():
-        sys.exit(f"{args.data} is not prepared: run `bash benchmarks/shakespeare.sh` once, or pass --data")
+        sys.exit(f"{args.data} is not prepared: run `bash benchmarks/training/shakespeare.sh` once, or pass --data")
     extra = [x for kv in args.extra for x in ("--set", kv)]
     print("| case | mode in force | codec | model ms | pattern timed ms | comm ms | exposed ms | hidden | MiB sent per rank | tokens/s | train loss |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

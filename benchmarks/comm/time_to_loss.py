@@ -12,8 +12,8 @@ an lstm of 2 x 512 (8.4M parameters, vocabulary 8192) at batch 8 x 64 per rank: 
 in about 0.27 s (DiLoCo's inner steps) while bf16 gradients take about 1.35 s at 100 Mbit/s, the network-bound
 regime the modes are for.
 
-    sudo .venv/bin/python benchmarks/cluster/time_to_loss.py --data DATA                    # every case, both rates
-    .venv/bin/python benchmarks/cluster/time_to_loss.py --data DATA --rates 100 --cases bf16,diloco
+    sudo .venv/bin/python benchmarks/comm/time_to_loss.py --data DATA                    # every case, both rates
+    .venv/bin/python benchmarks/comm/time_to_loss.py --data DATA --rates 100 --cases bf16,diloco
 
 `--target LOSS` takes the baseline's loss from an earlier run and skips it.
 Rates: a number is Mbit/s; `auto35` finds the rate at which fp32 DDP spends about 35% of its step in exposed

@@ -12,17 +12,19 @@ The default model has 12 blocks per stage: the last stage also runs the output l
 eighth of a block of lstm 512 here), which no cut of a few whole blocks evens out (with 6 blocks per stage
 the ideal alone is 1.15x the theory at m = 16); with 12 the partitioner's cut leaves the stages within 1%.
 
-    .venv/bin/python benchmarks/pipeline_bubble.py [--cases 2:8,2:16,4:16] [--steps 5] [--schedule 1f1b]
+    .venv/bin/python benchmarks/parallel/pipeline_bubble.py [--cases 2:8,2:16,4:16] [--steps 5] [--schedule 1f1b]
         [--schedule interleaved --stages-per-rank 2] [--layers-per-stage 12] [--rows 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness.py
 from harness import rpt_train, summary
 
 

@@ -1,7 +1,7 @@
 """lm-evaluation-harness against rpt on the same documents: bits per byte of a run's validation documents, scored
 by lm-eval's `hf` model on the run's export and by rpt's own forward.
 
-    .venv/bin/python benchmarks/lm_eval_agreement.py RUN_DIR [--docs 20] [--max-length 2048]
+    .venv/bin/python benchmarks/export/lm_eval_agreement.py RUN_DIR [--docs 20] [--max-length 2048]
 
 The first --docs documents of the run's validation split are decoded to text and written as a local lm-eval task
 (`loglikelihood_rolling`, one request per document, as wikitext's perplexity task does; max_length set above the

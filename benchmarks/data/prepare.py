@@ -3,7 +3,7 @@
 Target (issue 2): the whole corpus, tokenizer training included, in <= 15 s on the 2-core build machine.
 Prints one markdown row for benchmarks/results/data.md.
 
-    .venv/bin/python benchmarks/prepare.py [--repeats 3] [--vocab-size 8192]
+    .venv/bin/python benchmarks/data/prepare.py [--repeats 3] [--vocab-size 8192]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main() -> None:
     tokens = sum(s["tokens"] for s in meta["splits"].values())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"| {date.today()} | {platform.machine()} {os.cpu_count()} cores | {commit} | "
-          f"`python benchmarks/prepare.py --vocab-size {args.vocab_size}` | "
+          f"`python benchmarks/data/prepare.py --vocab-size {args.vocab_size}` | "
           f"{mb:.1f} MB, {tokens:,} tokens: median {total:.2f} s (tokenizer "
           f"{statistics.median(r['tokenizer'] for r in runs):.2f} s, encode {statistics.median(r['encode'] for r in runs):.2f} s), "
           f"{mb / total:.1f} MB/s end to end; target <= 15 s |")

@@ -1,6 +1,6 @@
 """rpt against its own export in Hugging Face transformers, per cell: logits, scoring speed, generation, memory.
 
-    .venv/bin/python benchmarks/export.py --data DIR [--cells lstm,gru,modlstm,mingru,minlstm] [--d-model 256]
+    .venv/bin/python benchmarks/export/hf_export.py --data DIR [--cells lstm,gru,modlstm,mingru,minlstm] [--d-model 256]
                                           [--set model.attention_every=2 ...]
 
 For each cell, an n_layers x d_model model (fresh weights, seed 0) is exported with `rpt export`'s own code and

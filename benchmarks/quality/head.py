@@ -1,6 +1,6 @@
 """The step cost of the full softmax against the two-level one (model.head_shortlist), on a prepared corpus's tokens.
 
-    .venv/bin/python benchmarks/head.py --data DIR [--sizes 256,384] [--shortlists 0,1024] [--steps 10]
+    .venv/bin/python benchmarks/quality/head.py --data DIR [--sizes 256,384] [--shortlists 0,1024] [--steps 10]
 
 For each lstm 2 x d and shortlist, the milliseconds of one training step (forward, backward, SGD with momentum)
 on 16 x 64 real training tokens, in one process; the last line gives each shortlist's speed-up over the full head.

@@ -6,7 +6,7 @@ state carried without a gradient (truncated BPTT: the answer's gradient cannot r
 the whole sequence in chunks of 64 (train.bptt_chunk: rpt/parallel/bptt.py). The loss is the answer's alone;
 accuracy is on fresh sequences.
 
-    .venv/bin/python benchmarks/recall.py [--cells lstm,mingru] [--distances 512,2048] [--minutes 10]
+    .venv/bin/python benchmarks/long/recall.py [--cells lstm,mingru] [--distances 512,2048] [--minutes 10]
         [--curriculum] [--only windows|exact] [--forget-bias B] [--lr 3e-3] [--d-model 64] [--layers 1]
         [--like-values] [--stop-at ACCURACY] [--start D0]
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEYS, VALUES, NOISE = 16, 8, 16  # token ids: keys, then values, then distractors
 
 
