@@ -83,3 +83,79 @@ def commit() -> str:
     """The short hash of the checkout the benchmark runs from (a row's identity with its date)."""
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           cwd=REPO).stdout.strip()
+
+
+class Served:
+    """`rpt serve RUN_DIR ARGS` as a process of its own on a free loopback port, waited for until /health answers;
+    `rss()` reads its resident memory, `stop()` ends it (SIGTERM: its drain; then a kill after `timeout`)."""
+
+    def __init__(self, run_dir: Path, *args: str, timeout: float = 180):
+        import socket
+        import threading
+
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "rpt", "serve", str(run_dir), "--port", str(self.port),
+                                      *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit("rpt serve stopped:\n" + "".join(self.lines))
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.proc.kill()
+        raise SystemExit(f"rpt serve did not answer in {timeout:g} s:\n" + "".join(self.lines))
+
+    def rss(self) -> int:
+        import os
+
+        with open(f"/proc/{self.proc.pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def said(self, starting: str) -> str:
+        """The line of its start-up output that begins with `starting`."""
+        return next(line for line in self.lines if line.startswith(starting))
+
+    def stop(self, timeout: float = 60) -> int | None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def run_cases(doc: str, cases: dict, add_arguments=None) -> None:
+    """The command line of a script made of cases (`cases`: name -> fn(run, args) -> figures): --run, --cases,
+    --seed, --out, and the script's own (`add_arguments(parser)`); each case's figures printed as JSON as it ends,
+    all of them written to --out."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--run", type=Path, required=True, help="a finished run directory (the demo's, for the targets)")
+    p.add_argument("--cases", default=",".join(cases), help=f"some of {', '.join(cases)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="also write the figures as JSON here")
+    if add_arguments:
+        add_arguments(p)
+    args = p.parse_args()
+    results = {"commit": commit(), "run": str(args.run)}
+    for name in args.cases.split(","):
+        results[name] = cases[name](args.run, args)
+        print(json.dumps({name: results[name]}, indent=1), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))

@@ -134,6 +134,26 @@ def _add_eval_generate(sub) -> None:
     p.set_defaults(func=_cmd_generate)
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve a run's model over HTTP (the OpenAI completions API), many streams at once",
+                       description="An OpenAI-compatible server (POST /v1/completions, GET /v1/models, /health, "
+                       "/metrics) that generates its streams as one batch, each at constant memory (docs/serving.md).")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-streams", type=int, default=64, help="streams generated at once (each holds one state)")
+    p.add_argument("--max-queue", type=int, default=64, help="streams that may wait for a slot; beyond, 429")
+    p.add_argument("--max-prompt-bytes", type=int, default=1 << 20, help="the largest request body (413 beyond)")
+    p.add_argument("--token", help="require `Authorization: Bearer TOKEN` on every route but /health "
+                   "(default: the RPT_SERVE_TOKEN environment variable, if set)")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds running streams get to finish on SIGTERM")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens run per engine step: a long prompt stalls the others this long at most")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.set_defaults(func=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rpt", description="Pretrain deep recurrent language models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
@@ -155,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_train)
 
     _add_eval_generate(sub)
+    _add_serve(sub)
     _add_model_io(sub)
 
     p = sub.add_parser("topology", help="measure latency and bandwidth between ranks; predict each comm mode's cost",
@@ -364,6 +385,14 @@ def _cmd_generate(args) -> None:
     generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                   args.seed, args.checkpoint, args.device, depth=args.depth, exit=args.exit,
                   shared=args.shared_state)
+
+
+def _cmd_serve(args) -> None:
+    from rpt.serve.server import serve
+
+    serve(args.run_dir, args.checkpoint, args.host, args.port, args.max_streams, args.max_queue,
+          args.max_prompt_bytes, args.token or os.environ.get("RPT_SERVE_TOKEN") or None, args.device, args.grace,
+          args.prefill_chunk)
 
 
 def _cmd_export(args) -> None:

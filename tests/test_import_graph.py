@@ -61,6 +61,20 @@ def test_fault_injection_reaches_the_loop_only_through_the_cli():
     assert not wrong, wrong
 
 
+def test_serving_reads_the_run_loader_and_never_the_training_loop():
+    """rpt/serve imports models, data and train/run_dir.py (load_run) only of the training side: no trainer, no
+    parallel or comm (docs/architecture.md)."""
+    used = set()
+    for path in (ROOT / "serve").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rpt."):
+                used.add(node.module)
+    assert "rpt.train.run_dir" in used and "rpt.serve.engine" in used  # the imports are really read
+    wrong = sorted(m for m in used if m.split(".")[1] in ("parallel", "comm", "monitor")
+                   or (m.startswith("rpt.train") and m != "rpt.train.run_dir"))
+    assert not wrong, wrong
+
+
 def test_models_hold_no_branch_for_how_they_are_run():
     """Parallelism is applied from outside (rpt/parallel/apply.py): nothing in rpt/models reads the settings of
     activation checkpointing, compile, pipelines or data parallelism, nor the train/parallel/comm sections."""

@@ -32,7 +32,7 @@ from rpt.models.loop import DepthLoop, mean_depths
 from rpt.models.registry import get_cell, import_user_modules
 from rpt.models.sampling import sample_next
 from rpt.models.shapes import on_meta
-from rpt.models.state import map_state, owned
+from rpt.models.state import map_state, owned, reset_rows
 from rpt.ops.stack.spec import at_least_fp32, clustered_log_probs, gated_mlp
 
 def part_names(cfg: ModelConfig) -> list[str]:
@@ -133,21 +133,38 @@ class RecurrentLM(nn.Module):
         return owned(self.head(x) if targets is None else self.head.nats(x, targets)), new_state
 
     def step(self, token: torch.Tensor, state: list | None = None, depth: int | None = None, exit=None,
-             shared: bool = False, sampling: tuple[float, int] | None = None):
+             shared: bool = False, sample_k: int | torch.Tensor | None = None, reset: torch.Tensor | None = None):
         """token: [B] int64. The single-step forms of every cell: what generation runs. A looped model's `exit`
-        (rpt/models/loop_exit.py) ends each row's iterations early, `depth` the most; `shared`: its iterations
-        keep one state between tokens (each continues from the previous token's last), not one each.
-        `sampling`: the (temperature, top_k) the logits are for: a two-level head then leaves out the rarer
-        tokens where they cannot be sampled (ClusteredHead.for_sampling)."""
+        (rpt/models/loop_exit.py; anything with its `stop(model, state)`) ends each row's iterations early,
+        `depth` the most; `shared`: its iterations keep one state between tokens (each continues from the previous
+        token's last), not one each. `sample_k`: the logits are for sampling among each row's k best tokens (1:
+        greedy, 0: all; one k or one per row): a two-level head then leaves out the rarer tokens of the rows where
+        they cannot be drawn (ClusteredHead.for_sampling). `reset`: [B] bool, the rows whose state starts afresh
+        before this token (a new document in that row only)."""
         x = self.embed(token) if self.embed is not None else token
         state = state if state is not None else self.init_state(x.shape[0], x.device)
+        if reset is not None:
+            state = reset_rows(state, reset, self.init_state(x.shape[0], x.device))
         x, new_state = self.run_blocks(x, state, None, depth, True, exit.stop(self, state) if exit else None, shared)
         if self.norm is not None:
             x = self.norm(x)
         if self.head is None:
             return x, new_state
-        if sampling is not None and isinstance(self.head, ClusteredHead):
-            return self.head.for_sampling(x, *sampling), new_state
+        if sample_k is not None and isinstance(self.head, ClusteredHead):
+            return self.head.for_sampling(x, sample_k), new_state
+        return self.head(x), new_state
+
+    def prefill(self, x: torch.Tensor, state: list | None = None, reset_mask: torch.Tensor | None = None,
+                depth: int | None = None, shared: bool = False):
+        """A prompt (or a chunk of one) through the sequence form: (the logits of its last position [B, V], the
+        state after it). Only the last position meets the head: a long prompt's other logits are never made."""
+        if self.embed is not None:
+            x = self.embed_dropout(self.embed(x))
+        state = state if state is not None else self.init_state(x.shape[0], x.device)
+        x, new_state = self.run_blocks(x, state, reset_mask, depth, shared=shared)
+        x = x[:, -1]
+        if self.norm is not None:
+            x = self.norm(x)
         return self.head(x), new_state
 
     @torch.no_grad()
@@ -163,15 +180,14 @@ class RecurrentLM(nn.Module):
         self.eval()
         try:
             x = prompt[None]
-            logits, state = self(x, reset_mask=None if reset_at is None else x == reset_at, depth=depth,
-                                 shared=shared)
-            logits = logits[:, -1]
+            logits, state = self.prefill(x, reset_mask=None if reset_at is None else x == reset_at, depth=depth,
+                                         shared=shared)
             for _ in range(max_new_tokens):
                 token = sample_next(logits, temperature, top_k, top_p, generator)
                 yield int(token[0])
                 if int(token[0]) == reset_at:
                     state = None  # a new document
-                logits, state = self.step(token, state, depth, exit, shared, (temperature, top_k))
+                logits, state = self.step(token, state, depth, exit, shared, 1 if temperature <= 0 else top_k)
         finally:
             self.train(was_training)
 
@@ -396,19 +412,28 @@ class ClusteredHead(nn.Module):
         over its own tokens."""
         return clustered_log_probs(h, self.weight, self.rest.weight, self.rest.bias, self.order, self.shortlist)
 
-    def for_sampling(self, h: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
-        """What `forward` gives, with the rarer tokens at -inf where sampling (rpt/models/sampling.py) cannot
-        pick them: greedy, or top-k, with the best (k-th best) shortlist token above the rarer-token entry in
-        every row (a rarer token's probability is at most that entry's). Then only the shortlist's product runs
-        and the sample is the same as from `forward`'s."""
-        S, k = self.shortlist, (1 if temperature <= 0 else top_k)
-        if not 0 < k <= S:
+    def for_sampling(self, h: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
+        """What `forward` gives, with the rarer tokens at -inf in the rows where sampling (rpt/models/sampling.py)
+        cannot pick them: a row sampled among its k best tokens (`k`: one for all rows or one per row; 1: greedy,
+        0: no limit) whose k-th best shortlist token is above the rarer-token entry (a rarer token's probability is
+        at most that entry's). Those rows run only the shortlist's product, and their sample is the same as from
+        `forward`'s; the others run `forward` on their own rows. A row's result does not depend on the others'."""
+        S = self.shortlist
+        flat = h.reshape(-1, h.shape[-1])
+        k = torch.as_tensor(k, device=h.device).expand(len(flat))
+        usable = (k > 0) & (k <= S)
+        if not bool(usable.any()):
             return self(h)
-        first = self._head_logits(h).log_softmax(-1)
-        if not bool((first[..., :S].topk(k, dim=-1).values[..., -1] > first[..., S]).all()):
-            return self(h)
-        out = torch.full((*h.shape[:-1], self.vocab_size), -math.inf, dtype=first.dtype, device=first.device)
-        return out.index_copy_(-1, self.order[:S], first[..., :S])
+        first = self._head_logits(flat).log_softmax(-1)
+        most = int(k[usable].max())
+        kth = first[:, :S].topk(most, dim=-1).values.gather(1, (k.clamp(1, most) - 1)[:, None])[:, 0]
+        short = usable & (kth > first[:, S])
+        out = torch.full((len(flat), self.vocab_size), -math.inf, dtype=first.dtype, device=first.device)
+        out.index_copy_(-1, self.order[:S], first[:, :S])
+        if not bool(short.all()):
+            rest = (~short).nonzero()[:, 0]
+            out = out.index_copy(0, rest, self(flat[rest]).to(out.dtype))
+        return out.view(*h.shape[:-1], self.vocab_size)
 
     def nats(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         S, shape = self.shortlist, targets.shape

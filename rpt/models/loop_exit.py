@@ -96,3 +96,29 @@ class Exit:
             return ended
 
         return stop
+
+
+class RowDepths:
+    """A depth and an exit rule per row (a server's streams, each with its own request): row b runs at most
+    `depths[b]` iterations, and its rule, where it has one, may end it earlier. The step runs to the largest depth;
+    the loop's `stop` (rpt/ops/loop/spec.py) ends each row where its own limits say, so a row's result does not
+    depend on the depths beside it."""
+
+    def __init__(self, depths: torch.Tensor, rules: list[Exit | None]):
+        self.depths, self.rules = depths, rules
+
+    def stop(self, model, state: list):
+        by_rule = {}  # one criterion's computation per distinct rule, for the rows that asked for it
+        for row, rule in enumerate(self.rules):
+            if rule is not None:
+                by_rule.setdefault((rule.criterion, rule.threshold), (rule, []))[1].append(row)
+        checks = [(rule.stop(model, state), torch.tensor(rows, device=self.depths.device))
+                  for rule, rows in by_rule.values()]
+
+        def stop(i: int, h: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+            ended = self.depths <= i + 1
+            for check, rows in checks:
+                ended = ended.index_put((rows,), ended[rows] | check(i, h, previous)[rows])
+            return ended
+
+        return stop

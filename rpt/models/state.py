@@ -48,6 +48,16 @@ def cat_rows(states: list):
     return first
 
 
+def reset_rows(state, reset: torch.Tensor, fresh):
+    """`state` with the rows where `reset` ([B] bool) is set taken from `fresh` (a fresh state of the same
+    shapes): those rows start a new document, the others go on."""
+    if isinstance(state, torch.Tensor):
+        return torch.where(reset.view(-1, *[1] * (state.dim() - 1)), fresh, state)
+    if isinstance(state, (list, tuple)):
+        return type(state)(reset_rows(s, reset, f) for s, f in zip(state, fresh))
+    return state
+
+
 def all_finite(state) -> bool:
     ok = True
 

@@ -4,7 +4,7 @@ that DDP and FSDP see)."""
 
 from __future__ import annotations
 
-from harness import run_ranks
+from ranks import run_ranks
 from pipeline_workers import train_runs
 from test_pipeline import assert_same_training, reference
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from comm_workers import build_auto_with_timings, train_variants
-from harness import run_ranks
+from ranks import run_ranks
 
 MODES = [("allreduce", []), ("ps", ["comm.mode=ps"]), ("ps-sharded", ["comm.mode=ps-sharded"])]
 ACCUM = [("allreduce-accum", ["train.grad_accum=2"]), ("ps-sharded-accum", ["comm.mode=ps-sharded", "train.grad_accum=2"])]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from context_workers import window_against_one_process
-from harness import run_ranks
+from ranks import run_ranks
 from pipeline_workers import train_runs
 from test_pipeline import assert_same_training, reference
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from diloco_workers import averaging_identity, one_rank_equals_inner, payload
-from harness import run_ranks
+from ranks import run_ranks
 from rpt.comm.accounting import allgather_wire_bytes, allreduce_wire_bytes
 
 

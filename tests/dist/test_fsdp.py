@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from harness import run_ranks
+from ranks import run_ranks
 from pipeline_workers import train_runs, train_runs_with_env
 from test_pipeline import MLSTM, assert_same_training, reference
 

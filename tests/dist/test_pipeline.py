@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from harness import run_ranks
+from ranks import run_ranks
 from pipeline_workers import losses_of, pipeline_overrides, train_runs
 
 from rpt.config import Config

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from comm_workers import powersgd_overlap
-from harness import run_ranks
+from ranks import run_ranks
 
 
 def test_powersgd_rounds_overlap_backward_and_change_nothing_learned(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import run_ranks
+from ranks import run_ranks
 from pipeline_workers import resize_runs
 
 from rpt.data.dataset import PreparedData

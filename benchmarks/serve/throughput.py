@@ -1,0 +1,184 @@
+"""Benchmark: `rpt serve`'s throughput against one stream, against `rpt generate`, and against transformers'
+`generate` on rpt's export batched with padding (issue 61's targets). The client is one process of asyncio streams
+(httpx) on this machine; its own CPU share is reported, since it shares the cores with the server.
+
+    .venv/bin/python benchmarks/serve/throughput.py --run runs/demo [--cases scaling,overhead,transformers]
+
+- scaling: 1 and then 32 concurrent streams, prompts of 256 tokens, 128 new tokens each (end of text ignored):
+  aggregate tokens/s (target: 32 streams >= 8x one) and time per output token at p99 (<= 4x one stream's).
+- overhead: one stream's tokens/s through the server against `rpt generate`'s (the model's `generate` with the
+  one-row products, in this process) on the same prompt (target >= 0.9x).
+- transformers: 32 requests of mixed lengths (prompts 16-512 tokens, max_tokens 16-256, drawn with --seed) to the
+  server at once, against the same requests as one padded batch through transformers' `generate` on `rpt export`'s
+  folder (what a user without rpt's server would run): aggregate useful tokens/s (target >= 3x).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness.py
+from harness import Served, run_cases  # noqa: E402
+
+
+def prompt_texts(run: Path, lengths: list[int], seed: int) -> list[str]:
+    """Texts of the run's validation split that encode to about these many tokens (decoded token runs)."""
+    import numpy as np
+
+    from rpt.config import Config
+    from rpt.data.dataset import PreparedData
+    from rpt.data.tokenizer import load_tokenizer
+
+    cfg = Config.load(run / "config.toml")
+    tokens = PreparedData(cfg.data.path).tokens("val")
+    tok = load_tokenizer(run / "tokenizer.json")
+    rng = np.random.default_rng(seed)
+    texts = []
+    for n in lengths:
+        start = int(rng.integers(0, len(tokens) - n - 1))
+        texts.append(tok.decode(tokens[start:start + n].tolist()))
+    return texts
+
+
+async def one(client, url: str, prompt: str, max_tokens: int, marks: dict) -> dict:
+    """One streamed completion; the times of its chunks."""
+    began = time.perf_counter()
+    times, reason, usage = [], None, None
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for c in chunk["choices"]:
+                times.append(time.perf_counter())
+                reason = c["finish_reason"] or reason
+    marks.setdefault("first", began)
+    marks["last"] = time.perf_counter()
+    return {"began": began, "times": times, "reason": reason, "tokens": usage["completion_tokens"],
+            "prompt_tokens": usage["prompt_tokens"]}
+
+
+async def together(url: str, prompts: list[str], max_tokens: list[int]) -> dict:
+    import httpx
+
+    marks = {}
+    cpu = time.process_time()
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
+        began = time.perf_counter()
+        results = await asyncio.gather(*(one(client, url, p, m, marks) for p, m in zip(prompts, max_tokens)))
+        wall = time.perf_counter() - began
+    tokens = sum(r["tokens"] for r in results)
+    gaps = sorted(b - a for r in results for a, b in zip(r["times"], r["times"][1:]))
+    return {"streams": len(prompts), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "tpot_p50_ms": 1000 * gaps[len(gaps) // 2], "tpot_p99_ms": 1000 * gaps[int(0.99 * (len(gaps) - 1))],
+            "ttft_median_ms": 1000 * statistics.median(r["times"][0] - r["began"] for r in results),
+            "client_cpu_share": (time.process_time() - cpu) / wall,
+            "reasons": sorted({r["reason"] for r in results}),
+            "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in results)}
+
+
+def scaling(run: Path, args) -> dict:
+    served = Served(run, "--max-streams", "64")
+    try:
+        texts = prompt_texts(run, [256] * 32, args.seed)
+        asyncio.run(together(served.url, texts[:2], [8, 8]))  # warm
+        single = asyncio.run(together(served.url, texts[:1], [128]))
+        many = asyncio.run(together(served.url, texts, [128] * 32))
+    finally:
+        served.stop()
+    return {"one": single, "thirty_two": many, "aggregate_ratio": many["tokens_per_s"] / single["tokens_per_s"],
+            "tpot_p99_ratio": many["tpot_p99_ms"] / single["tpot_p99_ms"]}
+
+
+def generate_speed(run: Path, prompt: str, tokens: int) -> float:
+    """`rpt generate`'s tokens/s after the prompt: the model's generate on the one-row products, as it runs them."""
+    import torch
+
+    from rpt import kernels
+    from rpt.data.tokenizer import eot_id
+    from rpt.kernels.cpu.products import generating
+    from rpt.train.run_dir import load_run
+
+    cfg, model, tok, _, _ = load_run(run, "best", "cpu")
+    ids = [eot_id(tok)] + tok.encode(prompt, add_special_tokens=False).ids
+    best = 0.0
+    for _ in range(2):
+        stream = generating(model, model.generate(torch.tensor(ids), tokens, temperature=0,
+                                                  reset_at=None), kernels.current())
+        next(stream)
+        began = time.perf_counter()
+        count = sum(1 for _ in stream)
+        best = max(best, count / (time.perf_counter() - began))
+    return best
+
+
+def overhead(run: Path, args) -> dict:
+    text = prompt_texts(run, [256], args.seed)[0]
+    served = Served(run)
+    try:
+        asyncio.run(together(served.url, [text], [8]))
+        rounds = [asyncio.run(together(served.url, [text], [256])) for _ in range(2)]
+    finally:
+        served.stop()
+    server = max(r["tokens"] / (r["wall_s"] - r["ttft_median_ms"] / 1000) for r in rounds)  # after the first token
+    local = generate_speed(run, text, 256)
+    return {"server_tokens_per_s": server, "generate_tokens_per_s": local, "ratio": server / local}
+
+
+def transformers_case(run: Path, args) -> dict:
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(args.seed)
+    lengths = rng.integers(16, 513, 32).tolist()
+    max_tokens = rng.integers(16, 257, 32).tolist()
+    texts = prompt_texts(run, lengths, args.seed)
+    served = Served(run, "--max-streams", "64")
+    try:
+        asyncio.run(together(served.url, texts[:2], [4, 4]))
+        ours = asyncio.run(together(served.url, texts, max_tokens))
+    finally:
+        served.stop()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as out:
+        from rpt.export.hf_export import export_run
+
+        export_run(str(run), out, "best", "2GB", True)
+        model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+        tok = AutoTokenizer.from_pretrained(out)
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        batch = tok(texts, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            model.generate(**tok(texts[:2], return_tensors="pt", padding=True), max_new_tokens=2, do_sample=False)
+            began = time.perf_counter()
+            model.generate(**batch, max_new_tokens=max(max_tokens), do_sample=False, min_new_tokens=max(max_tokens))
+            wall = time.perf_counter() - began
+    useful = sum(max_tokens)  # what the 32 requests asked for; the batch runs every row to the longest
+    theirs = {"wall_s": wall, "tokens_per_s": useful / wall, "padded_to": int(batch["input_ids"].shape[1]),
+              "steps": max(max_tokens)}
+    return {"rpt_serve": ours, "transformers": theirs, "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"]}
+
+
+CASES = {"scaling": scaling, "overhead": overhead, "transformers": transformers_case}
+
+
+def main() -> None:
+    run_cases(__doc__, CASES)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

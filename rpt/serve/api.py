@@ -1,0 +1,345 @@
+"""The HTTP face of `rpt serve` (Starlette): the OpenAI completions API where it applies, /v1/models, /health and
+/metrics. Each request is checked whole before anything runs; every refusal is an OpenAI-shaped error
+({"error": {"message", "type", "param", "code"}}) with its HTTP status. The routes know the scheduler only
+(submit, cancel); the engine's thread tells each stream's text through an asyncio queue of the request's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from rpt.errors import RptError
+from rpt.models.loop_exit import Exit
+from rpt.serve.engine import Sampling, Stream
+from rpt.serve.metrics import CONTENT_TYPE, ServeMetrics
+from rpt.serve.scheduler import Busy, Draining, Scheduler
+
+MAX_TOKENS = 10_000_000  # one stream's most new tokens: its memory does not grow, only its time
+MAX_STOP = 4  # stop strings a request may give (as OpenAI's API)
+MAX_N = 128  # choices per prompt
+# the completions API's fields rpt takes; each extra (top_k, depth, exit, ignore_eos) is rpt's own
+FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+          "user", "logprobs", "echo", "suffix", "best_of", "presence_penalty", "frequency_penalty", "logit_bias",
+          "top_k", "depth", "exit", "ignore_eos"}
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+
+
+@dataclass
+class Service:
+    """What the routes serve: the model's name, its tokenizer, the scheduler and the limits."""
+    name: str
+    tokenizer: object
+    eot_id: int
+    scheduler: Scheduler
+    metrics: ServeMetrics
+    max_prompt_bytes: int
+    token: str | None = None
+    loop_depth: int | None = None  # a looped model's most iterations per token (None: no loop)
+    check_exit: object = None  # Exit -> None, refusing a rule the model cannot take
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class Completion:
+    """One checked request: its prompts' token ids, choices per prompt, the streams' settings."""
+    prompts: list[list[int]]  # each begins with the end of text (a document starts with it), as rpt generate's
+    n: int
+    stream: bool
+    include_usage: bool
+    settings: list[Sampling]  # one per choice of a prompt (the seeds differ by choice)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompts' own tokens (the leading end of text left out), once per choice."""
+        return sum(len(ids) - 1 for ids in self.prompts) * self.n
+
+
+def build_app(service: Service) -> Starlette:
+    async def completions(request: Request) -> Response:
+        try:
+            body = await read_body(request, service.max_prompt_bytes)
+            job = parse(body, service)
+            return await run(request, job, service)
+        except BadRequest as exc:
+            service.metrics.requests.labels(outcome=outcome_of(exc)).inc()
+            return exc.response()
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": service.name, "object": "model",
+                                                         "created": service.created, "owned_by": "rpt"}]})
+
+    async def health(request: Request) -> Response:
+        sched = service.scheduler
+        if sched.failure is not None:
+            return JSONResponse({"status": "failed", "error": repr(sched.failure)}, status_code=503)
+        if sched.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok", "active": sched.engine.active, "queued": sched.queued})
+
+    async def metrics(request: Request) -> Response:
+        return Response(service.metrics.text(), media_type=CONTENT_TYPE)
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                            Route("/v1/models", models, methods=["GET"]),
+                            Route("/health", health, methods=["GET"]),
+                            Route("/metrics", metrics, methods=["GET"])])
+    app.add_middleware(BearerToken, token=service.token, metrics=service.metrics)
+    return app
+
+
+class BearerToken:
+    """With --token, every route but /health needs `Authorization: Bearer TOKEN` (a plain ASGI middleware, so that
+    streamed answers pass through untouched)."""
+
+    def __init__(self, app, token: str | None, metrics: ServeMetrics):
+        self.app, self.token, self.metrics = app, token, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.token and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+                self.metrics.requests.labels(outcome="unauthorized").inc()
+                answer = BadRequest(401, "a bearer token is needed: send the header Authorization: Bearer TOKEN",
+                                    code="invalid_api_key").response()
+                return await answer(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def outcome_of(exc: BadRequest) -> str:
+    return {429: "busy", 503: "draining", 413: "too_large", 401: "unauthorized"}.get(exc.status, "bad_request")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) past `limit` bytes whether or not it says its length first."""
+    too_large = BadRequest(413, f"the request body is over --max-prompt-bytes ({limit:,} bytes)",
+                           code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse(body: bytes, service: Service) -> Completion:
+    try:
+        req = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(req, dict):
+        raise BadRequest(400, "the body must be a JSON object")
+    unknown = sorted(set(req) - FIELDS)
+    if unknown:
+        raise BadRequest(400, f"unknown field {unknown[0]!r}: this server takes {', '.join(sorted(FIELDS))}",
+                         param=unknown[0])
+    if req.get("model") not in (None, service.name):
+        raise BadRequest(404, f"the model {req['model']!r} does not exist: this server serves {service.name!r}",
+                         param="model", code="model_not_found")
+    for name, allowed in (("logprobs", (None,)), ("echo", (None, False)), ("suffix", (None, "")),
+                          ("best_of", (None, 1)), ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
+                          ("logit_bias", (None, {}))):
+        if req.get(name, None) not in allowed:
+            raise BadRequest(400, f"{name} is not supported by rpt serve", param=name)
+    prompts = req.get("prompt")
+    prompts = [prompts] if isinstance(prompts, str) else prompts
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise BadRequest(400, "prompt must be a string or a non-empty list of strings", param="prompt")
+    if any(p == "" for p in prompts):
+        raise BadRequest(400, "a prompt is empty: give at least one character", param="prompt")
+    n = integer(req, "n", 1, 1, MAX_N)
+    sched = service.scheduler
+    if len(prompts) * n > sched.max_streams + sched.max_queue:
+        raise BadRequest(400, f"{len(prompts)} prompts x n = {n} streams can never be admitted: this server runs "
+                         f"{sched.max_streams} streams and queues {sched.max_queue}", param="n")
+    stop = req.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest(400, f"stop must be a non-empty string or a list of at most {MAX_STOP}", param="stop")
+    seed = req.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63):
+        raise BadRequest(400, "seed must be an integer from 0 to 2**63 - 1", param="seed")
+    depth, exit_rule = looped(req, service)
+    top_k = integer(req, "top_k", 0, -1, 1 << 30)
+    base = Sampling(max_tokens=integer(req, "max_tokens", 16, 1, MAX_TOKENS),
+                    temperature=number(req, "temperature", 1.0, 0.0, 2.0),
+                    top_p=number(req, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=max(top_k, 0),
+                    stop=tuple(stop), depth=depth, exit=exit_rule, ignore_eos=boolean(req, "ignore_eos", False))
+    settings = [Sampling(**{**base.__dict__, "seed": None if seed is None else (seed + j) % 2 ** 63})
+                for j in range(n)]  # choice j of a seeded request: seed + j, so that the choices differ
+    stream = boolean(req, "stream", False)
+    options = req.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise BadRequest(400, "stream_options takes include_usage only", param="stream_options")
+    encode = service.tokenizer.encode
+    ids = [[service.eot_id] + encode(p, add_special_tokens=False).ids for p in prompts]  # a document starts with EOT
+    return Completion(ids, n, stream, bool(options.get("include_usage")), settings)
+
+
+def integer(req: dict, name: str, default: int, low: int, high: int) -> int:
+    value = req.get(name, default)
+    value = default if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise BadRequest(400, f"{name} must be an integer from {low} to {high:,} (got {value!r})", param=name)
+    return value
+
+
+def number(req: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = req.get(name, default)
+    value = default if value is None else value
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
+            (low < value if low_open else low <= value) and value <= high):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise BadRequest(400, f"{name} must be a number in {interval} (got {value!r})", param=name)
+    return float(value)
+
+
+def boolean(req: dict, name: str, default: bool) -> bool:
+    value = req.get(name, default)
+    if not isinstance(value, bool):
+        raise BadRequest(400, f"{name} must be true or false (got {value!r})", param=name)
+    return value
+
+
+def looped(req: dict, service: Service) -> tuple[int | None, Exit | None]:
+    """A looped model's `depth` and `exit` (rpt's extra fields); refused for a model without a loop."""
+    depth, rule = req.get("depth"), req.get("exit")
+    if (depth is not None or rule is not None) and service.loop_depth is None:
+        raise BadRequest(400, "depth and exit apply to a looped model (model.loop_core > 0); this one has no loop",
+                         param="depth" if depth is not None else "exit")
+    if depth is not None:
+        depth = integer(req, "depth", 0, 1, service.loop_depth)
+    if rule is not None:
+        if not isinstance(rule, str):
+            raise BadRequest(400, "exit must be a string CRITERION:THRESHOLD, e.g. kl:5e-4", param="exit")
+        try:
+            rule = Exit.parse(rule)
+            service.check_exit(rule)
+        except RptError as exc:
+            raise BadRequest(400, f"exit: {exc}", param="exit") from None
+    return depth, rule
+
+
+async def run(request: Request, job: Completion, service: Service) -> Response:
+    """Submit the request's streams; answer as they produce (stream) or once all have ended."""
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    arrived, metrics = time.perf_counter(), service.metrics
+    seen: dict[int, tuple[int, float | None]] = {}  # stream id -> (its tokens counted, its last token's time)
+
+    def on_event(stream: Stream, text: str, finish: str | None) -> None:  # on the engine's thread
+        count, last = seen.get(stream.id, (0, None))
+        for _ in range(len(stream.tokens) - count):
+            last = metrics.token(arrived, last)
+        seen[stream.id] = (len(stream.tokens), last)
+        if finish is not None:
+            metrics.finished.labels(reason=finish).inc()
+        loop.call_soon_threadsafe(events.put_nowait, (stream, text, finish))
+
+    streams = [Stream(ids, settings, on_event) for ids in job.prompts for settings in job.settings]
+    try:
+        service.scheduler.submit(streams)
+    except Busy:
+        raise BadRequest(429, "every stream slot is taken and the queue is full: retry shortly", "rate_limit_error",
+                         code="server_busy", headers={"Retry-After": "1"}) from None
+    except Draining:
+        raise BadRequest(503, "the server is shutting down and admits no new request", "service_unavailable",
+                         code="shutting_down") from None
+    metrics.requests.labels(outcome="ok").inc()
+    metrics.prompt_tokens.inc(job.prompt_tokens)
+    answer = Answer(job, streams, events, service.scheduler, service.name)
+    if job.stream:
+        return StreamingResponse(answer.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await answer.whole(request)
+
+
+class Answer:
+    """One request's answer as its streams produce: server-sent events, or one JSON body once all have ended. A
+    client that goes away cancels its streams that are still running."""
+
+    def __init__(self, job: Completion, streams: list[Stream], events: asyncio.Queue, scheduler: Scheduler,
+                 model: str):
+        self.job, self.streams, self.queue, self.scheduler = job, streams, events, scheduler
+        self.index = {s.id: i for i, s in enumerate(streams)}  # prompt p's choice j: p * n + j, as OpenAI's
+        self.head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                     "model": model}
+
+    def usage(self) -> dict:
+        completion = sum(len(s.tokens) for s in self.streams)
+        prompt = self.job.prompt_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def cancel_open(self) -> None:
+        for s in self.streams:
+            if s.finish_reason is None:
+                self.scheduler.cancel(s)
+
+    async def events(self):
+        open_ = len(self.streams)
+        try:
+            while open_:
+                stream, text, finish = await self.queue.get()
+                open_ -= finish is not None
+                if text or finish:
+                    choice = {"text": text, "index": self.index[stream.id], "logprobs": None, "finish_reason": finish}
+                    yield f"data: {json.dumps({**self.head, 'choices': [choice]})}\n\n"
+            if self.job.include_usage:
+                yield f"data: {json.dumps({**self.head, 'choices': [], 'usage': self.usage()})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (or the server stopped): its streams leave the batch
+            self.cancel_open()
+
+    async def whole(self, request: Request) -> Response:
+        texts = {s.id: [] for s in self.streams}
+
+        async def collect():
+            open_ = len(self.streams)
+            while open_:
+                stream, text, finish = await self.queue.get()
+                texts[stream.id].append(text)
+                open_ -= finish is not None
+
+        gone, done = asyncio.ensure_future(disconnected(request)), asyncio.ensure_future(collect())
+        try:
+            await asyncio.wait({gone, done}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not done.done():  # the client went away: nobody reads these streams any more
+                done.cancel()
+                self.cancel_open()
+        if not done.done() or done.cancelled():
+            return Response(status_code=499)
+        choices = sorted(({"text": "".join(texts[s.id]), "index": self.index[s.id], "logprobs": None,
+                           "finish_reason": s.finish_reason} for s in self.streams), key=lambda c: c["index"])
+        return JSONResponse({**self.head, "choices": choices, "usage": self.usage()})
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has closed its connection (the body was read whole before)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

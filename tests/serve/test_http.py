@@ -1,0 +1,269 @@
+"""`rpt serve` as a real process on a free loopback port, talked to by the `openai` package and by raw HTTP: answers,
+streaming, concurrent clients, every refusal OpenAI-shaped, a client that leaves, the bearer token, a full server,
+and the drain on SIGTERM. Every request loop is bounded in count and time."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_data) -> Path:
+    from rpt.cli import main
+
+    run = tmp_path_factory.mktemp("serve") / "tiny"
+    main(["train", "--run-dir", str(run), "--set", f"data.path={tiny_data}", "--set", "model.d_model=32",
+          "--set", "model.n_layers=2", "--set", "train.batch_size=8", "--set", "train.seq_len=32",
+          "--set", "train.max_steps=40", "--set", "train.eval_interval=0", "--set", "train.eval_tokens=512"])
+    return run
+
+
+class Server:
+    """`rpt serve RUN_DIR ARGS` on a free port: started, waited for (its /health), stopped."""
+
+    def __init__(self, run: Path, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "rpt", "serve", str(run), "--port", str(self.port), *args],
+                                     cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "".join(self.lines)
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("the server did not start in 120 s: " + "".join(self.lines))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(run_dir):
+    s = Server(run_dir, "--max-streams", "8", "--max-queue", "8", "--max-prompt-bytes", "4096")
+    yield s
+    s.stop()
+
+
+def client(server: Server, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=kw.pop("api_key", "unused"), max_retries=0,
+                         timeout=60, **kw)
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
+    return body["error"]
+
+
+def test_a_greedy_completion_is_what_rpt_generate_gives(server, run_dir):
+    from rpt.train.generation import generate_text
+
+    answer = client(server).completions.create(model="tiny", prompt="ROMEO:", max_tokens=24, temperature=0)
+    [choice] = answer.choices
+    expected = generate_text(str(run_dir), "ROMEO:", 24, 0.0, 0, 1.0, None, "best", "cpu", out=io.StringIO())
+    if choice.finish_reason == "length":
+        assert choice.text == expected
+    else:  # the end of text: rpt generate goes on past it (a new document), the server stops there
+        assert choice.finish_reason == "stop" and expected.startswith(choice.text)
+    assert answer.usage.completion_tokens <= 24 and answer.usage.prompt_tokens > 0
+    assert answer.model == "tiny" and answer.object == "text_completion"
+
+
+def test_streaming_several_prompts_and_choices_reproducibly_with_a_seed(server):
+    def streamed():
+        chunks = list(client(server).completions.create(
+            model="tiny", prompt=["KING:", "First Citizen:"], n=2, max_tokens=12, temperature=0.9, seed=7,
+            stream=True, stream_options={"include_usage": True}))
+        texts, reasons = {}, {}
+        for c in chunks[:-1]:
+            for choice in c.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+                if choice.finish_reason:
+                    reasons[choice.index] = choice.finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens <= 4 * 12
+        return texts, reasons
+
+    texts, reasons = streamed()
+    assert sorted(reasons) == [0, 1, 2, 3] and set(reasons.values()) <= {"length", "stop"}
+    assert streamed()[0] == texts  # the same seed: the same four texts
+    assert len(set(texts.values())) > 1  # the choices of a prompt differ (seed + choice)
+
+
+def test_concurrent_clients_are_all_served(server):
+    results, errors = {}, []
+
+    def ask(i):
+        try:
+            answer = client(server).completions.create(model="tiny", prompt=f"Speech {i}:", max_tokens=16 + i,
+                                                       temperature=0.8, seed=i)
+            results[i] = answer.choices[0]
+        except Exception as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(12)]  # 8 run, 4 wait in the queue
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and len(results) == 12
+    assert all(c.finish_reason in ("length", "stop") for c in results.values())
+
+
+def test_models_health_and_metrics(server):
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    client(server).completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("rpt_requests_total{outcome=\"ok\"}", "rpt_streams_active", "rpt_streams_queued",
+                 "rpt_generated_tokens_total", "rpt_time_to_first_token_seconds_bucket",
+                 "rpt_time_per_output_token_seconds_bucket", "rpt_state_bytes "):
+        assert name in text, name
+    per_stream = float(next(line.split()[1] for line in text.splitlines()
+                            if line.startswith("rpt_state_bytes_per_stream ")))
+    assert per_stream == 2 * 2 * 32 * 4  # two LSTM layers, (h, c) of 32 float32 numbers each
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"prompt": "a", "max_tokens": 4, "colour": "red"}).encode(), 400, "colour"),
+    (json.dumps({"prompt": "a", "max_tokens": -1}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "a", "max_tokens": 10 ** 12}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "a", "temperature": 7}).encode(), 400, "temperature"),
+    (json.dumps({"prompt": "a", "top_p": 0}).encode(), 400, "top_p"),
+    (json.dumps({"prompt": ""}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": 5}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": "a", "stop": ["x"] * 5}).encode(), 400, "stop"),
+    (json.dumps({"prompt": "a", "logprobs": 2}).encode(), 400, "logprobs"),
+    (json.dumps({"prompt": "a", "depth": 2}).encode(), 400, "depth"),  # a model without a loop
+    (json.dumps({"prompt": "a", "n": 100}).encode(), 400, "n"),  # more streams than run and wait together
+    (json.dumps({"prompt": "a", "model": "gpt-4"}).encode(), 404, "model"),
+    (json.dumps({"prompt": "a" * 5000}).encode(), 413, None),
+])
+def test_bad_requests_get_openai_shaped_errors_and_break_nothing(server, body, status, param):
+    response = httpx.post(f"{server.url}/v1/completions", content=body, timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    assert error_of(response)["param"] == param
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_a_body_without_a_length_is_cut_at_the_limit(server):
+    def chunks():
+        for _ in range(10):
+            yield b"x" * 1000
+
+    response = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=30)
+    assert response.status_code == 413 and error_of(response)["code"] == "request_too_large"
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot_and_others_go_on(server):
+    def active() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        return float(next(line.split()[1] for line in text.splitlines() if line.startswith("rpt_streams_active ")))
+
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
+                      json={"prompt": "Long:", "max_tokens": 1_000_000, "stream": True, "ignore_eos": True}) as response:
+        lines = response.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert got[0].startswith("data: ")
+    deadline = time.monotonic() + 10
+    while active() > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert active() == 0
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'rpt_streams_finished_total{reason="cancelled"}' in text
+    answer = client(server).completions.create(model="tiny", prompt="After:", max_tokens=5, temperature=0)
+    assert answer.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.fixture(scope="module")
+def small_server(run_dir):
+    s = Server(run_dir, "--max-streams", "1", "--max-queue", "0", "--token", "s3cret")
+    yield s
+    s.stop()
+
+
+def test_the_bearer_token_guards_every_route_but_health(small_server):
+    url = small_server.url
+    assert httpx.get(f"{url}/health").status_code == 200
+    for path in ("/v1/models", "/metrics"):
+        denied = httpx.get(f"{url}{path}")
+        assert denied.status_code == 401 and error_of(denied)["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        client(small_server, api_key="wrong").models.list()
+    assert client(small_server, api_key="s3cret").models.list().data[0].id == "tiny"
+
+
+def test_a_full_server_answers_429_with_retry_after_and_serves_again_after(small_server):
+    auth = {"Authorization": "Bearer s3cret"}
+    with httpx.stream("POST", f"{small_server.url}/v1/completions", headers=auth, timeout=30,
+                      json={"prompt": "Hold:", "max_tokens": 1_000_000, "stream": True, "ignore_eos": True}) as holding:
+        lines = holding.iter_lines()  # (kept: an iterator dropped closes the response, and the client is gone)
+        next(lines)  # the one slot is taken
+        began = time.monotonic()
+        refused = httpx.post(f"{small_server.url}/v1/completions", headers=auth, json={"prompt": "b"}, timeout=30)
+        assert time.monotonic() - began < 1.0
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert error_of(refused)["type"] == "rate_limit_error"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        again = httpx.post(f"{small_server.url}/v1/completions", headers=auth, json={"prompt": "b", "max_tokens": 2},
+                           timeout=30)
+        if again.status_code != 429:
+            break
+        time.sleep(0.05)
+    assert again.status_code == 200
+
+
+def test_sigterm_drains_cuts_at_the_grace_period_and_exits_zero(run_dir):
+    s = Server(run_dir, "--grace", "1")
+    try:
+        reasons = []
+        with httpx.stream("POST", f"{s.url}/v1/completions", timeout=30,
+                          json={"prompt": "On and on:", "max_tokens": 1_000_000, "stream": True, "ignore_eos": True}) as response:
+            lines = response.iter_lines()
+            next(lines)
+            s.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            late = httpx.post(f"{s.url}/v1/completions", json={"prompt": "late"}, timeout=10)
+            assert late.status_code == 503 and error_of(late)["code"] == "shutting_down"
+            for line in lines:
+                if line.startswith("data: {"):
+                    reasons += [c["finish_reason"] for c in json.loads(line[6:])["choices"] if c["finish_reason"]]
+        assert reasons == ["abort"]
+        assert s.proc.wait(timeout=15) == 0
+    finally:
+        s.stop()
