@@ -149,7 +149,10 @@ def _add_serve(sub) -> None:
                    "(default: the RPT_SERVE_TOKEN environment variable, if set)")
     p.add_argument("--grace", type=float, default=30.0, help="seconds running streams get to finish on SIGTERM")
     p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt tokens run per engine step: a long prompt stalls the others this long at most")
+                   help="tokens of each waiting prompt run per engine step: a long prompt runs in pieces")
+    p.add_argument("--prefill-tokens", type=int, default=4096,
+                   help="prompt tokens run per engine step in all (the waiting prompts batched): what a step of the "
+                   "running streams may wait for a new prompt")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=_cmd_serve)
 
@@ -392,7 +395,7 @@ def _cmd_serve(args) -> None:
 
     serve(args.run_dir, args.checkpoint, args.host, args.port, args.max_streams, args.max_queue,
           args.max_prompt_bytes, args.token or os.environ.get("RPT_SERVE_TOKEN") or None, args.device, args.grace,
-          args.prefill_chunk)
+          args.prefill_chunk, args.prefill_tokens)
 
 
 def _cmd_export(args) -> None:

@@ -4,7 +4,7 @@ of itself at start (its /metrics: rpt_fixed_bytes, rpt_state_bytes_per_stream, r
     .venv/bin/python benchmarks/serve/load.py --run runs/demo [--cases memory,load,drain]
 
 - memory: the server's resident memory (its /proc) while 1, 32 and 128 streams run (prompts of 256 tokens, 128
-  new), against fixed + streams x (state + work); and one stream of 10,000 tokens: flat after the first hundred.
+  new), against fixed + prefill + streams x (state + work); and one stream of 10,000 tokens: flat after the first hundred.
 - load: 256 clients at once against --max-streams 64 and --max-queue 64: each request completes or gets 429 with
   Retry-After within a second, none hangs, memory within what was said; a request after the load is served.
 - drain: the same load, SIGTERM in its middle: the process exits 0 within --grace, and every admitted stream ends
@@ -31,7 +31,7 @@ def said(served: Served) -> dict:
 
     text = httpx.get(f"{served.url}/metrics").text
     figures = {}
-    for name in ("rpt_fixed_bytes", "rpt_state_bytes_per_stream", "rpt_work_bytes_per_stream"):
+    for name in ("rpt_fixed_bytes", "rpt_state_bytes_per_stream", "rpt_work_bytes_per_stream", "rpt_prefill_bytes"):
         figures[name] = float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
     return figures
 
@@ -72,7 +72,7 @@ def memory(run: Path, args) -> dict:
         for n in (1, 32, 128):
             with Sampler(served) as sampler:
                 asyncio.run(together(served.url, texts[:n], [128] * n))
-            stated = s["rpt_fixed_bytes"] + n * per
+            stated = s["rpt_fixed_bytes"] + s["rpt_prefill_bytes"] + n * per
             out[f"streams_{n}"] = {"peak_rss_mib": sampler.peak / 2 ** 20, "stated_mib": stated / 2 ** 20,
                                    "over_stated_mib": (sampler.peak - stated) / 2 ** 20}
         with Sampler(served) as sampler:
@@ -128,7 +128,8 @@ def load(run: Path, args) -> dict:
         texts = prompt_texts(run, [64] * args.clients, args.seed)
         with Sampler(served) as sampler:
             outcomes = asyncio.run(crowd(served.url, texts, 32, timeout=300))
-        stated = s["rpt_fixed_bytes"] + 64 * (s["rpt_state_bytes_per_stream"] + s["rpt_work_bytes_per_stream"])
+        stated = s["rpt_fixed_bytes"] + s["rpt_prefill_bytes"] + 64 * (s["rpt_state_bytes_per_stream"]
+                                                                       + s["rpt_work_bytes_per_stream"])
         after = asyncio.run(crowd(served.url, texts[:1], 8, timeout=60))[0]
     finally:
         served.stop()

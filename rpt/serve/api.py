@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -45,6 +46,28 @@ class BadRequest(Exception):
                                        "code": self.code}}, status_code=self.status, headers=self.headers)
 
 
+class Outbox:
+    """Events from the engine's thread to the event loop in batches: one wake-up of the loop delivers every event
+    posted since the last (a wake-up per token of every stream would cost a system call and a loop turn each)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.pending, self.lock, self.scheduled = loop, [], threading.Lock(), False
+
+    def post(self, queue: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.pending.append((queue, item))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            pending, self.pending, self.scheduled = self.pending, [], False
+        for queue, item in pending:
+            queue.put_nowait(item)
+
+
 @dataclass
 class Service:
     """What the routes serve: the model's name, its tokenizer, the scheduler and the limits."""
@@ -58,6 +81,7 @@ class Service:
     loop_depth: int | None = None  # a looped model's most iterations per token (None: no loop)
     check_exit: object = None  # Exit -> None, refusing a rule the model cannot take
     created: int = field(default_factory=lambda: int(time.time()))
+    outbox: Outbox | None = None  # made on the first request, in the server's event loop
 
 
 @dataclass
@@ -246,7 +270,9 @@ def looped(req: dict, service: Service) -> tuple[int | None, Exit | None]:
 
 async def run(request: Request, job: Completion, service: Service) -> Response:
     """Submit the request's streams; answer as they produce (stream) or once all have ended."""
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    if service.outbox is None:
+        service.outbox = Outbox(asyncio.get_running_loop())
+    outbox, events = service.outbox, asyncio.Queue()
     arrived, metrics = time.perf_counter(), service.metrics
     seen: dict[int, tuple[int, float | None]] = {}  # stream id -> (its tokens counted, its last token's time)
 
@@ -257,7 +283,7 @@ async def run(request: Request, job: Completion, service: Service) -> Response:
         seen[stream.id] = (len(stream.tokens), last)
         if finish is not None:
             metrics.finished.labels(reason=finish).inc()
-        loop.call_soon_threadsafe(events.put_nowait, (stream, text, finish))
+        outbox.post(events, (stream, text, finish))
 
     streams = [Stream(ids, settings, on_event) for ids in job.prompts for settings in job.settings]
     try:
@@ -286,6 +312,7 @@ class Answer:
         self.index = {s.id: i for i, s in enumerate(streams)}  # prompt p's choice j: p * n + j, as OpenAI's
         self.head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                      "model": model}
+        self.chunk_head = json.dumps(self.head)[:-1] + ', "choices": [{"text": '  # each event's chunk begins so
 
     def usage(self) -> dict:
         completion = sum(len(s.tokens) for s in self.streams)
@@ -297,15 +324,22 @@ class Answer:
             if s.finish_reason is None:
                 self.scheduler.cancel(s)
 
+    def chunk(self, stream: Stream, text: str, finish: str | None) -> str:
+        return (f'data: {self.chunk_head}{json.dumps(text)}, "index": {self.index[stream.id]}, "logprobs": null, '
+                f'"finish_reason": {json.dumps(finish)}}}]}}\n\n')
+
     async def events(self):
+        """The server-sent events: one chunk per piece of text, the chunks waiting at a turn written together."""
         open_ = len(self.streams)
         try:
             while open_:
-                stream, text, finish = await self.queue.get()
-                open_ -= finish is not None
-                if text or finish:
-                    choice = {"text": text, "index": self.index[stream.id], "logprobs": None, "finish_reason": finish}
-                    yield f"data: {json.dumps({**self.head, 'choices': [choice]})}\n\n"
+                got = [await self.queue.get()]
+                while not self.queue.empty():
+                    got.append(self.queue.get_nowait())
+                open_ -= sum(finish is not None for _, _, finish in got)
+                out = "".join(self.chunk(*event) for event in got if event[1] or event[2])
+                if out:
+                    yield out
             if self.job.include_usage:
                 yield f"data: {json.dumps({**self.head, 'choices': [], 'usage': self.usage()})}\n\n"
             yield "data: [DONE]\n\n"

@@ -1,7 +1,7 @@
 """The serving engine: many streams generated as one batch, each holding one fixed-size recurrent state.
 
-    an admitted stream -> its prompt through the sequence form, `prefill_chunk` tokens per engine step
-                       -> its first token sampled, its state joins the running batch (rows of one state tree)
+    admitted streams -> their prompts through the sequence form together, `prefill_chunk` tokens of each a step
+                     -> each one's first token sampled, its state joins the running batch (rows of one state tree)
     every step:   one token for every running row (model.step), each row sampled with its own settings;
                   a row that finished (its max_tokens, a stop string, the end of text, cancelled) leaves at once
 
@@ -83,16 +83,17 @@ class Stream:
 
 class Engine:
     def __init__(self, model, eot_id: int, reset_at_documents: bool, token_bytes: list[bytes],
-                 prefill_chunk: int = 256):
+                 prefill_chunk: int = 256, prefill_tokens: int = 4096):
         """`model`: a RecurrentLM in eval mode; `reset_at_documents`: the run's data.reset_at_documents (the
-        state starts afresh at each end of text, in a prompt and after it, as in training)."""
+        state starts afresh at each end of text, in a prompt and after it, as in training). A step prefills the
+        waiting prompts together, `prefill_chunk` tokens of each, at most `prefill_tokens` tokens in all."""
         self.model, self.eot, self.reset_eot, self.table = model, eot_id, reset_at_documents, token_bytes
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         self.device = next(model.parameters()).device
         self.running: list[Stream] = []  # the batch's rows, in order
         self.prefilling: deque[Stream] = deque()
         self.state = None  # the running rows' states, one tree
-        self.next_tokens: torch.Tensor | None = None  # [rows]: each row's last sampled token, its next input
+        self.next_ids: list[int] = []  # each running row's last sampled token, its next input
         self.generator = torch.Generator()
         self.generator.seed()  # for the streams without a seed
 
@@ -111,10 +112,10 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> None:
-        """One chunk of the first waiting prompt, then one token for every running row."""
+        """A chunk of the waiting prompts, then one token for every running row."""
         self._drop_cancelled()
         if self.prefilling:
-            self._prefill(self.prefilling[0])
+            self._prefill()
         if self.running:
             self._decode()
 
@@ -126,34 +127,67 @@ class Engine:
         self._keep([])
 
     # ------------------------------------------------------------------ the steps
-    def _prefill(self, s: Stream) -> None:
-        ids = s.prompt[s.prefilled:s.prefilled + self.prefill_chunk]
-        x = torch.tensor(ids, device=self.device)[None]
-        logits, s.state = self.model.prefill(x, s.state, reset_mask=x == self.eot if self.reset_eot else None,
-                                             depth=self._depth(s))
-        s.prefilled += len(ids)
-        if s.prefilled < len(s.prompt):
+    def _piece(self, s: Stream) -> int:
+        """The prompt tokens `s` runs next: a first piece of len % chunk (or a whole chunk), then whole chunks, so
+        that only a first piece is ever shorter than the others beside it (and may be padded on its left)."""
+        left = len(s.prompt) - s.prefilled
+        return (left % self.prefill_chunk or self.prefill_chunk) if s.prefilled == 0 else min(left, self.prefill_chunk)
+
+    def _prefill(self) -> None:
+        """The next piece of the waiting prompts of one depth, as one batch: a shorter first piece is padded on its
+        left and its state starts afresh at its first token (the reset), so the padding reads into nothing. A
+        prompt that ends here is sampled and joins the running rows."""
+        depth = self._depth(self.prefilling[0])
+        batch, width = [], 0
+        for s in self.prefilling:
+            n = self._piece(s)
+            if self._depth(s) != depth or (batch and (len(batch) + 1) * max(width, n) > self.prefill_tokens):
+                continue
+            batch.append(s)
+            width = max(width, n)
+        pieces = [s.prompt[s.prefilled:s.prefilled + self._piece(s)] for s in batch]
+        x = torch.tensor([[self.eot] * (width - len(p)) + p for p in pieces], device=self.device)
+        reset = x == self.eot if self.reset_eot else torch.zeros_like(x, dtype=torch.bool)
+        for row, (s, p) in enumerate(zip(batch, pieces)):
+            if s.prefilled == 0:
+                reset[row, width - len(p)] = True
+        fresh = self.model.init_state(1, self.device)
+        state = cat_rows([s.state if s.state is not None else fresh for s in batch])
+        logits, state = self.model.prefill(x, state, reset_mask=reset, depth=depth)
+        done = []
+        for row, (s, p) in enumerate(zip(batch, pieces)):
+            s.prefilled += len(p)
+            if s.prefilled < len(s.prompt):
+                s.state = rows(state, slice(row, row + 1))
+            else:
+                done.append(row)
+        if not done:
             return
-        self.prefilling.popleft()
-        token = self._sample(logits, [s])[0]
-        if self._emit(s, token):  # it joins the batch
-            self.state = s.state if self.state is None else cat_rows([self.state, s.state])
-            first = torch.tensor([token], device=self.device)
-            self.next_tokens = first if self.next_tokens is None else torch.cat([self.next_tokens, first])
-            self.running.append(s)
-        s.state = None
+        finished = [batch[row] for row in done]
+        self.prefilling = deque(s for s in self.prefilling if s not in finished)
+        tokens = self._sample(logits[done], finished)
+        joining = [(row, s, t) for row, s, t in zip(done, finished, tokens) if self._emit(s, t)]
+        if joining:
+            joined = rows(state, torch.tensor([row for row, _, _ in joining], device=self.device))
+            self.state = joined if self.state is None else cat_rows([self.state, joined])
+            self.running += [s for _, s, _ in joining]
+            self.next_ids += [t for _, _, t in joining]
+        for s in finished:
+            s.state = None
 
     def _decode(self) -> None:
-        run, tokens = self.running, self.next_tokens
-        k = torch.tensor([1 if s.sampling.temperature <= 0 else s.sampling.top_k for s in run], device=self.device)
+        run, ids = self.running, self.next_ids
+        tokens = torch.tensor(ids, device=self.device)
+        ks = [1 if s.sampling.temperature <= 0 else s.sampling.top_k for s in run]
+        k = ks[0] if ks.count(ks[0]) == len(ks) else torch.tensor(ks, device=self.device)
         depth, stop = None, None
         if self.model.loop is not None and any(s.sampling.depth is not None or s.sampling.exit for s in run):
             per_row = torch.tensor([self._depth(s) for s in run], device=self.device)
             depth, stop = int(per_row.max()), RowDepths(per_row, [s.sampling.exit for s in run])
-        logits, self.state = self.model.step(tokens, self.state, depth, stop, sample_k=k,
-                                             reset=tokens == self.eot if self.reset_eot else None)
+        reset = tokens == self.eot if self.reset_eot and self.eot in ids else None  # (ignore_eos rows only)
+        logits, self.state = self.model.step(tokens, self.state, depth, stop, sample_k=k, reset=reset)
         sampled = self._sample(logits, run)
-        self.next_tokens = torch.tensor(sampled, device=self.device)
+        self.next_ids = sampled
         self._keep([i for i, (s, t) in enumerate(zip(run, sampled)) if self._emit(s, t)])
 
     def _depth(self, s: Stream) -> int | None:
@@ -168,6 +202,8 @@ class Engine:
         """Each row's next token with its own settings; a sampled row draws its one uniform number from its own
         generator (a seeded stream draws the same tokens whatever runs beside it)."""
         settings = [s.sampling for s in streams]
+        if all(p.temperature <= 0 for p in settings):
+            return logits.argmax(dim=-1).tolist()
         uniform = [float(torch.rand((), generator=s.generator or self.generator)) if p.temperature > 0 else 0.0
                    for s, p in zip(streams, settings)]
 
@@ -214,9 +250,9 @@ class Engine:
         if len(kept) == len(self.running):
             return
         if not kept:
-            self.running, self.state, self.next_tokens = [], None, None
+            self.running, self.state, self.next_ids = [], None, []
             return
-        index = torch.tensor(kept, device=self.device)
         self.running = [self.running[i] for i in kept]
-        self.state, self.next_tokens = rows(self.state, index), self.next_tokens[index]
+        self.state = rows(self.state, torch.tensor(kept, device=self.device))
+        self.next_ids = [self.next_ids[i] for i in kept]
 

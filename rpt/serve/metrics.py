@@ -15,7 +15,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class ServeMetrics:
-    def __init__(self, bytes_per_stream: int, work_per_stream: int = 0, fixed_bytes: int = 0):
+    def __init__(self, bytes_per_stream: int, work_per_stream: int = 0, fixed_bytes: int = 0, prefill_bytes: int = 0):
         """What the server said at start: one stream's state, its working memory while it decodes, the fixed part."""
         self.registry = r = CollectorRegistry()
         self.requests = Counter("rpt_requests", "completion requests by outcome (ok, bad_request, busy, draining, "
@@ -30,6 +30,8 @@ class ServeMetrics:
               "sampling), freed between steps", registry=r).set(work_per_stream)
         Gauge("rpt_fixed_bytes", "the resident memory the server started with (weights, runtime)",
               registry=r).set(fixed_bytes)
+        Gauge("rpt_prefill_bytes", "the most a step's prefill holds (its prompt tokens through the sequence form)",
+              registry=r).set(prefill_bytes)
         self.tokens = Counter("rpt_generated_tokens", "tokens generated", registry=r)
         self.prompt_tokens = Counter("rpt_prompt_tokens", "prompt tokens read", registry=r)
         self.ttft = Histogram("rpt_time_to_first_token_seconds", "from a request's arrival to its stream's first "

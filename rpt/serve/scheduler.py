@@ -3,7 +3,7 @@
 A request's streams are admitted whole or refused whole: while fewer than `max_streams + max_queue` streams are
 held they are taken (the engine runs `max_streams` of them, the rest wait in order), else `submit` raises `Busy`
 (the API answers 429). One thread runs
-the engine's steps; it sleeps while there is nothing to do. A drain stops admitting (`Draining`: 503), lets the
+the engine's steps (`run`); it sleeps while there is nothing to do. A drain stops admitting (`Draining`: 503), lets the
 running streams finish, and at its deadline ends the rest with finish_reason "abort".
 """
 
@@ -38,9 +38,11 @@ class Scheduler:
         self.deadline: float | None = None  # when a drain cuts what is still running
         self.closed = False
         self.failure: BaseException | None = None  # what stopped the engine's thread, if anything did
-        self.thread = threading.Thread(target=self._run, name="rpt-engine", daemon=True)
+        self.thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Run the engine's loop on a thread of its own (`run` runs it on the caller's)."""
+        self.thread = threading.Thread(target=self.run, name="rpt-engine", daemon=True)
         self.thread.start()
 
     def submit(self, streams: list[Stream]) -> None:
@@ -95,7 +97,8 @@ class Scheduler:
         with self.wake:
             self.closed = True
             self.wake.notify()
-        self.thread.join(timeout=10)
+        if self.thread is not None:
+            self.thread.join(timeout=10)
 
     @property
     def queued(self) -> int:
@@ -105,13 +108,18 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.streams(self.engine.active, len(self.queue), self.engine.state_bytes(self.engine.active))
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The engine's loop, on the calling thread, until `close()`, or until a drain has ended every stream. The
+        server runs it on its main thread: torch's CPU kernels run slower on another thread of a process whose main
+        thread started them (benchmarks/results/serve.md)."""
         try:
             with (self.products or nullcontext)():
                 while True:
                     with self.wake:
                         while not self.closed and not self.queue and self.engine.active == 0:
-                            self.wake.wait()
+                            if self.draining:
+                                return
+                            self.wake.wait(timeout=0.1)  # (signal handlers run between waits)
                         if self.closed:
                             self.engine.abort_all()
                             return
@@ -119,6 +127,7 @@ class Scheduler:
                             self.engine.add(self.queue.popleft())
                         if self.deadline is not None and time.monotonic() >= self.deadline:
                             self.engine.abort_all()
+                            continue
                     self.engine.step()
                     self._gauges()
         except BaseException as exc:  # the engine broke: every stream ends, and /health says so

@@ -1,13 +1,14 @@
 """`rpt serve RUN_DIR`: the run's model behind the OpenAI-compatible API, on uvicorn. This is where serving is put
-together (the engine, the scheduler and its thread, the metrics, the app) and where it ends: SIGTERM or Ctrl-C
-drains (nothing new admitted, the running streams finish within --grace seconds or end with finish_reason
-"abort"), then the process exits 0; a second signal cuts at once.
+together (the engine on the main thread, the metrics, the app on uvicorn's thread) and where it ends: SIGTERM or
+Ctrl-C drains (nothing new admitted, the running streams finish within --grace seconds less half a second, or end
+with finish_reason "abort"), then the process exits 0 within --grace; a second signal cuts at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -21,32 +22,27 @@ from rpt.serve.engine import Engine, Sampling, Stream
 from rpt.serve.metrics import ServeMetrics
 from rpt.serve.scheduler import Scheduler
 
+SHUTDOWN = 0.5  # seconds of --grace kept for the shutdown itself, so that the process is gone within --grace
 SAMPLING_WORK = 24  # bytes per vocabulary entry a decoding row may hold at once: logits, sorted copy, order, sums
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server, with a drain before it stops: its own signal handling ends the process with status 0."""
+class Drain:
+    """SIGTERM and Ctrl-C: the first drains (nothing new admitted, `grace` seconds for what runs), a second cuts at
+    once. Installed on the main thread, where the engine runs; uvicorn runs on a thread of its own and installs
+    none of its own (so it never re-raises the signal: the process exits 0)."""
 
-    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, grace: float):
-        super().__init__(config)
+    def __init__(self, scheduler: Scheduler, grace: float):
         self.scheduler, self.grace = scheduler, grace
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self)
 
-    def handle_exit(self, sig, frame) -> None:
-        if self.scheduler.draining:  # a second signal: stop now
+    def __call__(self, sig, frame) -> None:
+        if self.scheduler.draining:
             self.scheduler.drain(0.0)
-            self.should_exit = self.force_exit = True
             return
-        print(f"draining: no new requests; running streams have {self.grace:g} s to finish", file=sys.stderr,
-              flush=True)
-        self.scheduler.drain(self.grace)
-        threading.Thread(target=self._exit_when_drained, daemon=True).start()
-
-    def _exit_when_drained(self) -> None:
-        deadline = time.monotonic() + self.grace + 5.0
-        while not self.scheduler.idle() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.1)  # the streams' last events reach their responses
-        self.should_exit = True
+        cut = max(0.0, self.grace - SHUTDOWN)
+        print(f"draining: no new requests; running streams have {cut:g} s to finish", file=sys.stderr, flush=True)
+        self.scheduler.drain(cut)
 
 
 def resident_bytes() -> int:
@@ -58,14 +54,17 @@ def resident_bytes() -> int:
         return 0
 
 
-def memory_plan(engine: Engine, max_streams: int, vocab: int) -> dict:
+def memory_plan(engine: Engine, max_streams: int, model_cfg) -> dict:
     """What the server says of its memory at start: one stream's state, its working memory while it decodes (its
-    logits and their sampling, freed between steps), the limit's total, and the fixed part resident now (the
-    weights, the runtime, the warmed-up kernels)."""
+    logits and their sampling, freed between steps), the limit's total, the fixed part resident now (the weights,
+    the runtime, the warmed-up kernels), and a prefill's working memory (a step's prompt tokens through the
+    sequence form: their inputs, one layer's projections and outputs at a time, generously)."""
     state = engine.state_bytes(1)
-    work = SAMPLING_WORK * vocab
+    work = SAMPLING_WORK * model_cfg.vocab_size
+    hidden = model_cfg.d_hidden or 2 * model_cfg.d_model
+    prefill = engine.prefill_tokens * 4 * (model_cfg.d_model + 8 * hidden)
     return {"state_per_stream": state, "work_per_stream": work, "max_streams": max_streams,
-            "limit_bytes": max_streams * (state + work), "fixed_bytes": resident_bytes()}
+            "limit_bytes": max_streams * (state + work), "fixed_bytes": resident_bytes(), "prefill_bytes": prefill}
 
 
 def mib(n: float) -> str:
@@ -73,21 +72,22 @@ def mib(n: float) -> str:
 
 
 def serve(run_dir: str, checkpoint: str, host: str, port: int, max_streams: int, max_queue: int,
-          max_prompt_bytes: int, token: str | None, device: str | None, grace: float, prefill_chunk: int) -> None:
+          max_prompt_bytes: int, token: str | None, device: str | None, grace: float, prefill_chunk: int,
+          prefill_tokens: int = 4096) -> None:
     from rpt import kernels
     from rpt.data.tokenizer import eot_id, token_bytes
     from rpt.kernels.cpu.products import RowProducts, row_products
     from rpt.train.run_dir import load_run
 
     for name, value in (("--max-streams", max_streams), ("--max-prompt-bytes", max_prompt_bytes),
-                        ("--prefill-chunk", prefill_chunk)):
+                        ("--prefill-chunk", prefill_chunk), ("--prefill-tokens", prefill_tokens)):
         if value < 1:
             raise RptError(f"{name} {value} must be 1 or more", f"e.g. {name} 64")
     if max_queue < 0 or grace < 0:
         raise RptError("--max-queue and --grace must be 0 or more", "e.g. --max-queue 64 --grace 30")
     cfg, model, tokenizer, path, _ = load_run(run_dir, checkpoint, device)
     eot = eot_id(tokenizer)
-    engine = Engine(model, eot, cfg.data.reset_at_documents, token_bytes(tokenizer), prefill_chunk)
+    engine = Engine(model, eot, cfg.data.reset_at_documents, token_bytes(tokenizer), prefill_chunk, prefill_tokens)
     ops = kernels.current().loops() if engine.device.type == "cpu" else None
     one_row = RowProducts(ops) if ops is not None else None  # a lone stream's products, as `rpt generate` runs them
     products = (lambda: row_products(model, one_row)) if one_row is not None else contextlib.nullcontext
@@ -96,27 +96,37 @@ def serve(run_dir: str, checkpoint: str, host: str, port: int, max_streams: int,
         engine.add(warm)
         while engine.active:
             engine.step()
-    plan = memory_plan(engine, max_streams, cfg.model.vocab_size)
-    metrics = ServeMetrics(plan["state_per_stream"], plan["work_per_stream"], plan["fixed_bytes"])
+    plan = memory_plan(engine, max_streams, cfg.model)
+    metrics = ServeMetrics(plan["state_per_stream"], plan["work_per_stream"], plan["fixed_bytes"],
+                           plan["prefill_bytes"])
     scheduler = Scheduler(engine, max_streams, max_queue, metrics, products)
     m = cfg.model
     service = Service(Path(run_dir).resolve().name, tokenizer, eot, scheduler, metrics, max_prompt_bytes, token,
                       loop_depth=m.loop_cap if m.loop_core else None, check_exit=lambda rule: rule.check(m))
     app = build_app(service)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace + 5,
-                            lifespan="off")
-    server = DrainingServer(config, scheduler, grace)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    http = threading.Thread(target=server.run, name="rpt-http", daemon=True)
+    http.start()
+    while not server.started:
+        if not http.is_alive():
+            raise RptError(f"the server could not listen on {host}:{port}", "choose another --port (or --host)")
+        time.sleep(0.02)
     print(f"serving {service.name} ({path}) as model {service.name!r}: {m.cell} {m.n_layers} x {m.d_model}, "
           f"{sum(p.numel() for p in model.parameters()):,} parameters, on {engine.device}", flush=True)
     print(f"memory: one stream's state {mib(plan['state_per_stream'])}, and up to {mib(plan['work_per_stream'])} "
           f"of logits while it decodes; --max-streams {max_streams} hold {mib(plan['limit_bytes'])}; fixed "
-          f"{mib(plan['fixed_bytes'])} (weights, runtime: resident now); --max-queue {max_queue} more wait, "
-          "whole prompts held", flush=True)
+          f"{mib(plan['fixed_bytes'])} (weights, runtime: resident now), and up to {mib(plan['prefill_bytes'])} "
+          f"while prompts are prefilled; --max-queue {max_queue} more wait, whole prompts held", flush=True)
     print("no context limit: a stream's memory is its state, the same at any length", flush=True)
     print(f"listening on http://{host}:{port}/v1" + (" (bearer token required)" if token else ""), flush=True)
-    scheduler.start()
+    Drain(scheduler, grace)
     try:
-        server.run()
+        scheduler.run()  # here, on the main thread, until a drain has ended every stream
+        time.sleep(0.1)  # the last events reach their responses
     finally:
-        scheduler.close()
-
+        server.should_exit = True
+        http.join(timeout=3)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # drained: every response is written; the interpreter's teardown (torch's) would take a second more
