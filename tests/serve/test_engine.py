@@ -242,3 +242,16 @@ def test_every_family_serves_as_it_generates(cell):
     run(Engine(m, EOT, True, TABLE, prefill_chunk=5), streams)
     assert [s.tokens for s in streams] == [reference(m, p, 12, temperature=0) for p in ps]
 
+
+
+def test_looped_streams_at_their_own_depths_give_generates_tokens_at_that_depth():
+    """A looped model's streams with depths 1, 2 and 4 (its slots) and the default, prefilled and decoded in one
+    batch: each gives `generate(depth=...)`'s tokens, as `rpt generate --depth` does."""
+    m = model(loop_prelude=1, loop_core=1, n_layers=3, loop_mean=2.0, loop_max=4, loop_init="zero")
+    ps = prompts(8, seed=41)
+    depths = [1, 2, 4, None] * 2
+    streams = [stream(p, max_tokens=12, temperature=0, ignore_eos=True, depth=d) for p, d in zip(ps, depths)]
+    run(Engine(m, EOT, True, TABLE, prefill_chunk=6), streams)
+    for p, d, s in zip(ps, depths, streams):
+        assert s.tokens == reference(m, p, 12, temperature=0, depth=d if d is not None else 2)
+    assert len({tuple(s.tokens) for s in streams[:3]}) > 1  # the depth changes what is generated

@@ -267,3 +267,34 @@ def test_sigterm_drains_cuts_at_the_grace_period_and_exits_zero(run_dir):
         assert s.proc.wait(timeout=15) == 0
     finally:
         s.stop()
+
+
+def test_a_looped_model_takes_its_depth_and_exit_per_request(tmp_path_factory, tiny_data):
+    from rpt.cli import main
+
+    run = tmp_path_factory.mktemp("serve-loop") / "looped"
+    main(["train", "--run-dir", str(run), "--set", f"data.path={tiny_data}", "--set", "model.d_model=32",
+          "--set", "model.n_layers=3", "--set", "model.loop_prelude=1", "--set", "model.loop_core=1",
+          "--set", "model.loop_mean=2", "--set", "model.loop_max=4", "--set", "train.batch_size=8",
+          "--set", "train.seq_len=32", "--set", "train.max_steps=20", "--set", "train.eval_interval=0",
+          "--set", "train.eval_tokens=512"])
+    s = Server(run)
+    try:
+        def ask(**extra):
+            return httpx.post(f"{s.url}/v1/completions", json={"prompt": "KING:", "max_tokens": 8, "temperature": 0,
+                                                                "ignore_eos": True, **extra}, timeout=60)
+
+        texts = {d: ask(depth=d).json()["choices"][0]["text"] for d in (1, 4)}
+        assert ask().json()["choices"][0]["finish_reason"] == "length"
+        assert ask(exit="kl:1e-3").status_code == 200 and ask(depth=4, exit="change:0.01").status_code == 200
+        from rpt.train.generation import generate_text
+
+        for d, text in texts.items():  # ignore_eos: past an end of text both go on into a new document
+            assert text == generate_text(str(run), "KING:", 8, 0.0, 0, 1.0, None, "best", "cpu", out=io.StringIO(),
+                                         depth=d)
+        for bad, param in (({"depth": 5}, "depth"), ({"depth": 0}, "depth"), ({"exit": "bogus:x"}, "exit"),
+                           ({"exit": "shortlist:1e-3"}, "exit")):  # (its head has no shortlist)
+            refused = ask(**bad)
+            assert refused.status_code == 400 and error_of(refused)["param"] == param, refused.text
+    finally:
+        s.stop()
