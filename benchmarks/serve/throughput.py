@@ -49,20 +49,22 @@ def prompt_texts(run: Path, lengths: list[int], seed: int) -> list[str]:
 async def one(client, url: str, prompt: str, max_tokens: int, marks: dict) -> dict:
     """One streamed completion; the times of its chunks."""
     began = time.perf_counter()
-    times, reason, usage = [], None, None
+    times, reason, usage, seen = [], None, None, 0
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
+            usage = chunk.get("usage") or usage
+            now = time.perf_counter()
             for c in chunk["choices"]:
-                times.append(time.perf_counter())
                 reason = c["finish_reason"] or reason
+            if chunk["choices"] and usage:  # one time per token the chunk brought (its usage says how many)
+                times += [now] * (usage["completion_tokens"] - seen)
+                seen = usage["completion_tokens"]
     marks.setdefault("first", began)
     marks["last"] = time.perf_counter()
     return {"began": began, "times": times, "reason": reason, "tokens": usage["completion_tokens"],
@@ -79,7 +81,12 @@ async def together(url: str, prompts: list[str], max_tokens: list[int]) -> dict:
         results = await asyncio.gather(*(one(client, url, p, m, marks) for p, m in zip(prompts, max_tokens)))
         wall = time.perf_counter() - began
     tokens = sum(r["tokens"] for r in results)
-    gaps = sorted(b - a for r in results for a, b in zip(r["times"], r["times"][1:]))
+    gaps = []  # each token's time after the one before: a chunk of k tokens spreads its gap over them
+    for r in results:
+        arrivals = sorted(set(r["times"]))
+        for a, b in zip(arrivals, arrivals[1:]):
+            gaps += [(b - a) / r["times"].count(b)] * r["times"].count(b)
+    gaps.sort()
     decoding = max(r["times"][-1] for r in results) - min(r["times"][0] for r in results)
     return {"streams": len(prompts), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "decode_tokens_per_s": (tokens - len(results)) / decoding,  # from the first first token to the end

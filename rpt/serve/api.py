@@ -47,25 +47,34 @@ class BadRequest(Exception):
 
 
 class Outbox:
-    """Events from the engine's thread to the event loop in batches: one wake-up of the loop delivers every event
-    posted since the last (a wake-up per token of every stream would cost a system call and a loop turn each)."""
+    """Events from the engine's thread to the event loop, without waking the loop for each: the first event after a
+    quiet spell starts a task that hands out what has been posted every TICK seconds until a tick finds nothing.
+    (A wake-up per token cost the engine's thread a system call, and the loop a turn, for every token of every
+    stream: the engine ran 15% slower beside it.)"""
+
+    TICK = 0.002
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.pending, self.lock, self.scheduled = loop, [], threading.Lock(), False
+        self.loop, self.pending, self.lock, self.ticking = loop, [], threading.Lock(), False
 
     def post(self, queue: asyncio.Queue, item) -> None:
         with self.lock:
             self.pending.append((queue, item))
-            if self.scheduled:
+            if self.ticking:
                 return
-            self.scheduled = True
-        self.loop.call_soon_threadsafe(self._deliver)
+            self.ticking = True
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._tick()))
 
-    def _deliver(self) -> None:
-        with self.lock:
-            pending, self.pending, self.scheduled = self.pending, [], False
-        for queue, item in pending:
-            queue.put_nowait(item)
+    async def _tick(self) -> None:
+        while True:
+            with self.lock:
+                pending, self.pending = self.pending, []
+                if not pending:
+                    self.ticking = False
+                    return
+            for queue, item in pending:
+                queue.put_nowait(item)
+            await asyncio.sleep(self.TICK)
 
 
 @dataclass
@@ -91,6 +100,7 @@ class Completion:
     n: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # stream_options.continuous_usage_stats (as vLLM's): usage in every chunk
     settings: list[Sampling]  # one per choice of a prompt (the seeds differ by choice)
 
     @property
@@ -217,11 +227,13 @@ def parse(body: bytes, service: Service) -> Completion:
                 for j in range(n)]  # choice j of a seeded request: seed + j, so that the choices differ
     stream = boolean(req, "stream", False)
     options = req.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise BadRequest(400, "stream_options takes include_usage only", param="stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise BadRequest(400, "stream_options takes include_usage and continuous_usage_stats only",
+                         param="stream_options")
     encode = service.tokenizer.encode
     ids = [[service.eot_id] + encode(p, add_special_tokens=False).ids for p in prompts]  # a document starts with EOT
-    return Completion(ids, n, stream, bool(options.get("include_usage")), settings)
+    return Completion(ids, n, stream, bool(options.get("include_usage")),
+                      bool(options.get("continuous_usage_stats")), settings)
 
 
 def integer(req: dict, name: str, default: int, low: int, high: int) -> int:
@@ -283,7 +295,7 @@ async def run(request: Request, job: Completion, service: Service) -> Response:
         seen[stream.id] = (len(stream.tokens), last)
         if finish is not None:
             metrics.finished.labels(reason=finish).inc()
-        outbox.post(events, (stream, text, finish))
+        outbox.post(events, (stream, text, finish, len(stream.tokens)))
 
     streams = [Stream(ids, settings, on_event) for ids in job.prompts for settings in job.settings]
     try:
@@ -313,9 +325,10 @@ class Answer:
         self.head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                      "model": model}
         self.chunk_head = json.dumps(self.head)[:-1] + ', "choices": [{"text": '  # each event's chunk begins so
+        self.sent = {s.id: 0 for s in streams}  # each stream's tokens as of its last event handed out
 
     def usage(self) -> dict:
-        completion = sum(len(s.tokens) for s in self.streams)
+        completion = sum(self.sent.values())
         prompt = self.job.prompt_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -324,9 +337,11 @@ class Answer:
             if s.finish_reason is None:
                 self.scheduler.cancel(s)
 
-    def chunk(self, stream: Stream, text: str, finish: str | None) -> str:
+    def chunk(self, stream: Stream, text: str, finish: str | None, tokens: int) -> str:
+        self.sent[stream.id] = tokens
+        usage = f', "usage": {json.dumps(self.usage())}' if self.job.continuous_usage else ""
         return (f'data: {self.chunk_head}{json.dumps(text)}, "index": {self.index[stream.id]}, "logprobs": null, '
-                f'"finish_reason": {json.dumps(finish)}}}]}}\n\n')
+                f'"finish_reason": {json.dumps(finish)}}}]{usage}}}\n\n')
 
     async def events(self):
         """The server-sent events: one chunk per piece of text, the chunks waiting at a turn written together."""
@@ -336,8 +351,14 @@ class Answer:
                 got = [await self.queue.get()]
                 while not self.queue.empty():
                     got.append(self.queue.get_nowait())
-                open_ -= sum(finish is not None for _, _, finish in got)
-                out = "".join(self.chunk(*event) for event in got if event[1] or event[2])
+                open_ -= sum(event[2] is not None for event in got)
+                parts = []
+                for event in got:
+                    if event[1] or event[2]:
+                        parts.append(self.chunk(*event))
+                    else:  # a token with no whole character yet: counted, not sent
+                        self.sent[event[0].id] = event[3]
+                out = "".join(parts)
                 if out:
                     yield out
             if self.job.include_usage:
@@ -352,7 +373,8 @@ class Answer:
         async def collect():
             open_ = len(self.streams)
             while open_:
-                stream, text, finish = await self.queue.get()
+                stream, text, finish, tokens = await self.queue.get()
+                self.sent[stream.id] = tokens
                 texts[stream.id].append(text)
                 open_ -= finish is not None
 
