@@ -1,6 +1,7 @@
 """The serving engine: many streams generated as one batch, each holding one fixed-size recurrent state.
 
-    admitted streams -> their prompts through the sequence form together, `prefill_chunk` tokens of each a step
+    admitted streams -> their prompts through the sequence form together, every row advancing by the same number
+                        of tokens a step (at most `prefill_chunk`)
                      -> each one's first token sampled, its state joins the running batch (rows of one state tree)
     every step:   one token for every running row (model.step), each row sampled with its own settings;
                   a row that finished (its max_tokens, a stop string, the end of text, cancelled) leaves at once
@@ -127,30 +128,23 @@ class Engine:
         self._keep([])
 
     # ------------------------------------------------------------------ the steps
-    def _piece(self, s: Stream) -> int:
-        """The prompt tokens `s` runs next: a first piece of len % chunk (or a whole chunk), then whole chunks, so
-        that only a first piece is ever shorter than the others beside it (and may be padded on its left)."""
-        left = len(s.prompt) - s.prefilled
-        return (left % self.prefill_chunk or self.prefill_chunk) if s.prefilled == 0 else min(left, self.prefill_chunk)
-
     def _prefill(self) -> None:
-        """The next piece of the waiting prompts of one depth, as one batch: a shorter first piece is padded on its
-        left and its state starts afresh at its first token (the reset), so the padding reads into nothing. A
+        """The next piece of the waiting prompts of one depth, as one batch in which every row advances by the same
+        number of tokens (the fewest any of them has left, at most `prefill_chunk`): no padding, and no reset but
+        at an end of text inside a prompt (a reset where rows differ splits the sequence form into segments). A
         prompt that ends here is sampled and joins the running rows."""
         depth = self._depth(self.prefilling[0])
-        batch, width = [], 0
-        for s in self.prefilling:
-            n = self._piece(s)
-            if self._depth(s) != depth or (batch and (len(batch) + 1) * max(width, n) > self.prefill_tokens):
-                continue
-            batch.append(s)
-            width = max(width, n)
-        pieces = [s.prompt[s.prefilled:s.prefilled + self._piece(s)] for s in batch]
-        x = torch.tensor([[self.eot] * (width - len(p)) + p for p in pieces], device=self.device)
-        reset = x == self.eot if self.reset_eot else torch.zeros_like(x, dtype=torch.bool)
-        for row, (s, p) in enumerate(zip(batch, pieces)):
-            if s.prefilled == 0:
-                reset[row, width - len(p)] = True
+        batch = [s for s in self.prefilling if self._depth(s) == depth]
+        width = min(self.prefill_chunk, *(len(s.prompt) - s.prefilled for s in batch))
+        batch = batch[:max(1, self.prefill_tokens // width)]
+        width = min(self.prefill_chunk, *(len(s.prompt) - s.prefilled for s in batch))
+        pieces = [s.prompt[s.prefilled:s.prefilled + width] for s in batch]
+        x = torch.tensor(pieces, device=self.device)
+        reset = None
+        if self.reset_eot:
+            reset = x == self.eot
+            reset[:, 0] &= torch.tensor([s.prefilled > 0 for s in batch], device=self.device)  # (fresh rows: no need)
+            reset = reset if bool(reset.any()) else None
         fresh = self.model.init_state(1, self.device)
         state = cat_rows([s.state if s.state is not None else fresh for s in batch])
         logits, state = self.model.prefill(x, state, reset_mask=reset, depth=depth)
