@@ -28,7 +28,8 @@ class ServeMetrics:
         Gauge("rpt_state_bytes_per_stream", "one stream's recurrent state", registry=r).set(bytes_per_stream)
         Gauge("rpt_work_bytes_per_stream", "the most a decoding stream holds beside its state (its logits and their "
               "sampling), freed between steps", registry=r).set(work_per_stream)
-        Gauge("rpt_fixed_bytes", "the resident memory the server started with (weights, runtime)",
+        Gauge("rpt_fixed_bytes", "the resident memory the server started with (weights, runtime) and an allowance "
+              "for its connections and held requests",
               registry=r).set(fixed_bytes)
         Gauge("rpt_prefill_bytes", "the most a step's prefill holds (its prompt tokens through the sequence form)",
               registry=r).set(prefill_bytes)

@@ -23,6 +23,7 @@ from rpt.serve.metrics import ServeMetrics
 from rpt.serve.scheduler import Scheduler
 
 SHUTDOWN = 0.5  # seconds of --grace kept for the shutdown itself, so that the process is gone within --grace
+HTTP_ALLOWANCE = 32 << 20  # the HTTP side's connections and held requests: 256 clients at once took up to 14 MiB
 SAMPLING_WORK = 24  # bytes per vocabulary entry a decoding row may hold at once: logits, sorted copy, order, sums
 
 
@@ -57,14 +58,16 @@ def resident_bytes() -> int:
 def memory_plan(engine: Engine, max_streams: int, model_cfg) -> dict:
     """What the server says of its memory at start: one stream's state, its working memory while it decodes (its
     logits and their sampling, freed between steps), the limit's total, the fixed part resident now (the weights,
-    the runtime, the warmed-up kernels), and a prefill's working memory (a step's prompt tokens through the
+    the runtime, the warmed-up kernels) with an allowance for the HTTP side's connections and held requests, and a
+    prefill's working memory (a step's prompt tokens through the
     sequence form: their inputs, one layer's projections and outputs at a time, generously)."""
     state = engine.state_bytes(1)
     work = SAMPLING_WORK * model_cfg.vocab_size
     hidden = model_cfg.d_hidden or 2 * model_cfg.d_model
     prefill = engine.prefill_tokens * 4 * (model_cfg.d_model + 8 * hidden)
     return {"state_per_stream": state, "work_per_stream": work, "max_streams": max_streams,
-            "limit_bytes": max_streams * (state + work), "fixed_bytes": resident_bytes(), "prefill_bytes": prefill}
+            "limit_bytes": max_streams * (state + work), "fixed_bytes": resident_bytes() + HTTP_ALLOWANCE,
+            "prefill_bytes": prefill}
 
 
 def mib(n: float) -> str:
@@ -116,7 +119,8 @@ def serve(run_dir: str, checkpoint: str, host: str, port: int, max_streams: int,
           f"{sum(p.numel() for p in model.parameters()):,} parameters, on {engine.device}", flush=True)
     print(f"memory: one stream's state {mib(plan['state_per_stream'])}, and up to {mib(plan['work_per_stream'])} "
           f"of logits while it decodes; --max-streams {max_streams} hold {mib(plan['limit_bytes'])}; fixed "
-          f"{mib(plan['fixed_bytes'])} (weights, runtime: resident now), and up to {mib(plan['prefill_bytes'])} "
+          f"{mib(plan['fixed_bytes'])} (weights, runtime: resident now; connections: {mib(HTTP_ALLOWANCE)}), and up "
+          f"to {mib(plan['prefill_bytes'])} "
           f"while prompts are prefilled; --max-queue {max_queue} more wait, whole prompts held", flush=True)
     print("no context limit: a stream's memory is its state, the same at any length", flush=True)
     print(f"listening on http://{host}:{port}/v1" + (" (bearer token required)" if token else ""), flush=True)
