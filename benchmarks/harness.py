@@ -122,10 +122,6 @@ class Served:
         with open(f"/proc/{self.proc.pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-    def said(self, starting: str) -> str:
-        """The line of its start-up output that begins with `starting`."""
-        return next(line for line in self.lines if line.startswith(starting))
-
     def stop(self, timeout: float = 60) -> int | None:
         import signal
 

@@ -46,7 +46,7 @@ def prompt_texts(run: Path, lengths: list[int], seed: int) -> list[str]:
     return texts
 
 
-async def one(client, url: str, prompt: str, max_tokens: int, marks: dict) -> dict:
+async def one(client, url: str, prompt: str, max_tokens: int) -> dict:
     """One streamed completion; the times of its chunks."""
     began = time.perf_counter()
     times, reason, usage, seen = [], None, None, 0
@@ -65,8 +65,6 @@ async def one(client, url: str, prompt: str, max_tokens: int, marks: dict) -> di
             if chunk["choices"] and usage:  # one time per token the chunk brought (its usage says how many)
                 times += [now] * (usage["completion_tokens"] - seen)
                 seen = usage["completion_tokens"]
-    marks.setdefault("first", began)
-    marks["last"] = time.perf_counter()
     return {"began": began, "times": times, "reason": reason, "tokens": usage["completion_tokens"],
             "prompt_tokens": usage["prompt_tokens"]}
 
@@ -74,11 +72,10 @@ async def one(client, url: str, prompt: str, max_tokens: int, marks: dict) -> di
 async def together(url: str, prompts: list[str], max_tokens: list[int]) -> dict:
     import httpx
 
-    marks = {}
     cpu = time.process_time()
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
         began = time.perf_counter()
-        results = await asyncio.gather(*(one(client, url, p, m, marks) for p, m in zip(prompts, max_tokens)))
+        results = await asyncio.gather(*(one(client, url, p, m) for p, m in zip(prompts, max_tokens)))
         wall = time.perf_counter() - began
     tokens = sum(r["tokens"] for r in results)
     gaps = []  # each token's time after the one before: a chunk of k tokens spreads its gap over them

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import threading
@@ -56,6 +57,7 @@ class Outbox:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.pending, self.lock, self.ticking = loop, [], threading.Lock(), False
+        self.task: asyncio.Task | None = None
 
     def post(self, queue: asyncio.Queue, item) -> None:
         with self.lock:
@@ -63,7 +65,10 @@ class Outbox:
             if self.ticking:
                 return
             self.ticking = True
-        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._tick()))
+        self.loop.call_soon_threadsafe(self._start)
+
+    def _start(self) -> None:
+        self.task = self.loop.create_task(self._tick())  # (held: the loop keeps only a weak reference to a task)
 
     async def _tick(self) -> None:
         while True:
@@ -223,7 +228,7 @@ def parse(body: bytes, service: Service) -> Completion:
                     temperature=number(req, "temperature", 1.0, 0.0, 2.0),
                     top_p=number(req, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=max(top_k, 0),
                     stop=tuple(stop), depth=depth, exit=exit_rule, ignore_eos=boolean(req, "ignore_eos", False))
-    settings = [Sampling(**{**base.__dict__, "seed": None if seed is None else (seed + j) % 2 ** 63})
+    settings = [dataclasses.replace(base, seed=None if seed is None else (seed + j) % 2 ** 63)
                 for j in range(n)]  # choice j of a seeded request: seed + j, so that the choices differ
     stream = boolean(req, "stream", False)
     options = req.get("stream_options") or {}

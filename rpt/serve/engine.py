@@ -97,6 +97,9 @@ class Engine:
         self.next_ids: list[int] = []  # each running row's last sampled token, its next input
         self.generator = torch.Generator()
         self.generator.seed()  # for the streams without a seed
+        sizes = []  # one stream's state, counted once (the gauges read it at every step)
+        map_state(lambda t: sizes.append(t.numel() * t.element_size()) or t, model.init_state(1, self.device))
+        self.bytes_per_stream = sum(sizes)
 
     @property
     def active(self) -> int:
@@ -104,9 +107,7 @@ class Engine:
 
     def state_bytes(self, streams: int = 1) -> int:
         """The recurrent state's bytes for `streams` streams (a looped model's: every loop slot's)."""
-        sizes = []
-        map_state(lambda t: sizes.append(t.numel() * t.element_size()) or t, self.model.init_state(1, self.device))
-        return sum(sizes) * streams
+        return self.bytes_per_stream * streams
 
     def add(self, stream: Stream) -> None:
         self.prefilling.append(stream)
