@@ -137,10 +137,18 @@ class RecurrentLM(nn.Module):
         """token: [B] int64. The single-step forms of every cell: what generation runs. A looped model's `exit`
         (rpt/models/loop_exit.py; anything with its `stop(model, state)`) ends each row's iterations early,
         `depth` the most; `shared`: its iterations keep one state between tokens (each continues from the previous
-        token's last), not one each. `sample_k`: the logits are for sampling among each row's k best tokens (1:
-        greedy, 0: all; one k or one per row): a two-level head then leaves out the rarer tokens of the rows where
-        they cannot be drawn (ClusteredHead.for_sampling). `reset`: [B] bool, the rows whose state starts afresh
-        before this token (a new document in that row only)."""
+        token's last), not one each. `sample_k`: the logits are for sampling among each row's k best tokens
+        (`sampling_logits`). `reset`: [B] bool, the rows whose state starts afresh before this token (a new
+        document in that row only)."""
+        x, new_state = self.step_hidden(token, state, depth, exit, shared, reset)
+        if self.head is None:
+            return x, new_state
+        return (self.head(x) if sample_k is None else self.sampling_logits(x, sample_k)), new_state
+
+    def step_hidden(self, token: torch.Tensor, state: list | None = None, depth: int | None = None, exit=None,
+                    shared: bool = False, reset: torch.Tensor | None = None):
+        """`step` up to the head: (the final hidden states [B, D], the new state), for a caller that picks its
+        tokens itself (`greedy`, `sampling_logits`)."""
         x = self.embed(token) if self.embed is not None else token
         state = state if state is not None else self.init_state(x.shape[0], x.device)
         if reset is not None:
@@ -148,24 +156,36 @@ class RecurrentLM(nn.Module):
         x, new_state = self.run_blocks(x, state, None, depth, True, exit.stop(self, state) if exit else None, shared)
         if self.norm is not None:
             x = self.norm(x)
-        if self.head is None:
-            return x, new_state
-        if sample_k is not None and isinstance(self.head, ClusteredHead):
-            return self.head.for_sampling(x, sample_k), new_state
-        return self.head(x), new_state
+        return x, new_state
+
+    def sampling_logits(self, h: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
+        """The head's logits of hidden states `h` for sampling among each row's k best tokens (1: greedy, 0: all;
+        one k or one per row): a two-level head leaves out the rarer tokens of the rows where they cannot be drawn
+        (ClusteredHead.for_sampling)."""
+        return self.head.for_sampling(h, k) if isinstance(self.head, ClusteredHead) else self.head(h)
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """Each row's most probable next token from hidden states `h` [B, D] (a two-level head without the
+        [B, vocabulary] logits: ClusteredHead.greedy)."""
+        return self.head.greedy(h) if isinstance(self.head, ClusteredHead) else self.head(h).argmax(dim=-1)
 
     def prefill(self, x: torch.Tensor, state: list | None = None, reset_mask: torch.Tensor | None = None,
                 depth: int | None = None, shared: bool = False):
         """A prompt (or a chunk of one) through the sequence form: (the logits of its last position [B, V], the
         state after it). Only the last position meets the head: a long prompt's other logits are never made."""
+        h, new_state = self.prefill_hidden(x, state, reset_mask, depth, shared)
+        return self.head(h), new_state
+
+    def prefill_hidden(self, x: torch.Tensor, state: list | None = None, reset_mask: torch.Tensor | None = None,
+                       depth: int | None = None, shared: bool = False):
+        """`prefill` up to the head: (the last position's final hidden states [B, D], the state after it), for a
+        caller that needs the head on some rows only (a server's prompts that end in this chunk)."""
         if self.embed is not None:
             x = self.embed_dropout(self.embed(x))
         state = state if state is not None else self.init_state(x.shape[0], x.device)
         x, new_state = self.run_blocks(x, state, reset_mask, depth, shared=shared)
         x = x[:, -1]
-        if self.norm is not None:
-            x = self.norm(x)
-        return self.head(x), new_state
+        return (self.norm(x) if self.norm is not None else x), new_state
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
@@ -412,28 +432,77 @@ class ClusteredHead(nn.Module):
         over its own tokens."""
         return clustered_log_probs(h, self.weight, self.rest.weight, self.rest.bias, self.order, self.shortlist)
 
+    # The product inference runs: F.linear. A server or `rpt generate` on the CPU swaps in packed products from
+    # outside (rpt.kernels.cpu.products.row_products), as for the cells.
+    linear = staticmethod(F.linear)
+
+    def _shortlist_weight(self) -> nn.Parameter:
+        """The shortlist's rows of the matrix in `order`, kept for inference until the matrix or the order changes
+        (an index_select per token cost a 32-row decode step a tenth of its time); a Parameter so that packed
+        products keep their packing of it."""
+        key = (self.weight.data_ptr(), self.weight._version, self.order._version)
+        if self._held is None or self._held[0] != key:
+            short = self.weight.detach().index_select(0, self.order[:self.shortlist])
+            self._held = (key, nn.Parameter(short, requires_grad=False))
+        return self._held[1]
+
+    _held = None  # (the key of the matrix it was taken from, the shortlist's rows)
+
+    @torch.no_grad()
     def for_sampling(self, h: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
         """What `forward` gives, with the rarer tokens at -inf in the rows where sampling (rpt/models/sampling.py)
         cannot pick them: a row sampled among its k best tokens (`k`: one for all rows or one per row; 1: greedy,
         0: no limit) whose k-th best shortlist token is above the rarer-token entry (a rarer token's probability is
-        at most that entry's). Those rows run only the shortlist's product, and their sample is the same as from
-        `forward`'s; the others run `forward` on their own rows. A row's result does not depend on the others'."""
-        S = self.shortlist
+        at most that entry's). Every row runs the shortlist's product; only the others run the whole matrix's, for
+        their rarer tokens. A row's result does not depend on the others'."""
+        S, V = self.shortlist, self.vocab_size
         flat = h.reshape(-1, h.shape[-1])
         k = torch.as_tensor(k, device=h.device).expand(len(flat))
+        first = self._first_level(flat)
         usable = (k > 0) & (k <= S)
-        if not bool(usable.any()):
-            return self(h)
-        first = self._head_logits(flat).log_softmax(-1)
-        most = int(k[usable].max())
-        kth = first[:, :S].topk(most, dim=-1).values.gather(1, (k.clamp(1, most) - 1)[:, None])[:, 0]
-        short = usable & (kth > first[:, S])
-        out = torch.full((len(flat), self.vocab_size), -math.inf, dtype=first.dtype, device=first.device)
+        short = torch.zeros_like(usable)
+        if bool(usable.any()):
+            most = int(k[usable].max())
+            kth = first[:, :S].topk(most, dim=-1).values.gather(1, (k.clamp(1, most) - 1)[:, None])[:, 0]
+            short = usable & (kth > first[:, S])
+        out = torch.full((len(flat), V), -math.inf, dtype=first.dtype, device=first.device)
         out.index_copy_(-1, self.order[:S], first[:, :S])
         if not bool(short.all()):
             rest = (~short).nonzero()[:, 0]
-            out = out.index_copy(0, rest, self(flat[rest]).to(out.dtype))
-        return out.view(*h.shape[:-1], self.vocab_size)
+            rows = self._rarer_logits(flat[rest]).log_softmax(-1) + first[rest, S:]
+            out.index_copy_(0, rest, rows.index_copy_(-1, self.order[:S], first[rest, :S]))
+        return out.view(*h.shape[:-1], V)
+
+    @torch.no_grad()
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """The most probable token of each row, as the argmax of `for_sampling(h, 1)` (but a tie between a
+        shortlist token and a rarer one goes to the shortlist's): the best shortlist token, or for a row whose
+        rarer-token entry outweighs it, the best rarer token where that one's probability is higher. No
+        [rows, vocabulary] tensor is made (in a 32-row decode step its filling and argmax took a quarter of
+        the step)."""
+        S = self.shortlist
+        flat = h.reshape(-1, h.shape[-1])
+        first = self._first_level(flat)
+        best, at = first[:, :S].max(dim=-1)
+        ids = self.order[:S][at]
+        rest = (best <= first[:, S]).nonzero()[:, 0]
+        if len(rest):
+            z = self._rarer_logits(flat[rest])
+            most, token = z.max(dim=-1)
+            wins = most - z.logsumexp(-1) + first[rest, S] > best[rest]
+            ids[rest[wins]] = token[wins]
+        return ids.view(h.shape[:-1])
+
+    def _first_level(self, flat: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of the shortlist's tokens and the rarer-token entry [rows, S + 1], for inference."""
+        return at_least_fp32(torch.cat([self.linear(flat, self._shortlist_weight()), self.rest(flat)], dim=-1)
+                             ).log_softmax(-1)
+
+    def _rarer_logits(self, flat: torch.Tensor) -> torch.Tensor:
+        """The rarer tokens' logits [rows, V] in token-id order, the shortlist's at -inf, for inference: one product
+        with the whole matrix as it is (its packing is kept; a copy of the tail's rows would be another 30 MB at
+        this size)."""
+        return at_least_fp32(self.linear(flat, self.weight)).index_fill_(-1, self.order[:self.shortlist], -math.inf)
 
     def nats(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         S, shape = self.shortlist, targets.shape

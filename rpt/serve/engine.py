@@ -148,7 +148,7 @@ class Engine:
             reset = reset if bool(reset.any()) else None
         fresh = self.model.init_state(1, self.device)
         state = cat_rows([s.state if s.state is not None else fresh for s in batch])
-        logits, state = self.model.prefill(x, state, reset_mask=reset, depth=depth)
+        h, state = self.model.prefill_hidden(x, state, reset_mask=reset, depth=depth)
         done = []
         for row, (s, p) in enumerate(zip(batch, pieces)):
             s.prefilled += len(p)
@@ -160,7 +160,7 @@ class Engine:
             return
         finished = [batch[row] for row in done]
         self.prefilling = deque(s for s in self.prefilling if s not in finished)
-        tokens = self._sample(logits[done], finished)
+        tokens = self._pick(h[done], finished)
         joining = [(row, s, t) for row, s, t in zip(done, finished, tokens) if self._emit(s, t)]
         if joining:
             joined = rows(state, torch.tensor([row for row, _, _ in joining], device=self.device))
@@ -173,15 +173,13 @@ class Engine:
     def _decode(self) -> None:
         run, ids = self.running, self.next_ids
         tokens = torch.tensor(ids, device=self.device)
-        ks = [1 if s.sampling.temperature <= 0 else s.sampling.top_k for s in run]
-        k = ks[0] if ks.count(ks[0]) == len(ks) else torch.tensor(ks, device=self.device)
         depth, stop = None, None
         if self.model.loop is not None and any(s.sampling.depth is not None or s.sampling.exit for s in run):
             per_row = torch.tensor([self._depth(s) for s in run], device=self.device)
             depth, stop = int(per_row.max()), RowDepths(per_row, [s.sampling.exit for s in run])
         reset = tokens == self.eot if self.reset_eot and self.eot in ids else None  # (ignore_eos rows only)
-        logits, self.state = self.model.step(tokens, self.state, depth, stop, sample_k=k, reset=reset)
-        sampled = self._sample(logits, run)
+        h, self.state = self.model.step_hidden(tokens, self.state, depth, stop, reset=reset)
+        sampled = self._pick(h, run)
         self.next_ids = sampled
         self._keep([i for i, (s, t) in enumerate(zip(run, sampled)) if self._emit(s, t)])
 
@@ -192,6 +190,15 @@ class Engine:
         if loop is None:
             return None
         return p.depth if p.depth is not None else loop.slots if p.exit is not None else loop.default_depth
+
+    def _pick(self, h: torch.Tensor, streams: list[Stream]) -> list[int]:
+        """Each stream's next token from its row of the final hidden states `h`: the most probable where every row
+        is greedy (no [rows, vocabulary] logits), else sampled from the logits each row can draw from."""
+        if all(s.sampling.temperature <= 0 for s in streams):
+            return self.model.greedy(h).tolist()
+        ks = [1 if s.sampling.temperature <= 0 else s.sampling.top_k for s in streams]
+        k = ks[0] if ks.count(ks[0]) == len(ks) else torch.tensor(ks, device=self.device)
+        return self._sample(self.model.sampling_logits(h, k), streams)
 
     def _sample(self, logits: torch.Tensor, streams: list[Stream]) -> list[int]:
         """Each row's next token with its own settings; a sampled row draws its one uniform number from its own

@@ -92,13 +92,14 @@ def serve(run_dir: str, checkpoint: str, host: str, port: int, max_streams: int,
     eot = eot_id(tokenizer)
     engine = Engine(model, eot, cfg.data.reset_at_documents, token_bytes(tokenizer), prefill_chunk, prefill_tokens)
     ops = kernels.current().loops() if engine.device.type == "cpu" else None
-    one_row = RowProducts(ops) if ops is not None else None  # a lone stream's products, as `rpt generate` runs them
-    products = (lambda: row_products(model, one_row)) if one_row is not None else contextlib.nullcontext
-    with products():  # a first request pays no build or first-call cost
-        warm = Stream([eot, eot], Sampling(max_tokens=2, temperature=0), lambda *_: None)
-        engine.add(warm)
-        while engine.active:
-            engine.step()
+    packed = RowProducts(ops) if ops is not None else None  # the steps' products on packed weights (as `rpt generate`)
+    products = (lambda: row_products(model, packed)) if packed is not None else contextlib.nullcontext
+    with products():  # a first request pays no build or first-call cost, and every packing is made (one row, more)
+        for rows in (1, 3):
+            for _ in range(rows):  # sampled among all tokens: every row runs the whole head
+                engine.add(Stream([eot, eot], Sampling(max_tokens=2, temperature=1.0, seed=0), lambda *_: None))
+            while engine.active:
+                engine.step()
     plan = memory_plan(engine, max_streams, cfg.model)
     metrics = ServeMetrics(plan["state_per_stream"], plan["work_per_stream"], plan["fixed_bytes"],
                            plan["prefill_bytes"])

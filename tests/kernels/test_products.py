@@ -155,18 +155,22 @@ def test_row_products_follow_their_weight_and_keep_autograd():
         plain = lin(x)
         with products.row_products(lin, rows):
             first = lin(x)
-        assert id(lin.weight) in rows.packs, "the small-batch product did not run"
+        assert (id(lin.weight), products.Layout.SMALL_BATCH) in rows.packs, "the small-batch product did not run"
         assert "forward" not in vars(lin), "row_products() left its product in the layer"
         torch.testing.assert_close(first, plain, rtol=1e-5, atol=1e-5)
+        many = torch.randn(2, 9, 40)  # a server's decode batch: oneDNN's product on its own packing
+        torch.testing.assert_close(rows(many, lin.weight, lin.bias), lin(many), rtol=1e-5, atol=1e-5)
         lin.weight.mul_(-2.0)
-        torch.testing.assert_close(rows(x, lin.weight, lin.bias), F.linear(x, lin.weight, lin.bias), rtol=1e-5,
-                                   atol=1e-5)
+        for y in (x, many):
+            torch.testing.assert_close(rows(y, lin.weight, lin.bias), F.linear(y, lin.weight, lin.bias), rtol=1e-5,
+                                       atol=1e-5)
+        assert len(rows.packs) == (2 if products._packed_available() else 1)
     xg = x.clone().requires_grad_()
     rows(xg, lin.weight, lin.bias).sum().backward()
     torch.testing.assert_close(xg.grad, lin.weight.sum(0).expand_as(xg).detach())
     key = id(lin.weight)
     del lin
-    assert key not in rows.packs, "a dead weight's packing was kept"
+    assert not any(k == key for k, _ in rows.packs), "a dead weight's packing was kept"
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm"])
@@ -193,7 +197,7 @@ def test_generation_steps_on_the_small_batch_product_equal_the_forward(cell, mon
                 out, state = model.step(x[:, t], state)
             torch.testing.assert_close(out, whole[:, t], rtol=1e-4, atol=1e-5)
     missed = [name for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name
-              and id(p) not in rows.packs]
+              and (id(p), products.Layout.SMALL_BATCH) not in rows.packs]
     assert not missed, f"products not on the small-batch path: {missed}"
     assert not any("forward" in vars(m) or "linear" in vars(m) for m in model.modules()), "a product stayed swapped"
     made = []

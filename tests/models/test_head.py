@@ -136,3 +136,17 @@ def test_sampling_leaves_out_the_rarer_tokens_only_where_they_cannot_be_drawn():
                      for x in (got, full[row:row + 1]) for seed in range(3)]
             assert draws[:3] == draws[3:]  # the same tokens from the same seeds
     assert 10 < skipped < 4 * 64  # both ways taken
+
+
+def test_greedy_takes_the_argmax_of_the_whole_distribution_without_making_it():
+    """ClusteredHead.greedy: each row's best token over the whole vocabulary (the shortlist's or, where the
+    rarer-token entry outweighs it, possibly a rarer one), as forward's argmax, whatever rows run beside it."""
+    head = clustered(3)
+    h = torch.randn(256, D, dtype=torch.float64) * 3
+    full = head(h).detach()
+    got = head.greedy(h)
+    assert torch.equal(got, full.argmax(-1))
+    assert torch.equal(got, head.for_sampling(h, 1).argmax(-1))
+    rare = ~torch.isin(got, head.order[:S])
+    assert 0 < int(rare.sum()) < len(h), "both ways taken"
+    assert torch.equal(torch.cat([head.greedy(h[i:i + 1]) for i in range(len(h))]), got)

@@ -8,7 +8,7 @@
   at each call (faster than MKL for their forward and input-gradient products; the weight gradient stays a plain
   GEMM). Small calls keep F.linear, as do autocast, other dtypes and devices.
 - `generating(tokens)`: a generation's one-row products (every F.linear of a step) on rpt's small-batch product,
-  on a packing of each weight kept for the generation.
+  on a packing of each weight kept for the generation; `RowProducts` also runs a server's decode batches.
 
 Where oneDNN's ops are missing, off the CPU, or not float32, all of these fall back to addmm, so results never
 depend on them (figures: benchmarks/results/cells.md).
@@ -88,28 +88,39 @@ def _on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class RowProducts:
-    """F.linear for generation: on at most two rows, with no gradient wanted and a float32 CPU parameter as weight,
-    rpt's small-batch product on a packing of the weight made at its first use and kept until the weight changes
-    (its in-place version counter moves) or dies; F.linear otherwise. A generated token reads every matrix once,
-    and MKL's GEMM reads them at a fraction of the memory's speed."""
+    """F.linear for generation and serving, with no gradient wanted and a float32 CPU parameter as weight, on a
+    packing of the weight made at its first use and kept until the weight changes (its in-place version counter
+    moves) or dies: on at most two rows rpt's small-batch product, on up to `MANY_ROWS` (a server's decode batch)
+    oneDNN's product on its reordered weight; F.linear otherwise. A generated token reads every matrix once, and
+    MKL's GEMM reads them at a fraction of the memory's speed (a 32,768 x 256 head: 2.2 ms for 10 rows against
+    oneDNN's 0.9, benchmarks/results/serve.md)."""
+
+    MANY_ROWS = 256
 
     def __init__(self, ops):
-        self.ops, self.packs = ops, {}  # id(weight) -> (weakref to it, its _version when packed, the packing)
+        self.ops, self.packs = ops, {}  # (id(weight), layout) -> (weakref to it, its _version when packed, packing)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if (x.numel() > 2 * weight.shape[-1] or not isinstance(weight, nn.Parameter) or weight.device.type != "cpu"
+        n = x.numel() // weight.shape[-1]
+        layout = Layout.SMALL_BATCH if n <= 2 else Layout.ONEDNN
+        if (n > self.MANY_ROWS or not isinstance(weight, nn.Parameter) or weight.device.type != "cpu"
                 or weight.dtype != torch.float32 or x.dtype != torch.float32
-                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+                or (layout == Layout.ONEDNN and not _packed_available())):
             return F.linear(x, weight, bias)
-        key = id(weight)
+        key = (id(weight), layout)
         held = self.packs.get(key)
         if held is None or held[0]() is not weight or held[1] != weight._version:
-            packed = self.ops.pack_for_small_batch(weight.detach())
+            w = weight.detach()
+            packed = self.ops.pack_for_small_batch(w) if layout == Layout.SMALL_BATCH else _pack(w, 16)
             self.packs[key] = held = (weakref.ref(weight, lambda _, k=key: self.packs.pop(k, None)), weight._version,
                                       packed)
         rows = x.reshape(-1, x.shape[-1])
-        y = self.ops.small_batch_product(rows, held[2], weight.shape[0],
-                                         None if bias is None else bias.expand(len(rows), -1))
+        if layout == Layout.SMALL_BATCH:
+            y = self.ops.small_batch_product(rows, held[2], weight.shape[0],
+                                             None if bias is None else bias.expand(len(rows), -1))
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), held[2], bias, "none", [], "")
         return y.view(*x.shape[:-1], weight.shape[0])
 
 
