@@ -17,6 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from rpt.errors import RptError
+from rpt.models.lm import ClusteredHead
 from rpt.serve.api import Service, build_app
 from rpt.serve.engine import Engine, Sampling, Stream
 from rpt.serve.metrics import ServeMetrics
@@ -70,6 +71,33 @@ def memory_plan(engine: Engine, max_streams: int, model_cfg) -> dict:
             "prefill_bytes": prefill}
 
 
+def warm_up(engine: Engine, eot: int, max_streams: int) -> None:
+    """Streams of two tokens through the engine at every batch size the products distinguish (`batch_shapes`), and
+    the two-level head's whole-matrix product at each (its rarer tokens', which only uncertain rows run): a first
+    request pays no build or first-call cost, and the packings and what oneDNN keeps per shape are made now, so
+    that the fixed part measured after this holds them."""
+    head = engine.model.head
+    for rows in batch_shapes(max_streams):
+        for _ in range(rows):
+            engine.add(Stream([eot, eot], Sampling(max_tokens=2, temperature=0), lambda *_: None))
+        while engine.active:
+            engine.step()
+        if isinstance(head, ClusteredHead):
+            head.linear(head.weight.new_zeros(rows, head.weight.shape[1]), head.weight)
+
+
+def batch_shapes(max_streams: int) -> list[int]:
+    """Decode batches of every size the packed products distinguish (RowProducts: one row or two, then powers of
+    two), up to `max_streams` rows."""
+    from rpt.kernels.cpu.products import RowProducts
+
+    sizes, n = [1], 2
+    while n < 2 * max_streams and n <= RowProducts.MANY_ROWS:
+        sizes.append(min(n, max_streams))
+        n *= 2
+    return sorted(set(sizes))
+
+
 def mib(n: float) -> str:
     return f"{n / 2 ** 20:,.1f} MiB" if n >= 2 ** 20 else f"{n / 1024:,.1f} KiB"
 
@@ -94,12 +122,8 @@ def serve(run_dir: str, checkpoint: str, host: str, port: int, max_streams: int,
     ops = kernels.current().loops() if engine.device.type == "cpu" else None
     packed = RowProducts(ops) if ops is not None else None  # the steps' products on packed weights (as `rpt generate`)
     products = (lambda: row_products(model, packed)) if packed is not None else contextlib.nullcontext
-    with products():  # a first request pays no build or first-call cost, and every packing is made (one row, more)
-        for rows in (1, 3):
-            for _ in range(rows):  # sampled among all tokens: every row runs the whole head
-                engine.add(Stream([eot, eot], Sampling(max_tokens=2, temperature=1.0, seed=0), lambda *_: None))
-            while engine.active:
-                engine.step()
+    with products():
+        warm_up(engine, eot, max_streams)
     plan = memory_plan(engine, max_streams, cfg.model)
     metrics = ServeMetrics(plan["state_per_stream"], plan["work_per_stream"], plan["fixed_bytes"],
                            plan["prefill_bytes"])

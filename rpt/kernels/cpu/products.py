@@ -90,8 +90,9 @@ def _on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 class RowProducts:
     """F.linear for generation and serving, with no gradient wanted and a float32 CPU parameter as weight, on a
     packing of the weight made at its first use and kept until the weight changes (its in-place version counter
-    moves) or dies: on at most two rows rpt's small-batch product, on up to `MANY_ROWS` (a server's decode batch)
-    oneDNN's product on its reordered weight; F.linear otherwise. A generated token reads every matrix once, and
+    moves) or dies: on at most two rows rpt's small-batch product, on a step's [rows, features] of up to
+    `MANY_ROWS` rows (a server's decode batch) oneDNN's product on its reordered weight; F.linear otherwise (a
+    prompt's sequence). A generated token reads every matrix once, and
     MKL's GEMM reads them at a fraction of the memory's speed (a 32,768 x 256 head: 2.2 ms for 10 rows against
     oneDNN's 0.9, benchmarks/results/serve.md)."""
 
@@ -103,10 +104,10 @@ class RowProducts:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n = x.numel() // weight.shape[-1]
         layout = Layout.SMALL_BATCH if n <= 2 else Layout.ONEDNN
-        if (n > self.MANY_ROWS or not isinstance(weight, nn.Parameter) or weight.device.type != "cpu"
+        if (not isinstance(weight, nn.Parameter) or weight.device.type != "cpu"
                 or weight.dtype != torch.float32 or x.dtype != torch.float32
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-                or (layout == Layout.ONEDNN and not _packed_available())):
+                or (layout == Layout.ONEDNN and (n > self.MANY_ROWS or x.dim() != 2 or not _packed_available()))):
             return F.linear(x, weight, bias)
         key = (id(weight), layout)
         held = self.packs.get(key)
@@ -119,8 +120,11 @@ class RowProducts:
         if layout == Layout.SMALL_BATCH:
             y = self.ops.small_batch_product(rows, held[2], weight.shape[0],
                                              None if bias is None else bias.expand(len(rows), -1))
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), held[2], bias, "none", [], "")
+        else:  # rows padded to a power of two: oneDNN keeps memory for each shape it has run
+            padded = 1 << (n - 1).bit_length()
+            if padded != n:
+                rows = torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])])
+            y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), held[2], bias, "none", [], "")[:n]
         return y.view(*x.shape[:-1], weight.shape[0])
 
 
