@@ -419,9 +419,11 @@ class ClusteredHead(nn.Module):
         rank[self.order] = torch.arange(len(self.order), device=self.order.device)
         return rank
 
-    def _head_logits(self, h: torch.Tensor) -> torch.Tensor:
-        short = self.weight.index_select(0, self.order[:self.shortlist])
-        return at_least_fp32(torch.cat([F.linear(h, short), self.rest(h)], dim=-1))
+    def _head_logits(self, h: torch.Tensor, short: torch.Tensor | None = None) -> torch.Tensor:
+        """The first level's logits [rows, S + 1]: the shortlist's rows of the matrix (`short`, or taken from it
+        here, where gradients reach it) and the rarer-token entry."""
+        short = self.weight.index_select(0, self.order[:self.shortlist]) if short is None else short
+        return at_least_fp32(torch.cat([self.linear(h, short), self.rest(h)], dim=-1))
 
     def _tail_logits(self, h: torch.Tensor) -> torch.Tensor:
         return at_least_fp32(F.linear(h, self.weight.index_select(0, self.order[self.shortlist:])))
@@ -436,6 +438,8 @@ class ClusteredHead(nn.Module):
     # outside (rpt.kernels.cpu.products.row_products), as for the cells.
     linear = staticmethod(F.linear)
 
+    _held = None  # (the key of the matrix it was taken from, the shortlist's rows)
+
     def _shortlist_weight(self) -> nn.Parameter:
         """The shortlist's rows of the matrix in `order`, kept for inference until the matrix or the order changes
         (an index_select per token cost a 32-row decode step a tenth of its time); a Parameter so that packed
@@ -445,8 +449,6 @@ class ClusteredHead(nn.Module):
             short = self.weight.detach().index_select(0, self.order[:self.shortlist])
             self._held = (key, nn.Parameter(short, requires_grad=False))
         return self._held[1]
-
-    _held = None  # (the key of the matrix it was taken from, the shortlist's rows)
 
     @torch.no_grad()
     def for_sampling(self, h: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
@@ -495,8 +497,7 @@ class ClusteredHead(nn.Module):
 
     def _first_level(self, flat: torch.Tensor) -> torch.Tensor:
         """Log-probabilities of the shortlist's tokens and the rarer-token entry [rows, S + 1], for inference."""
-        return at_least_fp32(torch.cat([self.linear(flat, self._shortlist_weight()), self.rest(flat)], dim=-1)
-                             ).log_softmax(-1)
+        return self._head_logits(flat, self._shortlist_weight()).log_softmax(-1)
 
     def _rarer_logits(self, flat: torch.Tensor) -> torch.Tensor:
         """The rarer tokens' logits [rows, V] in token-id order, the shortlist's at -inf, for inference: one product

@@ -92,9 +92,8 @@ class RowProducts:
     packing of the weight made at its first use and kept until the weight changes (its in-place version counter
     moves) or dies: on at most two rows rpt's small-batch product, on a step's [rows, features] of up to
     `MANY_ROWS` rows (a server's decode batch) oneDNN's product on its reordered weight; F.linear otherwise (a
-    prompt's sequence). A generated token reads every matrix once, and
-    MKL's GEMM reads them at a fraction of the memory's speed (a 32,768 x 256 head: 2.2 ms for 10 rows against
-    oneDNN's 0.9, benchmarks/results/serve.md)."""
+    prompt's sequence). A generated token reads every matrix once, and MKL's GEMM reads them at a fraction of the
+    memory's speed (a 32,768 x 256 head: 2.2 ms for 10 rows against oneDNN's 0.9, benchmarks/results/serve.md)."""
 
     MANY_ROWS = 256
 
