@@ -150,7 +150,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--grace", type=float, default=30.0, help="seconds running streams get to finish on SIGTERM")
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="tokens of each waiting prompt run per engine step: a long prompt runs in pieces")
-    p.add_argument("--prefill-tokens", type=int, default=4096,
+    p.add_argument("--prefill-tokens", type=int, default=8192,
                    help="prompt tokens run per engine step in all (the waiting prompts batched): what a step of the "
                    "running streams may wait for a new prompt")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

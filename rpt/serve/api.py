@@ -52,11 +52,11 @@ class Outbox:
     quiet spell starts a task that hands out what has been posted every tick until a tick finds nothing. (A
     wake-up per token cost the engine's thread a system call, and the loop a turn, for every token of every
     stream: the engine ran 15% slower beside it.) The tick is TICK, longer under load (TICK per PER_TICK events
-    the last tick handed out, at most LONGEST): each response's chunk then carries its stream's tokens of a few
-    steps, as vLLM's stream interval, so that the HTTP side's work per token, on the cores the engine runs on,
-    shrinks as the batch grows (benchmarks/results/serve.md)."""
+    the last tick handed out, at most LONGEST): a response then writes one chunk per stream per tick, carrying
+    the stream's tokens of a few steps, as vLLM's stream interval, so that the HTTP side's and the client's work
+    per token, on the cores the engine runs on, shrinks as the batch grows (benchmarks/results/serve.md)."""
 
-    TICK, PER_TICK, LONGEST = 0.002, 8, 0.008
+    TICK, PER_TICK, LONGEST = 0.002, 4, 0.016
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.pending, self.lock, self.ticking = loop, [], threading.Lock(), False
@@ -352,7 +352,8 @@ class Answer:
                 f'"finish_reason": {json.dumps(finish)}}}]{usage}}}\n\n')
 
     async def events(self):
-        """The server-sent events: one chunk per piece of text, the chunks waiting at a turn written together."""
+        """The server-sent events: at each turn, one chunk per stream with the text of all its events waiting (its
+        last event's finish reason and token count), the turn's chunks written together."""
         open_ = len(self.streams)
         try:
             while open_:
@@ -360,11 +361,15 @@ class Answer:
                 while not self.queue.empty():
                     got.append(self.queue.get_nowait())
                 open_ -= sum(event[2] is not None for event in got)
+                merged: dict[int, list] = {}  # a stream's events of this turn, as one: its texts joined
+                for stream, text, finish, tokens in got:
+                    held = merged.setdefault(stream.id, [stream, "", None, 0])
+                    held[1], held[2], held[3] = held[1] + text, finish, tokens
                 parts = []
-                for event in got:
+                for event in merged.values():
                     if event[1] or event[2]:
                         parts.append(self.chunk(*event))
-                    else:  # a token with no whole character yet: counted, not sent
+                    else:  # tokens with no whole character yet: counted, not sent
                         self.sent[event[0].id] = event[3]
                 out = "".join(parts)
                 if out:

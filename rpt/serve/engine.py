@@ -84,7 +84,7 @@ class Stream:
 
 class Engine:
     def __init__(self, model, eot_id: int, reset_at_documents: bool, token_bytes: list[bytes],
-                 prefill_chunk: int = 256, prefill_tokens: int = 4096):
+                 prefill_chunk: int = 256, prefill_tokens: int = 8192):
         """`model`: a RecurrentLM in eval mode; `reset_at_documents`: the run's data.reset_at_documents (the
         state starts afresh at each end of text, in a prompt and after it, as in training). A step prefills the
         waiting prompts together, `prefill_chunk` tokens of each, at most `prefill_tokens` tokens in all."""

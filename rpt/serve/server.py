@@ -73,7 +73,7 @@ def memory_plan(engine: Engine, max_streams: int, model_cfg) -> dict:
 
 def warm_up(engine: Engine, eot: int, max_streams: int) -> None:
     """Streams of two tokens through the engine at every batch size the products distinguish (`batch_shapes`), and
-    the two-level head's whole-matrix product at each (its rarer tokens', which only uncertain rows run): a first
+    the two-level head's products at each (ClusteredHead.warm: those that only uncertain rows run too): a first
     request pays no build or first-call cost, and the packings and what oneDNN keeps per shape are made now, so
     that the fixed part measured after this holds them."""
     head = engine.model.head
@@ -83,7 +83,7 @@ def warm_up(engine: Engine, eot: int, max_streams: int) -> None:
         while engine.active:
             engine.step()
         if isinstance(head, ClusteredHead):
-            head.linear(head.weight.new_zeros(rows, head.weight.shape[1]), head.weight)
+            head.warm(rows)
 
 
 def batch_shapes(max_streams: int) -> list[int]:
@@ -104,7 +104,7 @@ def mib(n: float) -> str:
 
 def serve(run_dir: str, checkpoint: str, host: str, port: int, max_streams: int, max_queue: int,
           max_prompt_bytes: int, token: str | None, device: str | None, grace: float, prefill_chunk: int,
-          prefill_tokens: int = 4096) -> None:
+          prefill_tokens: int = 8192) -> None:
     from rpt import kernels
     from rpt.data.tokenizer import eot_id, token_bytes
     from rpt.kernels.cpu.products import RowProducts, row_products

@@ -3,6 +3,7 @@ log-probabilities (values and gradients), the shortlist it assigns, and the mode
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -150,3 +151,57 @@ def test_greedy_takes_the_argmax_of_the_whole_distribution_without_making_it():
     rare = ~torch.isin(got, head.order[:S])
     assert 0 < int(rare.sum()) < len(h), "both ways taken"
     assert torch.equal(torch.cat([head.greedy(h[i:i + 1]) for i in range(len(h))]), got)
+
+
+def screened_head() -> ClusteredHead:
+    """A float32 head of demo-like scales (rows of norm ~1.6, hidden states of norm ~20 as after RMSNorm) whose
+    rarer-token entry outweighs the best shortlist token in many rows: the greedy screen's ground."""
+    torch.manual_seed(0)
+    head = ClusteredHead(256, 4096, 512)
+    torch.nn.init.normal_(head.weight, std=0.1)
+    torch.nn.init.normal_(head.rest.weight, std=0.1)
+    torch.nn.init.constant_(head.rest.bias, 4.0)
+    head.assign(np.bincount(np.random.default_rng(0).zipf(1.3, size=200_000) % 4096, minlength=4096))
+    if not head._screens(head.weight):
+        pytest.skip("no bfloat16 products on this CPU: the screen does not run")
+    return head.eval()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_greedy_screen_bounds_each_rows_best_rarer_token_from_above(packed):
+    """ClusteredHead._rarer_may_win: its bfloat16 bound on the best rarer token's log-probability within its level
+    is never below the exact one (float64), on F.linear and on the server's packed products, and it rules out
+    most rows a margin of two nats above it."""
+    from rpt.kernels.cpu.products import RowProducts
+
+    head = screened_head()
+    if packed:
+        head.linear = RowProducts(None)  # (three rows or more, bfloat16: oneDNN's product only)
+    h = torch.randn(200, 256) * 1.25
+    tail = head.weight.detach().double()[head.order[head.shortlist:]]
+    z = h.double() @ tail.T
+    exact = (z.max(-1).values - z.logsumexp(-1)).float()
+    with torch.no_grad():
+        assert bool(head._rarer_may_win(h, exact - 1e-5).all())
+        ruled_out = ~head._rarer_may_win(h, exact + 2.0)
+    assert int(ruled_out.sum()) > 0.9 * len(h)
+
+
+def test_greedy_with_the_screen_picks_what_the_exact_path_picks():
+    """In float32 with the screen (most uncertain rows ruled out by it) greedy gives float64's tokens but where
+    two of them are within 1e-4 in log-probability; rarer tokens win in some rows, and each row alone is the same."""
+    head = screened_head()
+    h = torch.randn(256, 256) * 1.25
+    h[::7] *= 0.2  # flatter rows: there a rarer token may win
+    seen = []
+    may_win = head._rarer_may_win
+    head._rarer_may_win = lambda flat, margin: seen.append(may_win(flat, margin)) or seen[-1]
+    got = head.greedy(h)
+    assert seen and int((~seen[0]).sum()) > len(seen[0]) // 2, "the screen rules out rows"
+    log_p = copy.deepcopy(head).double()(h.double()).detach()
+    want = log_p.argmax(-1)
+    near = (log_p.gather(1, want[:, None]) - log_p.gather(1, got[:, None]))[:, 0] < 1e-4
+    assert bool(((got == want) | near).all())
+    assert 0 < int((~torch.isin(got, head.order[:head.shortlist])).sum()) < len(h), "rarer tokens win somewhere"
+    alone = torch.cat([head.greedy(h[i:i + 1]) for i in range(0, len(h), 16)])
+    assert bool(((alone == got[::16]) | near[::16]).all())

@@ -88,7 +88,8 @@ def _on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class RowProducts:
-    """F.linear for generation and serving, with no gradient wanted and a float32 CPU parameter as weight, on a
+    """F.linear for generation and serving, with no gradient wanted and a float32 CPU parameter as weight (or a
+    bfloat16 one, on oneDNN only: the two-level head's screen, ClusteredHead._rarer_may_win), on a
     packing of the weight made at its first use and kept until the weight changes (its in-place version counter
     moves) or dies: on at most two rows rpt's small-batch product, on a step's [rows, features] of up to
     `MANY_ROWS` rows (a server's decode batch) oneDNN's product on its reordered weight; F.linear otherwise (a
@@ -103,8 +104,8 @@ class RowProducts:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n = x.numel() // weight.shape[-1]
         layout = Layout.SMALL_BATCH if n <= 2 else Layout.ONEDNN
-        if (not isinstance(weight, nn.Parameter) or weight.device.type != "cpu"
-                or weight.dtype != torch.float32 or x.dtype != torch.float32
+        if (not isinstance(weight, nn.Parameter) or weight.device.type != "cpu" or x.dtype != weight.dtype
+                or not (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and layout == Layout.ONEDNN))
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
                 or (layout == Layout.ONEDNN and (n > self.MANY_ROWS or x.dim() != 2 or not _packed_available()))):
             return F.linear(x, weight, bias)
