@@ -488,7 +488,7 @@ class ClusteredHead(nn.Module):
         best, at = first[:, :S].max(dim=-1)
         ids = self.order[:S][at]
         rest = (best <= first[:, S]).nonzero()[:, 0]
-        if len(rest) > 2 and self._screens(flat):
+        if len(rest) and self._screens(flat):
             rest = rest[self._rarer_may_win(flat[rest], best[rest] - first[rest, S])]
         if len(rest):
             z = self._rarer_logits(flat[rest])
@@ -535,7 +535,7 @@ class ClusteredHead(nn.Module):
         h = self.weight.new_zeros(rows, self.weight.shape[1])
         self.linear(h, self._shortlist_weight())
         self.linear(h, self.weight)
-        if rows > 2 and self._screens(h):  # (the screen runs on three rows or more)
+        if self._screens(h):
             tail, _ = self._screen_weight()
             self.linear(h.to(tail.dtype), tail)
 

@@ -116,8 +116,9 @@ class Engine:
     def step(self) -> None:
         """A chunk of the waiting prompts, then one token for every running row."""
         self._drop_cancelled()
-        if self.prefilling:
-            self._prefill()
+        budget = self.prefill_tokens
+        while self.prefilling and budget > 0:
+            budget -= self._prefill(budget)
         if self.running:
             self._decode()
 
@@ -129,16 +130,17 @@ class Engine:
         self._keep([])
 
     # ------------------------------------------------------------------ the steps
-    def _prefill(self) -> None:
+    def _prefill(self, budget: int) -> int:
         """The next piece of the waiting prompts of one depth, as one batch in which every row advances by the same
         number of tokens (the fewest any of them has left, at most `prefill_chunk`): no padding, and no reset but
         at an end of text inside a prompt (a reset where rows differ splits the sequence form into segments). A
-        prompt that ends here is sampled and joins the running rows."""
+        prompt that ends here is sampled and joins the running rows. At most `budget` tokens; returns how many ran
+        (a step runs pieces until its --prefill-tokens are spent: prompts of many lengths need a piece per length)."""
         depth = self._depth(self.prefilling[0])
         batch = [s for s in self.prefilling if self._depth(s) == depth]
-        width = min(self.prefill_chunk, *(len(s.prompt) - s.prefilled for s in batch))
-        batch = batch[:max(1, self.prefill_tokens // width)]
-        width = min(self.prefill_chunk, *(len(s.prompt) - s.prefilled for s in batch))
+        width = min(self.prefill_chunk, budget, *(len(s.prompt) - s.prefilled for s in batch))
+        batch = batch[:max(1, budget // width)]
+        width = min(self.prefill_chunk, budget, *(len(s.prompt) - s.prefilled for s in batch))
         pieces = [s.prompt[s.prefilled:s.prefilled + width] for s in batch]
         x = torch.tensor(pieces, device=self.device)
         reset = None
@@ -157,7 +159,7 @@ class Engine:
             else:
                 done.append(row)
         if not done:
-            return
+            return width * len(batch)
         finished = [batch[row] for row in done]
         self.prefilling = deque(s for s in self.prefilling if s not in finished)
         tokens = self._pick(h[done], finished)
@@ -169,6 +171,7 @@ class Engine:
             self.next_ids += [t for _, _, t in joining]
         for s in finished:
             s.state = None
+        return width * len(batch)
 
     def _decode(self) -> None:
         run, ids = self.running, self.next_ids

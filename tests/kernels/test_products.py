@@ -173,6 +173,22 @@ def test_row_products_follow_their_weight_and_keep_autograd():
     assert not any(k == key for k, _ in rows.packs), "a dead weight's packing was kept"
 
 
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_row_products_run_a_bfloat16_weight_on_onednn_at_any_row_count(n):
+    """A bfloat16 parameter (the two-level head's screen) runs on oneDNN's product at every row count, rpt's
+    small-batch product being float32's only: as F.linear in bfloat16, and on a packing of its own."""
+    if not (products._packed_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("no oneDNN bfloat16 product here")
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(300, 64).bfloat16(), requires_grad=False)
+    x = torch.randn(n, 64).bfloat16()
+    rows = products.RowProducts(None)  # (no native loops wanted: a bfloat16 weight never takes them)
+    got = rows(x, weight)
+    assert (id(weight), products.Layout.ONEDNN) in rows.packs
+    ref = x.double() @ weight.double().T
+    assert ((got.double() - ref).abs() <= 2 ** -7 * (x.double().abs() @ weight.double().abs().T) + 1e-6).all()
+
+
 @pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm"])
 def test_generation_steps_on_the_small_batch_product_equal_the_forward(cell, monkeypatch):
     """In float32 without gradients (generation) every matrix of a step, the head, attention and MLP included,

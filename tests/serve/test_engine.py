@@ -130,6 +130,24 @@ def test_rows_join_and_leave_without_touching_the_others():
         assert s.finish_reason == "length"
 
 
+def test_a_step_prefills_prompts_of_many_lengths_in_pieces_up_to_its_token_budget():
+    """One step runs a piece per remaining length until its prefill_tokens are spent: with a budget that holds
+    them all, every prompt has its first token after one step, with a smaller one not; the tokens are the
+    reference's either way."""
+    m = model()
+    ps = prompts(8, seed=5)
+    assert len({len(p) for p in ps}) > 4
+    for budget in (sum(map(len, ps)), 40):
+        engine = Engine(m, EOT, True, TABLE, prefill_chunk=8, prefill_tokens=budget)
+        streams = [stream(p, max_tokens=6, temperature=0, ignore_eos=True) for p in ps]
+        engine.prefilling.extend(streams)
+        engine.step()
+        assert (len(engine.running) == len(ps)) == (budget > 40)
+        run(engine, [])
+        for s, p in zip(streams, ps):
+            assert s.tokens == reference(m, p, 6, temperature=0)
+
+
 def test_a_stream_ends_at_the_end_of_text_and_at_a_stop_string_which_it_never_sends():
     m = model()
     p = prompts(1, seed=21)[0]

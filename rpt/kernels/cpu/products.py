@@ -103,9 +103,9 @@ class RowProducts:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n = x.numel() // weight.shape[-1]
-        layout = Layout.SMALL_BATCH if n <= 2 else Layout.ONEDNN
+        layout = Layout.SMALL_BATCH if n <= 2 and weight.dtype == torch.float32 else Layout.ONEDNN
         if (not isinstance(weight, nn.Parameter) or weight.device.type != "cpu" or x.dtype != weight.dtype
-                or not (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and layout == Layout.ONEDNN))
+                or weight.dtype not in (torch.float32, torch.bfloat16)
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
                 or (layout == Layout.ONEDNN and (n > self.MANY_ROWS or x.dim() != 2 or not _packed_available()))):
             return F.linear(x, weight, bias)
