@@ -516,11 +516,12 @@ class ClusteredHead(nn.Module):
 
     def _rarer_may_win(self, flat: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
         """Which rows' best rarer token may outweigh their best shortlist token (`margin`: that token's
-        log-probability less the rarer-token entry's), from the tail's product in bfloat16 (a third of float32's
-        time here): its logits z' are within err = SCREEN_INPUTS |h| max|W_t| + SCREEN_OUTPUT max|z'| of the exact
-        z, so the best rarer token's log-probability within its level, max z - logsumexp z, is at most
-        max z' - logsumexp z' + 2 err. A row this rules out is one the exact path would rule out too (no rarer
-        token wins); the others run it. On the demo's model it rules out 96% of the rows it sees."""
+        log-probability less the rarer-token entry's), from the tail's product in bfloat16 (on AMX a fraction of
+        float32's time; benchmarks/results/serve.md): its logits z' are within
+        err = SCREEN_INPUTS |h| max|W_t| + SCREEN_OUTPUT max|z'| of the exact z, so the best rarer token's
+        log-probability within its level, max z - logsumexp z, is at most max z' - logsumexp z' + 2 err. A row this
+        rules out is one the exact path would rule out too (no rarer token wins); the others run it. Few rows
+        pass: a rarer token's probability within its level is mostly far below what it would need."""
         tail, most = self._screen_weight()
         z = self.linear(flat.to(tail.dtype), tail).float()
         err = (self.SCREEN_INPUTS + flat.shape[-1] * 2 ** -23) * flat.norm(dim=-1) * most \
