@@ -59,30 +59,38 @@ class Outbox:
     TICK, PER_TICK, LONGEST = 0.002, 4, 0.016
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.pending, self.lock, self.ticking = loop, [], threading.Lock(), False
+        self.loop, self.pending, self.lock = loop, [], threading.Lock()
+        self.ticking = self.hurrying = False
         self.task: asyncio.Task | None = None
 
-    def post(self, queue: asyncio.Queue, item) -> None:
+    def post(self, queue: asyncio.Queue, item, now: bool = False) -> None:
+        """Hand `item` to `queue` at the next tick, or at once with `now` (a stream's last event: waiting for the
+        tick would only delay the end of its response, by up to LONGEST)."""
         with self.lock:
             self.pending.append((queue, item))
-            if self.ticking:
-                return
-            self.ticking = True
-        self.loop.call_soon_threadsafe(self._start)
+            start, hurry = not self.ticking, now and not self.hurrying
+            self.ticking, self.hurrying = True, self.hurrying or now
+        if start:
+            self.loop.call_soon_threadsafe(self._start)
+        elif hurry:
+            self.loop.call_soon_threadsafe(self._hand_out)
 
     def _start(self) -> None:
         self.task = self.loop.create_task(self._tick())  # (held: the loop keeps only a weak reference to a task)
 
+    def _hand_out(self, last: bool = False) -> int:
+        """Put what has been posted into its queues; how many. `last`: the tick's task ends if there was nothing."""
+        with self.lock:
+            pending, self.pending, self.hurrying = self.pending, [], False
+            if last and not pending:
+                self.ticking = False
+        for queue, item in pending:
+            queue.put_nowait(item)
+        return len(pending)
+
     async def _tick(self) -> None:
-        while True:
-            with self.lock:
-                pending, self.pending = self.pending, []
-                if not pending:
-                    self.ticking = False
-                    return
-            for queue, item in pending:
-                queue.put_nowait(item)
-            await asyncio.sleep(min(self.LONGEST, self.TICK * max(1.0, len(pending) / self.PER_TICK)))
+        while handed := self._hand_out(last=True):
+            await asyncio.sleep(min(self.LONGEST, self.TICK * max(1.0, handed / self.PER_TICK)))
 
 
 @dataclass
@@ -303,7 +311,7 @@ async def run(request: Request, job: Completion, service: Service) -> Response:
         seen[stream.id] = (len(stream.tokens), last)
         if finish is not None:
             metrics.finished.labels(reason=finish).inc()
-        outbox.post(events, (stream, text, finish, len(stream.tokens)))
+        outbox.post(events, (stream, text, finish, len(stream.tokens)), now=finish is not None)
 
     streams = [Stream(ids, settings, on_event) for ids in job.prompts for settings in job.settings]
     try:

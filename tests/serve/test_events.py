@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 from rpt.serve.api import Answer, Completion
 from rpt.serve.engine import Sampling, Stream
@@ -58,3 +59,27 @@ def test_a_streams_events_of_one_turn_go_out_as_one_chunk_with_the_usage_of_its_
     usage_chunk = parsed[3][0]
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 9
     assert cancelled == []  # both ended: nothing left to cancel
+
+
+def test_the_outbox_hands_out_a_streams_last_event_at_once_and_the_rest_at_its_tick():
+    """Outbox (the engine's thread to the event loop): events posted while a tick is pending wait for it, but a
+    stream's last event (`now`) goes out at once, with whatever waited beside it."""
+    from rpt.serve.api import Outbox
+
+    async def main():
+        outbox = Outbox(asyncio.get_running_loop())
+        outbox.TICK = outbox.LONGEST = 30.0  # a tick that would outlast the test
+        queue = asyncio.Queue()
+        outbox.post(queue, "first")
+        assert await asyncio.wait_for(queue.get(), 5) == "first"  # the first event starts the ticking at once
+        outbox.post(queue, "token")
+        await asyncio.sleep(0.05)
+        assert queue.empty()  # held for the next tick
+        thread = threading.Thread(target=outbox.post, args=(queue, "last"), kwargs={"now": True})
+        thread.start()
+        thread.join()
+        got = [await asyncio.wait_for(queue.get(), 5), await asyncio.wait_for(queue.get(), 5)]
+        assert got == ["token", "last"]
+        outbox.task.cancel()
+
+    asyncio.run(main())
