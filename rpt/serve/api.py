@@ -56,7 +56,7 @@ class Outbox:
     the stream's tokens of a few steps, as vLLM's stream interval, so that the HTTP side's and the client's work
     per token, on the cores the engine runs on, shrinks as the batch grows (benchmarks/results/serve.md)."""
 
-    TICK, PER_TICK, LONGEST = 0.002, 4, 0.016
+    TICK, PER_TICK, LONGEST = 0.002, 4, 0.032
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.pending, self.lock = loop, [], threading.Lock()
