@@ -361,7 +361,8 @@ class Answer:
 
     async def events(self):
         """The server-sent events: at each turn, one chunk per stream with the text of all its events waiting (its
-        last event's finish reason and token count), the turn's chunks written together."""
+        last event's finish reason and token count), the turn's chunks written together; the last turn's write
+        carries the usage and the end as well."""
         open_ = len(self.streams)
         try:
             while open_:
@@ -379,12 +380,13 @@ class Answer:
                         parts.append(self.chunk(*event))
                     else:  # tokens with no whole character yet: counted, not sent
                         self.sent[event[0].id] = event[3]
+                if not open_:  # the last chunks, the usage and the end in one write
+                    if self.job.include_usage:
+                        parts.append(f"data: {json.dumps({**self.head, 'choices': [], 'usage': self.usage()})}\n\n")
+                    parts.append("data: [DONE]\n\n")
                 out = "".join(parts)
                 if out:
                     yield out
-            if self.job.include_usage:
-                yield f"data: {json.dumps({**self.head, 'choices': [], 'usage': self.usage()})}\n\n"
-            yield "data: [DONE]\n\n"
         finally:  # the client went away (or the server stopped): its streams leave the batch
             self.cancel_open()
 

@@ -41,6 +41,7 @@ def chunks_of(turns: list[list[tuple[int, str, str | None, int]]]) -> tuple[list
         return written
 
     written = asyncio.run(main())
+    assert len(written) == len(turns) and written[-1].endswith("data: [DONE]\n\n")  # one write per turn, the end too
     parsed = [[json.loads(line[6:]) for line in w.split("\n\n") if line.startswith("data: {")] for w in written]
     return parsed, scheduler.cancelled
 
@@ -56,7 +57,7 @@ def test_a_streams_events_of_one_turn_go_out_as_one_chunk_with_the_usage_of_its_
     assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in second] == [(" world", "length")]
     assert third[0]["choices"][0] == {"text": "C", "index": 1, "logprobs": None, "finish_reason": "stop"}
     assert third[0]["usage"]["completion_tokens"] == 9  # 5 + 4: stream 1's tokenless event of turn 2 counted too
-    usage_chunk = parsed[3][0]
+    usage_chunk = third[1]  # the usage goes out with the last chunk
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 9
     assert cancelled == []  # both ended: nothing left to cancel
 
