@@ -114,7 +114,7 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> None:
-        """A chunk of the waiting prompts, then one token for every running row."""
+        """Pieces of the waiting prompts, up to `prefill_tokens` in all, then one token for every running row."""
         self._drop_cancelled()
         budget = self.prefill_tokens
         while self.prefilling and budget > 0:
