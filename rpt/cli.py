@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from rpt.errors import RptError
+from rpt.net import port_option
 
 
 CHECKPOINT_HELP = ("which checkpoint: best (the default: lowest validation loss, ranked among the checkpoints "
@@ -141,7 +142,8 @@ def _add_serve(sub) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_option(lowest=0), default=8000, help="1-65535, or 0 for any free port (the "
+                   "one taken is printed)")
     p.add_argument("--max-streams", type=int, default=64, help="streams generated at once (each holds one state)")
     p.add_argument("--max-queue", type=int, default=64, help="streams that may wait for a slot; beyond, 429")
     p.add_argument("--max-prompt-bytes", type=int, default=1 << 20, help="the largest request body (413 beyond)")
@@ -202,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serves a read-only dashboard of the runs' metrics (loopback by default).")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
-    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--port", type=port_option(), default=8765, help="1-65535")
     p.add_argument("--token", help="require ?token=TOKEN on every request")
     p.set_defaults(func=_cmd_monitor)
 
@@ -467,8 +469,23 @@ def _cmd_config(args) -> None:
         print(line + ("  # the default recipe chooses" if key in open_keys else ""))
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, an unknown option refused by its sub-command's parser (its usage, and the option it
+    nearly spells), not by the top-level one."""
+    import difflib
+
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+        close = difflib.get_close_matches(unknown[0].split("=", 1)[0], options, n=1, cutoff=0.6)
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {close[0]}?)" if close else ""))
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         args.func(args)
     except RptError as exc:

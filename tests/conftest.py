@@ -42,15 +42,13 @@ def test_device():
         torch.set_default_device("cpu")
 
 
-def shared_dir() -> Path:
-    return Path(os.environ.get("RPT_SHARED", REPO.parent / "shared"))
-
-
 @pytest.fixture(scope="session")
-def shakespeare() -> Path:
-    path = shared_dir() / "data" / "tinyshakespeare" / "input.txt"
-    if not path.is_file():
-        pytest.fail(f"{path} is missing: the tests read real text from ../shared (set RPT_SHARED to its location)")
+def shakespeare(tmp_path_factory) -> Path:
+    """Real text the repository carries (tests/corpus/README.md): tiny-shakespeare, unpacked once a session."""
+    import gzip
+
+    path = tmp_path_factory.mktemp("shakespeare") / "input.txt"
+    path.write_bytes(gzip.decompress((REPO / "tests" / "corpus" / "tinyshakespeare.txt.gz").read_bytes()))
     return path
 
 

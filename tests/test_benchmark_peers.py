@@ -47,7 +47,10 @@ def test_the_gpt_peers_flops_are_nanogpts_own_count():
     """gpt_flops_per_token against nanoGPT's model.py itself (its parameter count and estimate_mfu's formula)."""
     import torch
 
-    spec = importlib.util.spec_from_file_location("nanogpt_model", peers.PEERS / "nanoGPT" / "model.py")
+    source = peers.PEERS / "nanoGPT" / "model.py"
+    if not source.is_file():
+        pytest.skip(f"{source} is absent: the peers are beside a checkout only where ../shared is (CI has it)")
+    spec = importlib.util.spec_from_file_location("nanogpt_model", source)
     model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(model)
     for layers, width, block, vocab in [(4, 128, 64, 8192), (6, 256, 128, 32768)]:

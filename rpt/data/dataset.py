@@ -27,7 +27,8 @@ class PreparedData:
         if not meta_path.is_file():
             raise RptError(f"{self.path} is not a prepared dataset (no meta.json)",
                            f"point data.path at a folder `rpt prepare --out` wrote, or make one: "
-                           f"`rpt prepare --input YOUR_TEXT --out {self.path}`")
+                           f"`rpt prepare --out {self.path}` (the embedded corpus, Python's standard library: no "
+                           f"--input) or `rpt prepare --input YOUR_TEXT --out {self.path}`")
         try:
             self.meta = json.loads(meta_path.read_text())
             self.vocab_size = int(self.meta["vocab_size"])

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
+from rpt.data.text import replace_lone_surrogates
 from rpt.errors import RptError
 
 EOT = "<|endoftext|>"
@@ -310,6 +311,7 @@ def _jsonl_pieces(raw: BinaryIO, report: ReadReport, text_field: str, new_doc) -
             if not report.fields_seen:
                 report.fields_seen = sorted(record)[:10]
             continue
+        text, _ = replace_lone_surrogates(text)  # a "\\ud83d" escape without its pair: as an undecodable byte
         report.replaced_sequences += text.count("\ufffd")
         doc = new_doc()
         yield from doc.feed(text)

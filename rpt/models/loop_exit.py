@@ -21,21 +21,32 @@ from rpt.models.lm import ClusteredHead
 CRITERIA = ("kl", "shortlist", "change")
 
 
+def example(name: str, rule: str) -> str:
+    """A rule as the interface called `name` takes it: the CLI's flag (--exit kl:5e-4) or the API's field."""
+    return f"{name} {rule}" if name.startswith("-") else f'"{name}": "{rule}"'
+
+
+def how(name: str) -> str:
+    return (f"give it as CRITERION:THRESHOLD, e.g. {example(name, 'kl:5e-4')} or {example(name, 'change:0.01')} "
+            f"(criteria: {', '.join(CRITERIA)})")
+
+
 class Exit:
     """An exit rule, and what it saw: `iterations` (summed over the rows of every step it ran), `tokens`, and
     `depths`, the iterations each row of the last step ran."""
 
-    def __init__(self, criterion: str, threshold: float):
+    def __init__(self, criterion: str, threshold: float, name: str = "--exit"):
+        """`name`: how the interface that received the rule calls it (the CLI's --exit, the API's "exit"), for the
+        messages."""
         if criterion not in CRITERIA:
-            raise RptError(f"exit criterion {criterion!r} is not one of {', '.join(CRITERIA)}",
-                           "write --exit CRITERION:THRESHOLD, e.g. --exit kl:5e-4 or --exit change:0.01")
+            raise RptError(f"{name}: the criterion {criterion!r} is not one of {', '.join(CRITERIA)}", how(name))
         if not threshold >= 0:
-            raise RptError(f"exit threshold {threshold} is negative", "give a threshold of 0 (never exit) or more")
+            raise RptError(f"{name}: the threshold {threshold} is negative", "give a threshold of 0 (never exit) or more")
         self.criterion, self.threshold = criterion, threshold
         self.tokens, self.depths, self._iterations = 0, None, torch.zeros((), dtype=torch.long)
 
     @classmethod
-    def parse(cls, text: str) -> "Exit":
+    def parse(cls, text: str, name: str = "--exit") -> "Exit":
         """"kl:5e-4" -> Exit("kl", 5e-4)."""
         criterion, _, threshold = text.partition(":")
         try:
@@ -43,15 +54,14 @@ class Exit:
         except ValueError:
             problem = f"its threshold {threshold.strip()!r} is not a number" if threshold.strip() else \
                 "it has no threshold after the criterion"
-            raise RptError(f"--exit {text!r}: {problem}",
-                           "write --exit CRITERION:THRESHOLD, e.g. --exit kl:5e-4 or --exit change:0.01") from None
-        return cls(criterion.strip(), value)
+            raise RptError(f"{name} {text!r}: {problem}", how(name)) from None
+        return cls(criterion.strip(), value, name)
 
-    def check(self, model_cfg) -> None:
+    def check(self, model_cfg, name: str = "--exit") -> None:
         """Refuse, before anything runs, a rule the model cannot take (`model_cfg`: its ModelConfig)."""
         if self.criterion == "shortlist" and not model_cfg.head_shortlist:
-            raise RptError("--exit shortlist: this model's head has no shortlist (model.head_shortlist = 0)",
-                           "use --exit kl:THRESHOLD or --exit change:THRESHOLD")
+            raise RptError(f"{name} shortlist: this model's head has no shortlist (model.head_shortlist = 0)",
+                           "use the criterion kl or change instead, e.g. " + example(name, "kl:5e-4"))
 
     @property
     def iterations(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import sys
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -146,6 +147,7 @@ def serve(run_dirs: list[str], host: str, port: int, token: str | None) -> None:
     import uvicorn
 
     from rpt.errors import RptError
+    from rpt.net import open_warning
 
     missing = [r for r in run_dirs if not (Path(r) / "config.toml").is_file()]
     if missing:
@@ -158,4 +160,7 @@ def serve(run_dirs: list[str], host: str, port: int, token: str | None) -> None:
                            f"choose another port, e.g. --port {port + 1}, or stop what uses it") from None
     address = f"http://{host}:{port}/" + (f"?token={token}" if token else "")
     print(f"rpt monitor: {len(run_dirs)} run(s) at {address}  (Ctrl-C stops)", flush=True)
+    warning = open_warning(host, token, "the dashboard")
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     uvicorn.run(create_app([Path(r) for r in run_dirs], token), host=host, port=port, log_level="warning")

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rpt.errors import RptError
+from rpt.net import port_from_env
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 STALL_EXIT = 3  # the exit status of a rank that rpt.train.watchdog stopped: the launcher names the stall
@@ -112,7 +113,7 @@ def rendezvous_store(rank: int, world: int) -> dist.Store:
     refused", or a hang, in most restarts after a SIGKILL). The prefix gives each attempt its own keys
     (8 of 8 restarts resumed)."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), port_from_env("MASTER_PORT", 29500),
                           world, is_master=not agent and rank == 0, timeout=COLLECTIVE_TIMEOUT)
     return dist.PrefixStore(f"rpt-attempt-{restart_count()}", store)
 

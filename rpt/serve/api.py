@@ -10,22 +10,26 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from rpt.data.text import not_utf8_at, shown
 from rpt.errors import RptError
 from rpt.models.loop_exit import Exit
 from rpt.serve.engine import Sampling, Stream
 from rpt.serve.metrics import CONTENT_TYPE, ServeMetrics
 from rpt.serve.scheduler import Busy, Draining, Scheduler
 
+log = logging.getLogger("rpt.serve")
 MAX_TOKENS = 10_000_000  # one stream's most new tokens: its memory does not grow, only its time
 MAX_STOP = 4  # stop strings a request may give (as OpenAI's API)
 MAX_N = 128  # choices per prompt
@@ -121,8 +125,9 @@ class Completion:
 
     @property
     def prompt_tokens(self) -> int:
-        """The prompts' own tokens (the leading end of text left out), once per choice."""
-        return sum(len(ids) - 1 for ids in self.prompts) * self.n
+        """The prompts' own tokens (the leading end of text left out), each prompt once whatever its choices, as
+        OpenAI and vLLM count them."""
+        return sum(len(ids) - 1 for ids in self.prompts)
 
 
 def build_app(service: Service) -> Starlette:
@@ -134,10 +139,29 @@ def build_app(service: Service) -> Starlette:
         except BadRequest as exc:
             service.metrics.requests.labels(outcome=outcome_of(exc)).inc()
             return exc.response()
+        except Exception:  # a bug of rpt's: the client gets OpenAI's error shape, the log the traceback
+            service.metrics.requests.labels(outcome="error").inc()
+            log.exception("a completion request failed inside the server")
+            return BadRequest(500, "the server failed on this request (its log holds the traceback)", "server_error",
+                              code="internal_error").response()
+
+    def model_card() -> dict:
+        return {"id": service.name, "object": "model", "created": service.created, "owned_by": "rpt"}
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": service.name, "object": "model",
-                                                         "created": service.created, "owned_by": "rpt"}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name != service.name:
+            return BadRequest(404, f"the model {name!r} does not exist: this server serves {service.name!r}",
+                              param="model", code="model_not_found").response()
+        return JSONResponse(model_card())
+
+    async def chat(request: Request) -> Response:
+        return BadRequest(404, f"{service.name!r} is a base model (no chat template): rpt serve answers "
+                          "POST /v1/completions only; send the conversation as a prompt there",
+                          code="unknown_url").response()
 
     async def health(request: Request) -> Response:
         sched = service.scheduler
@@ -151,27 +175,51 @@ def build_app(service: Service) -> Starlette:
         return Response(service.metrics.text(), media_type=CONTENT_TYPE)
 
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                            Route("/v1/chat/completions", chat, methods=["POST"]),
                             Route("/v1/models", models, methods=["GET"]),
+                            Route("/v1/models/{name:path}", model, methods=["GET"]),
                             Route("/health", health, methods=["GET"]),
-                            Route("/metrics", metrics, methods=["GET"])])
+                            Route("/metrics", metrics, methods=["GET"])],
+                    exception_handlers={HTTPException: http_error, Exception: server_error})
     app.add_middleware(BearerToken, token=service.token, metrics=service.metrics)
     return app
 
 
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals (no such route, a method the route does not take) in OpenAI's error shape."""
+    if exc.status_code == 404:
+        message = f"there is no route {request.url.path}: rpt serve answers POST /v1/completions, GET /v1/models, " \
+                  "GET /health and GET /metrics"
+    elif exc.status_code == 405:
+        message = f"{request.method} is not taken by {request.url.path}"
+    else:
+        message = exc.detail
+    return BadRequest(exc.status_code, message, code={404: "unknown_url", 405: "method_not_allowed"}.get(
+        exc.status_code), headers=dict(exc.headers or {})).response()
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    """What a route failed with, outside the completions route's own accounting: OpenAI's error shape."""
+    return BadRequest(500, "the server failed on this request (its log holds the traceback)", "server_error",
+                      code="internal_error").response()
+
+
 class BearerToken:
-    """With --token, every route but /health needs `Authorization: Bearer TOKEN` (a plain ASGI middleware, so that
-    streamed answers pass through untouched)."""
+    """With --token, every route but /health needs `Authorization: Bearer TOKEN` (the scheme in any case, as HTTP's
+    schemes are; a plain ASGI middleware, so that streamed answers pass through untouched)."""
 
     def __init__(self, app, token: str | None, metrics: ServeMetrics):
         self.app, self.token, self.metrics = app, token, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.token and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1").strip()
+            scheme, _, credential = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(credential.strip().encode(), self.token.encode()):
                 self.metrics.requests.labels(outcome="unauthorized").inc()
-                answer = BadRequest(401, "a bearer token is needed: send the header Authorization: Bearer TOKEN",
-                                    code="invalid_api_key").response()
+                message = "the bearer token is wrong: send the server's --token" if scheme.lower() == "bearer" else \
+                    "a bearer token is needed: send the header Authorization: Bearer TOKEN"
+                answer = BadRequest(401, message, "authentication_error", code="invalid_api_key").response()
                 return await answer(scope, receive, send)
         return await self.app(scope, receive, send)
 
@@ -221,6 +269,7 @@ def parse(body: bytes, service: Service) -> Completion:
         raise BadRequest(400, "prompt must be a string or a non-empty list of strings", param="prompt")
     if any(p == "" for p in prompts):
         raise BadRequest(400, "a prompt is empty: give at least one character", param="prompt")
+    utf8(prompts, "prompt")
     n = integer(req, "n", 1, 1, MAX_N)
     sched = service.scheduler
     if len(prompts) * n > sched.max_streams + sched.max_queue:
@@ -229,12 +278,15 @@ def parse(body: bytes, service: Service) -> Completion:
     stop = req.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest(400, f"stop must be a non-empty string or a list of at most {MAX_STOP}", param="stop")
+        raise BadRequest(400, f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings "
+                         f"(got {stop!r})", param="stop")
+    utf8(stop, "stop")
     seed = req.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63):
         raise BadRequest(400, "seed must be an integer from 0 to 2**63 - 1", param="seed")
     depth, exit_rule = looped(req, service)
-    top_k = integer(req, "top_k", 0, -1, 1 << 30)
+    top_k = req.get("top_k")
+    top_k = 0 if top_k in (None, -1) else integer(req, "top_k", 0, 0, 1 << 30, "0 or -1 for no limit, or ")
     base = Sampling(max_tokens=integer(req, "max_tokens", 16, 1, MAX_TOKENS),
                     temperature=number(req, "temperature", 1.0, 0.0, 2.0),
                     top_p=number(req, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=max(top_k, 0),
@@ -242,21 +294,37 @@ def parse(body: bytes, service: Service) -> Completion:
     settings = [dataclasses.replace(base, seed=None if seed is None else (seed + j) % 2 ** 63)
                 for j in range(n)]  # choice j of a seeded request: seed + j, so that the choices differ
     stream = boolean(req, "stream", False)
-    options = req.get("stream_options") or {}
+    options = req.get("stream_options")
+    if options is not None and not stream:
+        raise BadRequest(400, "stream_options applies to a streamed answer: give it with \"stream\": true",
+                         param="stream_options")
+    options = options or {}
     if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
         raise BadRequest(400, "stream_options takes include_usage and continuous_usage_stats only",
                          param="stream_options")
+    for name in options:
+        boolean(options, name, False, f"stream_options.{name}")
     encode = service.tokenizer.encode
     ids = [[service.eot_id] + encode(p, add_special_tokens=False).ids for p in prompts]  # a document starts with EOT
     return Completion(ids, n, stream, bool(options.get("include_usage")),
                       bool(options.get("continuous_usage_stats")), settings)
 
 
-def integer(req: dict, name: str, default: int, low: int, high: int) -> int:
+def utf8(texts: list[str], name: str) -> None:
+    """Refuse a string UTF-8 cannot write (a lone surrogate, e.g. "\\ud83d" without its pair): the tokenizer
+    would fail on it."""
+    for text in texts:
+        at = not_utf8_at(text)
+        if at is not None:
+            raise BadRequest(400, f"{name} is not valid Unicode text: character {at + 1} is {shown(text[at])}; "
+                             "send UTF-8 text (a surrogate pair's two halves together)", param=name)
+
+
+def integer(req: dict, name: str, default: int, low: int, high: int, also: str = "") -> int:
     value = req.get(name, default)
     value = default if value is None else value
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise BadRequest(400, f"{name} must be an integer from {low} to {high:,} (got {value!r})", param=name)
+        raise BadRequest(400, f"{name} must be an integer: {also}from {low} to {high:,} (got {value!r})", param=name)
     return value
 
 
@@ -270,10 +338,10 @@ def number(req: dict, name: str, default: float, low: float, high: float, low_op
     return float(value)
 
 
-def boolean(req: dict, name: str, default: bool) -> bool:
+def boolean(req: dict, name: str, default: bool, param: str | None = None) -> bool:
     value = req.get(name, default)
     if not isinstance(value, bool):
-        raise BadRequest(400, f"{name} must be true or false (got {value!r})", param=name)
+        raise BadRequest(400, f"{param or name} must be true or false (got {value!r})", param=param or name)
     return value
 
 
@@ -287,12 +355,12 @@ def looped(req: dict, service: Service) -> tuple[int | None, Exit | None]:
         depth = integer(req, "depth", 0, 1, service.loop_depth)
     if rule is not None:
         if not isinstance(rule, str):
-            raise BadRequest(400, "exit must be a string CRITERION:THRESHOLD, e.g. kl:5e-4", param="exit")
+            raise BadRequest(400, 'exit must be a string "CRITERION:THRESHOLD", e.g. "kl:5e-4"', param="exit")
         try:
-            rule = Exit.parse(rule)
+            rule = Exit.parse(rule, name="exit")
             service.check_exit(rule)
         except RptError as exc:
-            raise BadRequest(400, f"exit: {exc}", param="exit") from None
+            raise BadRequest(400, f"{exc.message}: {exc.fix}" if exc.fix else exc.message, param="exit") from None
     return depth, rule
 
 

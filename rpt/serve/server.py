@@ -18,6 +18,7 @@ from pathlib import Path
 import uvicorn
 
 from rpt.errors import RptError
+from rpt.net import open_warning
 from rpt.models.lm import ClusteredHead
 from rpt.serve.api import Service, build_app
 from rpt.serve.engine import Engine, Sampling, Stream
@@ -133,7 +134,7 @@ def serve(run_dir: str, checkpoint: str, host: str, port: int, max_streams: int,
     scheduler = Scheduler(engine, max_streams, max_queue, metrics, products)
     m = cfg.model
     service = Service(Path(run_dir).resolve().name, tokenizer, eot, scheduler, metrics, max_prompt_bytes, token,
-                      loop_depth=m.loop_cap if m.loop_core else None, check_exit=lambda rule: rule.check(m))
+                      loop_depth=m.loop_cap if m.loop_core else None, check_exit=lambda rule: rule.check(m, name="exit"))
     app = build_app(service)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)
@@ -143,6 +144,7 @@ def serve(run_dir: str, checkpoint: str, host: str, port: int, max_streams: int,
         if not http.is_alive():
             raise RptError(f"the server could not listen on {host}:{port}", "choose another --port (or --host)")
         time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]  # the port taken (--port 0: a free one)
     print(f"serving {service.name} ({path}) as model {service.name!r}: {m.cell} {m.n_layers} x {m.d_model}, "
           f"{sum(p.numel() for p in model.parameters()):,} parameters, on {engine.device}", flush=True)
     print(f"memory: one stream's state {mib(plan['state_per_stream'])}, and up to {mib(plan['work_per_stream'])} "
@@ -152,6 +154,9 @@ def serve(run_dir: str, checkpoint: str, host: str, port: int, max_streams: int,
           f"while prompts are prefilled; --max-queue {max_queue} more wait, whole prompts held", flush=True)
     print("no context limit: a stream's memory is its state, the same at any length", flush=True)
     print(f"listening on http://{host}:{port}/v1" + (" (bearer token required)" if token else ""), flush=True)
+    warning = open_warning(host, token, "the API")
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     Drain(scheduler, grace)
     try:
         scheduler.run()  # here, on the main thread, until a drain has ended every stream

@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from rpt.data.text import not_utf8_at, shown
 from rpt.errors import RptError
 from rpt.models.loop_exit import Exit
 from rpt.train.evaluate import check_depth
@@ -22,6 +23,10 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
     a looped model's iterations per token; `exit` ("kl:5e-4"): end them early, at most `depth` (4 x loop_mean by
     default); `shared`: keep one state for all iterations (rpt/models/loop_exit.py, docs/depth.md)."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    at = not_utf8_at(prompt)
+    if at is not None:
+        raise RptError(f"--prompt is not UTF-8 text: character {at + 1} is {shown(prompt[at])}",
+                       "give the prompt as UTF-8 text (a terminal with a UTF-8 locale, e.g. LANG=C.UTF-8)")
     out = out or sys.stdout  # (the stream of the moment, not the one of the import)
     from rpt.data.tokenizer import eot_id, token_bytes
     from rpt import kernels

@@ -229,7 +229,8 @@ def cell_choice(cfg, device: torch.device) -> list[Choice]:
         return []
     if device.type in FAMILIES:
         cell, why = FAMILIES[device.type]
-        return [Choice("model.cell", cell, f"measured best on this device: {why}")]
+        return [Choice("model.cell", cell, f"the recipe's family for a {device.type} (a fixed rule, measured on the "
+                       f"build machine's 2-core CPU, not on this one): {why}")]
     cell, _ = FAMILIES["cpu"]
     return [Choice("model.cell", cell, f"the CPU's measured choice: the families are not yet measured on "
                    f"{device.type} (benchmarks/results/quality.md, issue 59)")]

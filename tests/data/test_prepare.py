@@ -287,3 +287,15 @@ def test_prepare_defaults_to_the_auto_vocabulary_and_says_why(tmp_path, small_co
     assert meta["vocab_choice"].startswith("auto: ") and 257 <= meta["vocab_size"] <= 8192
     with pytest.raises(RptError, match="neither a number nor auto"):
         prepare(PrepareOptions(out=tmp_path / "p", inputs=[str(small_corpus)], vocab_size="big", progress=False))
+
+
+def test_a_jsonl_escape_without_its_surrogate_pair_is_replaced_and_counted_not_a_crash(tmp_path, shakespeare_text):
+    records = [json.dumps({"text": shakespeare_text[i * 2000:(i + 1) * 2000]}) for i in range(20)]
+    records[3] = '{"text": "a lone half \\ud83d here, a pair \\ud83d\\ude42 there"}'
+    (tmp_path / "c.jsonl").write_text("\n".join(records) + "\n")
+    meta = prepare(PrepareOptions(out=tmp_path / "o", inputs=[str(tmp_path / "c.jsonl")], vocab_size=300,
+                                  progress=False))
+    assert meta["report"]["documents"] == 20 and meta["report"]["replaced_sequences"] == 1
+    data = PreparedData(tmp_path / "o")
+    text = data.tokenizer.decode(np.concatenate([data.tokens("train"), data.tokens("val")]).tolist())
+    assert "a lone half \ufffd here, a pair \U0001f642 there" in text

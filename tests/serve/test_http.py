@@ -292,9 +292,142 @@ def test_a_looped_model_takes_its_depth_and_exit_per_request(tmp_path_factory, t
         for d, text in texts.items():  # ignore_eos: past an end of text both go on into a new document
             assert text == generate_text(str(run), "KING:", 8, 0.0, 0, 1.0, None, "best", "cpu", out=io.StringIO(),
                                          depth=d)
-        for bad, param in (({"depth": 5}, "depth"), ({"depth": 0}, "depth"), ({"exit": "bogus:x"}, "exit"),
+        for bad, param in (({"depth": 5}, "depth"), ({"depth": 0}, "depth"), ({"exit": "bogus:x"}, "exit"), ({"exit": "bogus"}, "exit"),
                            ({"exit": "shortlist:1e-3"}, "exit")):  # (its head has no shortlist)
             refused = ask(**bad)
             assert refused.status_code == 400 and error_of(refused)["param"] == param, refused.text
+            assert "--" not in error_of(refused)["message"]  # in the API's words, not the command line's
     finally:
         s.stop()
+
+
+def metric(server: Server, line_start: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    return float(next((line.split()[-1] for line in text.splitlines() if line.startswith(line_start)), "0"))
+
+
+def test_a_prompt_or_stop_string_that_is_not_unicode_text_is_a_400_naming_its_field(server):
+    for body, param in (('{"prompt": "ab\\ud83dcd", "max_tokens": 2}', "prompt"),
+                        ('{"prompt": ["fine", "\\udcff"], "max_tokens": 2}', "prompt"),
+                        ('{"prompt": "ab", "stop": ["\\ude00"], "max_tokens": 2}', "stop")):
+        refused = httpx.post(f"{server.url}/v1/completions", content=body.encode(), timeout=30)
+        assert refused.status_code == 400, refused.text
+        error = error_of(refused)
+        assert error["param"] == param and "pair" in error["message"], error
+    paired = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "ab\\ud83d\\ude42", "max_tokens": 2}',
+                        timeout=30)
+    assert paired.status_code == 200  # a surrogate pair is one character
+
+
+def test_usage_and_metrics_count_each_prompt_once_whatever_its_choices(server):
+    def usage(**kw):
+        return httpx.post(f"{server.url}/v1/completions", json={"max_tokens": 3, "temperature": 0.5, **kw},
+                          timeout=60).json()["usage"]["prompt_tokens"]
+
+    one = usage(prompt="import")
+    before = metric(server, "rpt_prompt_tokens_total")
+    assert usage(prompt="import", n=3) == one
+    assert metric(server, "rpt_prompt_tokens_total") - before == one
+    assert usage(prompt=["import", "import"], n=2) == 2 * one
+    chunks = list(client(server).completions.create(model="tiny", prompt="import", n=3, max_tokens=3, stream=True,
+                                                    stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens == one
+
+
+@pytest.mark.parametrize("body, param, said", [
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ({"prompt": "a", "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage",
+     "true or false"),
+    ({"prompt": "a", "stream": "true"}, "stream", "true or false"),
+    ({"prompt": "a", "top_k": -2}, "top_k", "-1 for no limit"),
+    ({"prompt": "a", "stop": ["a", 5]}, "stop", "strings"),
+])
+def test_one_set_of_rules_for_the_fields(server, body, param, said):
+    refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert refused.status_code == 400, refused.text
+    error = error_of(refused)
+    assert error["param"] == param and said in error["message"], error
+
+
+def test_top_k_minus_one_and_zero_both_mean_no_limit(server):
+    def greedy(**kw):
+        return httpx.post(f"{server.url}/v1/completions", json={"prompt": "KING:", "max_tokens": 6, "seed": 3,
+                                                                 "temperature": 0.9, **kw}, timeout=60).json()
+    assert greedy(top_k=-1)["choices"][0]["text"] == greedy(top_k=0)["choices"][0]["text"]
+
+
+def test_every_route_answers_openai_shaped_errors(server):
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 404 and "/v1/completions" in error_of(chat)["message"]
+    with pytest.raises(openai.NotFoundError, match="base model"):
+        client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert client(server).models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="serves 'tiny'"):
+        client(server).models.retrieve("gpt-4")
+    for method, path, status in (("GET", "/v1/completions", 405), ("GET", "/nowhere", 404),
+                                 ("DELETE", "/v1/models", 405)):
+        answer = httpx.request(method, f"{server.url}{path}")
+        assert answer.status_code == status and error_of(answer)["message"], answer.text
+
+
+def test_the_bearer_scheme_in_any_case_and_a_wrong_token_said_so(small_server):
+    url = small_server.url
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
+    wrong = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and "wrong" in error_of(wrong)["message"]
+    missing = httpx.get(f"{url}/v1/models")
+    assert missing.status_code == 401 and "needed" in error_of(missing)["message"]
+
+
+def test_port_zero_takes_a_free_port_says_it_and_an_open_host_without_token_is_warned_of(run_dir):
+    proc = subprocess.Popen([sys.executable, "-m", "rpt", "serve", str(run_dir), "--port", "0", "--host", "0.0.0.0"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines, port = [], None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and port is None:
+            line = proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+            if line.startswith("listening on http://0.0.0.0:"):
+                port = int(line.split(":")[2].split("/")[0])
+        warning = proc.stdout.readline()
+        assert port and port != 0 and "open to the network with no token" in warning, "".join(lines) + warning
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("command", [["serve", "RUN", "--port", "99999"], ["serve", "RUN", "--port", "-1"],
+                                     ["monitor", "RUN", "--port", "0"], ["monitor", "RUN", "--port", "70000"]])
+def test_a_port_outside_its_range_is_refused_at_start(cli, command):
+    code, out, err = cli(*command)
+    assert code == 2 and "outside" in err and f"rpt {command[0]}" in err, err
+
+
+def test_a_request_that_fails_inside_the_server_is_a_counted_500_in_openai_shape():
+    from starlette.testclient import TestClient
+
+    from rpt.serve.api import Service, build_app
+    from rpt.serve.metrics import ServeMetrics
+
+    class Broken:
+        def encode(self, *a, **k):
+            raise RuntimeError("a bug")
+
+    class Idle:
+        max_streams, max_queue = 4, 4
+
+    metrics = ServeMetrics(64)
+    service = Service("m", Broken(), 0, Idle(), metrics, 1 << 20)
+    with TestClient(build_app(service), raise_server_exceptions=False) as http:
+        answer = http.post("/v1/completions", json={"prompt": "a"})
+    assert answer.status_code == 500 and answer.json()["error"]["type"] == "server_error"
+    assert 'rpt_requests_total{outcome="error"} 1.0' in metrics.text().decode()
+
+
+def test_rpt_generate_refuses_a_prompt_that_is_not_utf8_in_one_line(cli, run_dir):
+    code, out, err = cli("generate", str(run_dir), "--prompt", "ab\udcffcd", "--max-new-tokens", "2")
+    assert code == 2 and "Traceback" not in err and "byte 0xff" in err and "fix:" in err, err
