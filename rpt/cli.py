@@ -308,15 +308,19 @@ def _cmd_train(args) -> None:
         raise RptError(f"{run_dir} already holds a run", "continue it with --resume, or choose another --run-dir")
     from rpt.testing import faults  # RPT_FAULT: a rank that fails on purpose (rpt/testing/faults.py)
 
-    summary = train(cfg, run_dir, args.resume, args.nproc, args.max_restarts, args.device,
-                    faults.hooks_from_env if faults.from_env() else None)
+    from rpt.runtime.command_clock import command_clock
+
+    with command_clock(args.started):  # what the run's summary counts its seconds from
+        summary = train(cfg, run_dir, args.resume, args.nproc, args.max_restarts, args.device,
+                        faults.hooks_from_env if faults.from_env() else None)
     if summary is not None and summary.get("interrupted"):  # stopped after a step, with a checkpoint (said)
         sys.exit(130)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: rank 0 reports for the job
         return
     if summary is not None:
         print(f"val loss {summary['val_loss']:.4f}  ppl {summary['val_ppl']:.2f}  bpb {summary['val_bpb']:.4f}  "
-              f"({summary['steps']} steps, {summary['tokens']:,} tokens, {summary['tokens_per_second']:,.0f} tokens/s)")
+              f"(on {summary['val_tokens']:,} validation tokens; {summary['steps']} steps, {summary['tokens']:,} "
+              f"tokens, {summary['tokens_per_second']:,.0f} tokens/s)")
     print(run_dir / "summary.json")
 
 
@@ -485,7 +489,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`rpt ARGS`. From a shell (argv None) the process ends as soon as the command has: its exit handlers run and
+    its output is flushed, but not the interpreter's teardown of torch's modules (0.6 s of every command, and
+    where torch had imported Triton through torch._dynamo, nanobind's leak report of Triton's objects under a
+    clean error). Called from Python (argv given), it returns, or raises SystemExit, as any function."""
+    import time
+
+    from rpt.runtime.command_clock import process_started
+
+    if argv is not None:
+        return run(argv, time.time())
+    started = process_started() or time.time()  # from a shell the command began with its process
+    try:
+        run(None, started)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # a bug of rpt's: its traceback, as Python would print it
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """End the process: the other threads that hold it open joined, the exit handlers run (logging's, the
+    libraries'), the output flushed, then out, past the interpreter's module teardown."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def run(argv: list[str] | None, started: float) -> None:
     args = parse_args(argv)
+    args.started = started
     try:
         args.func(args)
     except RptError as exc:

@@ -219,7 +219,11 @@ class TrainConfig(_Section):
     grad_accum: int = 1
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     eval_interval: int = 200  # steps between validations; 0: only at the end
-    eval_tokens: int = 0  # tokens of a periodic validation; 0: the whole split (the final one always is)
+    eval_tokens: int = 0  # tokens of a periodic validation; 0: the whole split
+    final_eval_tokens: int = 0  # tokens of the final evaluation (the heads of its streams, as eval_tokens); 0: all
+    # A validation split of fewer tokens is refused at start (its figures would be noise); 0 goes on with any, each
+    # figure saying how many tokens it rests on
+    min_val_tokens: int = 1024
     eval_by_position: bool = False  # validations also report bits per byte by position in the documents
     # A looped model's validations also run at these depths (one pass each; its checkpoints are ranked at
     # model.loop_mean); empty: 1, 2, 4, loop_mean, 2 x and 4 x loop_mean
@@ -249,7 +253,7 @@ class TrainConfig(_Section):
         for name in ("batch_size", "seq_len", "grad_accum", "max_bad_steps"):
             _positive(f"train.{name}", getattr(self, name))
         for name in ("max_steps", "max_tokens", "max_time", "warmup_steps", "stall_timeout", "eval_interval",
-                     "eval_tokens", "grad_clip", "weight_decay"):
+                     "eval_tokens", "final_eval_tokens", "min_val_tokens", "grad_clip", "weight_decay"):
             _non_negative(f"train.{name}", getattr(self, name))
         _non_negative("train.bptt_chunk", self.bptt_chunk)
         if self.bptt_chunk and self.seq_len % self.bptt_chunk:

@@ -100,6 +100,27 @@ def batch_shapes(max_streams: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def check_free(host: str, port: int) -> None:
+    """Refuse, with the fix, an address this process cannot listen on (taken, or not this machine's)."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise RptError(f"--host {host}: {exc.strerror}", "give an address of this machine, e.g. 127.0.0.1") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a port in TIME_WAIT is free
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise RptError(f"cannot listen on {host}:{port}: {exc.strerror}",
+                           f"choose another --port (e.g. --port {port + 1 if port < 65535 else 8000}, or 0 for any "
+                           "free one), or stop what uses it") from None
+
+
 def mib(n: float) -> str:
     return f"{n / 2 ** 20:,.1f} MiB" if n >= 2 ** 20 else f"{n / 1024:,.1f} KiB"
 
@@ -118,6 +139,7 @@ def serve(run_dir: str, checkpoint: str, host: str, port: int, max_streams: int,
             raise RptError(f"{name} {value} must be 1 or more", f"e.g. {name} 64")
     if max_queue < 0 or grace < 0:
         raise RptError("--max-queue and --grace must be 0 or more", "e.g. --max-queue 64 --grace 30")
+    check_free(host, port)  # before the model loads and warms up
     cfg, model, tokenizer, path, _ = load_run(run_dir, checkpoint, device)
     eot = eot_id(tokenizer)
     engine = Engine(model, eot, cfg.data.reset_at_documents, token_bytes(tokenizer), prefill_chunk, prefill_tokens)

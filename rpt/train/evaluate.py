@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -61,20 +62,39 @@ def next_document_start(tokens, eot_id: int, begin: int, end: int, chunk: int = 
     return begin
 
 
+def forward_tokens(batch_size: int, seq_len: int, vocab_size: int) -> int:
+    """Tokens an evaluation forward may take: at least the training batch's, and up to what FORWARD_LOGITS_BYTES of
+    float32 logits (and their log-softmax) hold, at most FORWARD_TOKENS. The state is carried from window to window,
+    so a longer window changes no score (within float rounding), only how many forwards the split takes: the final
+    evaluation of tiny-cpu's 4 x 32 batch ran 1,700 forwards too short for mlstm's chunkwise form."""
+    return max(batch_size * seq_len, min(FORWARD_TOKENS, FORWARD_LOGITS_BYTES // (8 * max(1, vocab_size))))
+
+
+FORWARD_TOKENS = 16384
+FORWARD_LOGITS_BYTES = 1 << 30
+
+
 @torch.no_grad()
 def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size: int, seq_len: int,
              device: torch.device, rank: int = 0, world_size: int = 1, max_tokens: int = 0,
              eot_id: int | None = None, autocast=nullcontext, depth: int | None = None,
-             by_position: bool = False) -> dict:
-    """The split's score in the fixed layout (`eval_streams`); `batch_size` rows and `seq_len` tokens a forward.
-    `depth`: a looped model's iterations (its default, loop_mean, where None); `by_position`: also bits per byte
-    by the target's position in its document (bins of POSITION_EDGES)."""
+             by_position: bool = False, tokens_per_forward: int = 0, progress=None) -> dict:
+    """The split's score in the fixed layout (`eval_streams`); up to `batch_size` rows a forward, in windows of
+    `seq_len` tokens or, given `tokens_per_forward`, windows as long as that allows (at most a stream) and then
+    as many rows. `depth`: a looped
+    model's iterations (its default, loop_mean, where None); `by_position`: also bits per byte by the target's
+    position in its document (bins of POSITION_EDGES); `progress(done, total)`: called after every forward with
+    this rank's targets scored and to score."""
     was_training = model.training
     model.eval()
     check_fits(len(tokens))
     streams = eval_streams(tokens, eot_id, max_tokens)
-    T, per_rank = seq_len, math.ceil(len(streams) / world_size)
-    groups = math.ceil(per_rank / batch_size)
+    per_rank = math.ceil(len(streams) / world_size)
+    T, rows = seq_len, batch_size
+    if tokens_per_forward:  # a window up to a whole stream, then as many rows as the tokens allow
+        T = max(seq_len, min(int((streams[:, 1] - streams[:, 0]).max()), tokens_per_forward // batch_size))
+        rows = max(batch_size, tokens_per_forward // T)
+    groups = math.ceil(per_rank / rows)
     B = math.ceil(per_rank / groups)
     # the longest first, dealt out in turn: each rank's group g holds rows of about one length, the same for
     # every rank, and runs as many windows as the longest of them (every rank the same count: the pipeline's and
@@ -86,6 +106,8 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, bytes, tokens
     bins = len(POSITION_EDGES) + 1
     binned = torch.zeros(3, bins, dtype=torch.float64)  # nats, bytes, tokens by position bin
+    mine = dealt[rank::world_size]
+    total, done = int((mine[:, 1] - mine[:, 0]).sum()), 0
     for rows, group_windows in zip(dealt[rank::world_size].reshape(groups, B, 2), windows):
         state = None
         # each row's position before its window: unknown (below 1) until its first document start, where documents
@@ -101,6 +123,9 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
             with autocast():
                 losses, state = model(x.to(device), state, None if reset is None else reset.to(device),
                                       y.to(device), **({} if depth is None else {"depth": depth}))
+            done += int(valid.sum())
+            if progress is not None:
+                progress(done, total)
             if losses is None:  # a pipeline stage before the last: it passed its activations on
                 continue
             nats = losses.double() * valid.to(device)
@@ -147,11 +172,39 @@ def positions(x: torch.Tensor, eot_id: int | None, carried: torch.Tensor) -> tor
     return torch.where(start >= 0, t - start + 1, after)
 
 
-def check_fits(n: int) -> None:
-    """Refuse a validation split with nothing to predict (fewer than two tokens)."""
+def check_fits(n: int, least: int = 2) -> None:
+    """Refuse a validation split with nothing to predict (fewer than two tokens), or fewer than `least` tokens
+    (train.min_val_tokens: fewer give a figure that is noise, and checkpoints ranked by it)."""
     if n < 2:
         raise RptError(f"the validation split holds {n} token(s): nothing to predict",
                        "prepare with a larger --val-fraction (rpt prepare), or more text")
+    if n < least:
+        raise RptError(f"the validation split holds {n:,} tokens, too few for a meaningful validation figure "
+                       f"(train.min_val_tokens = {least:,}): its losses would rank checkpoints by noise",
+                       "prepare the data again with a larger --val-fraction (rpt prepare --val-fraction 0.05), or "
+                       "with more text; or, to go on with it, --set train.min_val_tokens=0 (every figure then says "
+                       "how many tokens it rests on)")
+
+
+class EvalProgress:
+    """A long evaluation's progress, a line every `every` seconds (tokens scored of the total, the time so far
+    and to go), so that a final evaluation of minutes is never silent. Called after each forward with this rank's
+    counts (ranks score alike shares)."""
+
+    EVERY = 10.0
+
+    def __init__(self, say, label: str, every: float = EVERY):
+        self.say, self.label, self.every = say, label, every
+        self.began = self.last = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every or done >= total:
+            return
+        self.last, spent = now, now - self.began
+        left = spent * (total - done) / max(done, 1)
+        self.say(f"{self.label}: {done:,} of {total:,} tokens ({done / total:.0%}) in {spent:.0f} s, "
+                 f"about {left:.0f} s to go")
 
 
 class Evaluation:
@@ -173,7 +226,8 @@ class Evaluation:
         self.stale: str | None = None  # why the run stops early (train.early_stop), decided at each validation
         self.health = LoopHealth(cfg.loop_ignored_after)  # a looped model's failures, warned about once each
         self.warnings: list[str] = []  # what the last periodic validation calls for, until taken
-        check_fits(len(data.tokens("val")))  # before step 1, not after the budget
+        check_fits(len(data.tokens("val")), cfg.min_val_tokens)  # before step 1, not after the budget
+        self.final_seconds = 0.0  # the final evaluation's, once run
 
     def should_evaluate(self, step: int, progress: float, align: int = 1) -> bool:
         """Every eval_interval steps; and under a time budget (whose steps depend on the machine's pace) at least
@@ -186,15 +240,30 @@ class Evaluation:
         since = progress - (self.last["progress"] if self.last else 0.0)
         return bool(self.cfg.max_time) and since >= AT_LEAST_EVERY and step % align == 0
 
-    def run(self, model, step: int, final: bool) -> dict:
+    def final_scope(self) -> str:
+        """What the final evaluation reads, in words."""
+        split = len(self.data.tokens("val"))
+        bound = self.cfg.final_eval_tokens
+        if bound and bound < split:
+            return f"the heads of its streams, {bound:,} of the split's {split:,} tokens (train.final_eval_tokens)"
+        return f"the whole split, {split:,} tokens"
+
+    def run(self, model, step: int, final: bool, say=None) -> dict:
         """A validation of `model`; a looped one's also at each of its evaluation depths (`by_depth`: loss and bpb
-        by depth) with what its state did at its default depth (`loop`: rpt.models.loop.LoopWatch)."""
+        by depth) with what its state did at its default depth (`loop`: rpt.models.loop.LoopWatch). `say`: where a
+        final evaluation tells its start and progress (EvalProgress)."""
         began = time.perf_counter()
+        progress = None
+        if final and say is not None:
+            say(f"final evaluation: {self.final_scope()}")
+            progress = EvalProgress(say, "final evaluation")
+        tokens_per_forward = forward_tokens(self.cfg.batch_size, self.cfg.seq_len, len(self.byte_lengths))
         measure = lambda depth=None: evaluate(  # noqa: E731
             model, self.data.tokens("val"), self.byte_lengths, batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len,
             device=self.device, rank=self.rank, world_size=self.world_size,
-            max_tokens=0 if final else self.cfg.eval_tokens, eot_id=self.eot_id, autocast=self.autocast, depth=depth,
-            by_position=self.cfg.eval_by_position and depth is None)
+            max_tokens=self.cfg.final_eval_tokens if final else self.cfg.eval_tokens, eot_id=self.eot_id,
+            autocast=self.autocast, depth=depth, by_position=self.cfg.eval_by_position and depth is None,
+            tokens_per_forward=tokens_per_forward, progress=progress)
         loop = getattr(model, "loop", None)  # a pipeline rank whose stages hold no core has none
         if loop is not None:
             loop.watch = LoopWatch()
@@ -213,6 +282,11 @@ class Evaluation:
         if not final:
             self.last = {**result, "step": step}
             self.seconds += time.perf_counter() - began
+        else:
+            self.final_seconds += time.perf_counter() - began
+            bound = self.cfg.final_eval_tokens
+            result["scope"] = (f"bounded by train.final_eval_tokens = {bound:,}" if bound and bound < len(
+                self.data.tokens("val")) else "whole split")
         return result
 
     def keep_if_best(self, weights_of, progress: float) -> None:
@@ -289,10 +363,13 @@ def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str |
         raise RptError(f"the data at {data.path} was tokenized with another tokenizer than the run's",
                        "evaluate on data prepared with the run's tokenizer (rpt prepare --tokenizer RUN_DIR/tokenizer.json)")
     dev = next(model.parameters()).device
-    result = evaluate(model, data.tokens("val"), token_byte_lengths(tokenizer), batch_size=cfg.train.batch_size,
+    lengths = token_byte_lengths(tokenizer)
+    result = evaluate(model, data.tokens("val"), lengths, batch_size=cfg.train.batch_size,
                       seq_len=cfg.train.seq_len, device=dev,
                       eot_id=data.eot_id if cfg.data.reset_at_documents else None, depth=depth,
-                      by_position=by_position)
+                      by_position=by_position,
+                      tokens_per_forward=forward_tokens(cfg.train.batch_size, cfg.train.seq_len, len(lengths)),
+                      progress=EvalProgress(lambda line: print(line, file=sys.stderr, flush=True), "evaluating"))
     about = ck.describe(path)
     return {**result, "depth": depth, "checkpoint": path, "about": f"{checkpoint}: {about}" if checkpoint in ("best", "latest") else about}
 

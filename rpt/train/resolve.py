@@ -177,7 +177,7 @@ def check(cfg: Config) -> None:
                        f"model.n_layers = {m.n_layers}: each needs at least one block",
                        "use fewer stages_per_rank, a smaller pp, or more layers")
     if m.loop_core:
-        _check_loop(cfg)
+        m.check()  # the loop's keys against n_layers, which a recipe may have chosen
     elif t.eval_depths:
         raise RptError(f"train.eval_depths = {t.eval_depths} for a model without a loop (model.loop_core = 0)",
                        "leave train.eval_depths empty, or loop the model (docs/depth.md)")
@@ -199,12 +199,21 @@ def check(cfg: Config) -> None:
         raise RptError(f"train.batch_size = {t.batch_size} is not divisible by parallel.microbatches = "
                        f"{p.microbatches}", "choose a micro-batch count that divides the batch size")
     _check_comm(cfg)
+    _check_builds(cfg)
 
 
-def _check_loop(cfg: Config) -> None:
-    """A looped model (model.loop_core) with its blocks as the recipe left them. Every layout runs it (a pipeline
-    keeps the core inside one stage: rpt/parallel/plan.py refuses a stage count that cannot)."""
-    cfg.model.check()  # the loop's keys against n_layers, which a recipe may have chosen
+def _check_builds(cfg: Config) -> None:
+    """The model built on the meta device (no memory, no initialisation): what its construction refuses (a head
+    count that does not divide a cell's state, ...) every command refuses on loading, `rpt config` as `rpt train`.
+    A vocabulary the data gives (0) is built at 65,536, above any shortlist a head may ask for."""
+    import dataclasses
+
+    from rpt.models.lm import RecurrentLM
+    from rpt.models.shapes import on_meta
+
+    m = cfg.model if cfg.model.vocab_size else dataclasses.replace(cfg.model, vocab_size=65536)
+    with on_meta():
+        RecurrentLM(m)
 
 
 def _check_pipeline(cfg: Config) -> None:

@@ -218,7 +218,9 @@ class Telemetry:
         for sink in self.sinks:
             sink.scalars(sinks.eval_scalars(record), step)
         self.say(f"step {step}: val loss {result['loss']:.4f}, ppl {result['ppl']:.2f}, bpb {result['bpb']:.4f}"
-                 + (" (final, whole split" + (f", the weights of step {weights_step}" if weights_step != step else "")
+                 + f" on {result['tokens']:,} tokens"
+                 + (f" (final, {result.get('scope', 'whole split')}"
+                    + (f", the weights of step {weights_step}" if weights_step != step else "")
                     + ")" if final else "")
                  + ("; bpb by depth " + ", ".join(f"{d}: {r['bpb']:.4f}" for d, r in result["by_depth"].items())
                     if "by_depth" in result else ""))
@@ -240,15 +242,17 @@ class Telemetry:
             self.store.write_profile(step, by_rank)
         return by_rank
 
-    def summary(self, run: dict, final: dict, ending: dict) -> dict:
+    def summary(self, run: dict, final: dict | None, ending: dict) -> dict:
         """summary.json: `run`, what the trainer says of the run (steps, tokens, wall_seconds, the selection, ...),
         with the final validation `final`, the losses and the communication of every rank; `ending`: what the
-        runner's finish() gave (this rank's communication totals; a pipeline's idle share by stage)."""
+        runner's finish() gave (this rank's communication totals; a pipeline's idle share by stage). `final` None:
+        written before the final evaluation, its figures null (the sinks get the whole summary only)."""
         layout = self.layout
         per_rank = self._comm_totals_by_rank(ending["comm_totals"])  # [world, 4]: steps, bytes, seconds, exposed
         steps = max(1.0, float(per_rank[:, 0].max()))
         total_bytes = float(per_rank[:, 1].sum()) / layout.world_size
         seconds, exposed = float(per_rank[:, 2].mean()), float(per_rank[:, 3].mean())
+        final = final or dict.fromkeys(("loss", "ppl", "bpb", "tokens", "bytes"))
         summary = {
             **run, "train_loss": self.last_train_loss, "val_loss": final["loss"], "val_ppl": final["ppl"],
             "val_bpb": final["bpb"], "val_tokens": final["tokens"], "val_bytes": final["bytes"],
@@ -263,8 +267,9 @@ class Telemetry:
         if layout.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             self.store.set_meta(summary=summary)
-        for sink in self.sinks:
-            sink.finish(summary)
+        if final["loss"] is not None:
+            for sink in self.sinks:
+                sink.finish(summary)
         return summary
 
     def _comm_totals_by_rank(self, totals: tuple) -> torch.Tensor:

@@ -54,6 +54,7 @@ from rpt.parallel import launch
 from rpt.parallel.apply import parallelize
 from rpt.parallel.fsdp import param_digest
 from rpt.parallel.launch import Dist, restart_count
+from rpt.runtime.command_clock import command_started
 from rpt.parallel.runner import StepRecord, autocast_for
 from rpt.runtime.signals import StopRequest
 from rpt.train.averaging import WeightAverage
@@ -119,6 +120,8 @@ class Trainer:
         """`cfg`: the user's configuration, resolved here (rpt/train/resolve.py) into `self.resolved`, whose frozen
         `cfg` everything after reads. `resume`: --resume (an elastic restart resumes too)."""
         self.run_dir, self.d, self.device = Path(run_dir), dist_info, dist_info.device
+        self.command_started = command_started(time.time())  # what summary.json's `seconds` count from
+        self.marks: dict[str, float] = {}  # when this command's phases began and ended (epoch seconds)
         sinks.require(cfg.monitor)  # on every rank, so that all of them stop, not rank 0 alone
         restarted = restart_count() > 0
         self.resolved, self.data = resolve(cfg, dist_info, self.run_dir, resume, restarted)
@@ -231,6 +234,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
         tel = self.telemetry
+        self.marks["training"] = time.time()
         self.progress.start()
         t = self.cfg.train
         tel.open(self.params, self.progress.step, self.spent(), self.resolved.notes, self.budget.describe(),
@@ -288,6 +292,7 @@ class Trainer:
             self._write_run_files()
         self._settle_pending_skip()
         segment = self.progress.stop()
+        self.marks["trained"] = time.time()
         profile = tel.profile(self.profiler, self.progress.step)
         ending = self.runner.finish()
         self.averaging.put_in()  # the run ends with the average (its iterate kept for a resume)
@@ -296,8 +301,8 @@ class Trainer:
         if ev.last is not None and ev.ranking(self.progress.step) is None:
             self._evaluate(final=False)  # the measure checkpoints are ranked and the best chosen by, at the last step
         if ev.last is None:  # no periodic evaluation: the final one ranks the last checkpoint
-            final = self._evaluate(final=True)
             selected = {"selected_step": self.progress.step, "selected_by": "the last step (no periodic validation)"}
+            final = self._final_evaluation(segment, profile, selected, ending)
             val = (final["loss"], final["tokens"])
         else:
             val = ev.ranking(self.progress.step)
@@ -305,12 +310,35 @@ class Trainer:
             self.checkpoints.finish(self.progress.step, val)
         if ev.last is not None:
             selected = self._select_best()
-            final = self._evaluate(final=True, weights_step=selected["selected_step"])
+            final = self._final_evaluation(segment, profile, selected, ending, selected["selected_step"])
         summary = tel.summary(self._run_figures(segment, profile, selected), final, ending)
         for hook in self.hooks:
             hook.run_ends()
         tel.close()
         return summary
+
+    def _final_evaluation(self, segment: float, profile, selected: dict, ending: dict,
+                          weights_step: int | None = None) -> dict:
+        """The final evaluation, with summary.json written before it (its figures but the final ones, marked
+        pending: a run stopped during it keeps them) and its seconds counted (`seconds.final_eval`)."""
+        self.telemetry.summary(self._run_figures(segment, profile, selected), None, ending)
+        self.marks["final_eval"] = time.time()
+        final = self._evaluate(final=True, weights_step=weights_step)
+        self.marks["final_evaluated"] = time.time()
+        return final
+
+    def _seconds(self, segment: float) -> dict:
+        """Where this command's seconds went, from its start to now: `start` (imports, data, the model, the recipe,
+        before the first step), `training` (the steps, with their periodic validations and checkpoints),
+        `final_eval`, and `closing` (the rest after the last step: the last checkpoint, the selection). A resumed
+        run's earlier segments are in wall_seconds, not here."""
+        now, m = time.time(), self.marks
+        began = m.get("training", now)
+        final = m.get("final_evaluated", now) - m["final_eval"] if "final_eval" in m else 0.0
+        command = now - self.command_started
+        start = began - self.command_started
+        return {"command": round(command, 3), "start": round(start, 3), "training": round(segment, 3),
+                "final_eval": round(final, 3), "closing": round(command - start - segment - final, 3)}
 
     def _nothing_trained(self) -> dict:
         """A resumed run that ended before its first step (an elastic restart of a run that had ended): its
@@ -414,12 +442,15 @@ class Trainer:
                 "eval_seconds": round(ev.seconds, 3), "eval_share": ev.seconds / max(wall, 1e-9),
                 "recipe_seconds": round(recipe, 3),
                 "selection_share": (ev.seconds + recipe) / max(wall + recipe, 1e-9),
-                "segment_first_step": self.resumed_at or 0, "segment_wall_seconds": round(segment, 3)}
+                "segment_first_step": self.resumed_at or 0, "segment_wall_seconds": round(segment, 3),
+                "seconds": self._seconds(segment),
+                "final_eval_scope": ev.final_scope() if "final_evaluated" in self.marks else "pending: it runs now"}
 
     def _evaluate(self, final: bool, weights_step: int | None = None) -> dict:
         """A validation of the model's weights (those of `weights_step` where they were loaded back)."""
         with self.clock("eval"), self.averaging.in_model():  # averaging: the average is what is validated
-            result = self.evaluation.run(self.runner.eval_model(), self.progress.step, final)
+            result = self.evaluation.run(self.runner.eval_model(), self.progress.step, final,
+                                         self.telemetry.say if final else None)
             if not final:
                 self.evaluation.keep_if_best(self._weights, self.spent_share)
         self.telemetry.evaluation(self.progress.step, result, final, weights_step)
