@@ -341,17 +341,17 @@ NO_PRESET = {"train.recipe": ("auto", "no --config: the default recipe chooses w
 
 
 def load_config(path: str | None, overrides: list[str], run_file: bool = False):
-    """The configuration every command uses: Config.load (without a file: the default recipe on), the checks that
-    span sections (rpt/train/resolve.py), then the model's cell and gate names against the registry (with
-    model.imports found in the working directory or beside the config file), so that `rpt config` refuses what
-    `rpt train` would. `run_file`: `path` is the run's own config.toml (a resume)."""
+    """The configuration every command uses: Config.load (without a file: the default recipe on), the model's cell
+    and gate names against the registry (with model.imports found in the working directory or beside the config
+    file), then the checks that span sections and the model built on the meta device (rpt/train/resolve.py), so
+    that `rpt config` refuses what `rpt train` would. `run_file`: `path` is the run's own config.toml (a resume)."""
     from rpt.config import Config
     from rpt.models.registry import check_names
     from rpt.train.resolve import check
 
     cfg = Config.load(path, overrides, run_file=run_file, implied=NO_PRESET if path is None else None)
+    check_names(cfg.model, [Path(path).parent] if path else [])  # (imports model.imports: the checks build the model)
     check(cfg)
-    check_names(cfg.model, [Path(path).parent] if path else [])
     return cfg
 
 

@@ -36,19 +36,12 @@ class Scheduler:
         self.wake = threading.Condition()
         self.draining = False
         self.deadline: float | None = None  # when a drain cuts what is still running
-        self.closed = False
         self.failure: BaseException | None = None  # what stopped the engine's thread, if anything did
-        self.thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Run the engine's loop on a thread of its own (`run` runs it on the caller's)."""
-        self.thread = threading.Thread(target=self.run, name="rpt-engine", daemon=True)
-        self.thread.start()
 
     def submit(self, streams: list[Stream]) -> None:
         """Admit these streams (one request's) or refuse them all."""
         with self.wake:
-            if self.draining or self.closed:
+            if self.draining:
                 raise Draining()
             if self.held + len(streams) > self.max_streams + self.max_queue:
                 raise Busy()
@@ -89,17 +82,6 @@ class Scheduler:
             self.queue.clear()
             self.wake.notify()
 
-    def idle(self) -> bool:
-        with self.wake:
-            return not self.queue and self.engine.active == 0
-
-    def close(self) -> None:
-        with self.wake:
-            self.closed = True
-            self.wake.notify()
-        if self.thread is not None:
-            self.thread.join(timeout=10)
-
     @property
     def queued(self) -> int:
         return len(self.queue)
@@ -109,20 +91,17 @@ class Scheduler:
             self.metrics.streams(self.engine.active, len(self.queue), self.engine.state_bytes(self.engine.active))
 
     def run(self) -> None:
-        """The engine's loop, on the calling thread, until `close()`, or until a drain has ended every stream. The
+        """The engine's loop, on the calling thread, until a drain has ended every stream. The
         server runs it on its main thread: torch's CPU kernels run slower on another thread of a process whose main
         thread started them (benchmarks/results/serve.md)."""
         try:
             with (self.products or nullcontext)():
                 while True:
                     with self.wake:
-                        while not self.closed and not self.queue and self.engine.active == 0:
+                        while not self.queue and self.engine.active == 0:
                             if self.draining:
                                 return
                             self.wake.wait(timeout=0.1)  # (signal handlers run between waits)
-                        if self.closed:
-                            self.engine.abort_all()
-                            return
                         while self.queue and self.engine.active < self.max_streams:
                             self.engine.add(self.queue.popleft())
                         if self.deadline is not None and time.monotonic() >= self.deadline:

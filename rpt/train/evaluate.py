@@ -70,6 +70,20 @@ def forward_tokens(batch_size: int, seq_len: int, vocab_size: int) -> int:
     return max(batch_size * seq_len, min(FORWARD_TOKENS, FORWARD_LOGITS_BYTES // (8 * max(1, vocab_size))))
 
 
+def forward_shape(streams: np.ndarray, per_rank: int, batch_size: int, seq_len: int,
+                  tokens_per_forward: int) -> tuple[int, int]:
+    """(rows, window) of an evaluation's forwards: `batch_size` rows of `seq_len`; given `tokens_per_forward`, a
+    window of whole multiples of `seq_len` (the shapes training ran: context parallelism cuts a window in equal
+    pieces) up to the longest stream, then as many rows as the tokens allow. The rows are spread evenly over the
+    groups the rank's streams need."""
+    rows, T = batch_size, seq_len
+    if tokens_per_forward:
+        longest = int((streams[:, 1] - streams[:, 0]).max())
+        T = seq_len * max(1, min(math.ceil(longest / seq_len), tokens_per_forward // (batch_size * seq_len)))
+        rows = max(batch_size, tokens_per_forward // T)
+    return math.ceil(per_rank / math.ceil(per_rank / rows)), T
+
+
 FORWARD_TOKENS = 16384
 FORWARD_LOGITS_BYTES = 1 << 30
 
@@ -90,12 +104,8 @@ def evaluate(model, tokens: np.ndarray, byte_lengths: np.ndarray, *, batch_size:
     check_fits(len(tokens))
     streams = eval_streams(tokens, eot_id, max_tokens)
     per_rank = math.ceil(len(streams) / world_size)
-    T, rows = seq_len, batch_size
-    if tokens_per_forward:  # a window up to a whole stream, then as many rows as the tokens allow
-        T = max(seq_len, min(int((streams[:, 1] - streams[:, 0]).max()), tokens_per_forward // batch_size))
-        rows = max(batch_size, tokens_per_forward // T)
-    groups = math.ceil(per_rank / rows)
-    B = math.ceil(per_rank / groups)
+    B, T = forward_shape(streams, per_rank, batch_size, seq_len, tokens_per_forward)
+    groups = math.ceil(per_rank / B)
     # the longest first, dealt out in turn: each rank's group g holds rows of about one length, the same for
     # every rank, and runs as many windows as the longest of them (every rank the same count: the pipeline's and
     # FSDP's collectives); padding rows are empty streams

@@ -75,7 +75,11 @@ def build_auto_with_timings(timed: dict) -> dict:
 def powersgd_overlap(blocking: bool, steps: int) -> dict:
     """PowerSGD over several DDP buckets on gloo for `steps` steps: how many layers' gradients backward computed
     while some bucket's round was under way, and the final parameters. `blocking`: each round
-    waited for inside the hook, as before the worker thread (the reference the results must equal)."""
+    waited for inside the hook, as before the worker thread (the reference the results must equal). Otherwise
+    every round is held, on its worker thread, until backward has computed the first layer's gradient (the last it
+    computes): `gates_opened` counts the rounds that saw it within a minute, which only rounds that backward does
+    not wait for can (were backward to wait for a round, the round would wait for backward: none would open)."""
+    import threading
     import time
 
     import torch.distributed as dist
@@ -86,12 +90,20 @@ def powersgd_overlap(blocking: bool, steps: int) -> dict:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:
+        last_gradient, gates = threading.Event(), []
         if blocking:
             def waited(state, bucket):
                 fut = compress._powersgd_round(state, bucket)
                 fut.wait()
                 return fut
             compress.powersgd_hook = waited
+        else:
+            round_of = compress._powersgd_round
+
+            def gated(state, bucket, start=None):
+                gates.append(last_gradient.wait(timeout=60))
+                return round_of(state, bucket, start)
+            compress._powersgd_round = gated
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
         sync = AllReduceSync(model, CommConfig(compression="powersgd", powersgd_rank=2, bucket_mb=0.3),
@@ -100,9 +112,12 @@ def powersgd_overlap(blocking: bool, steps: int) -> dict:
         ready = []  # when each weight's gradient was computed
         for layer in model:
             layer.weight.register_post_accumulate_grad_hook(lambda p: ready.append(time.perf_counter()))
+        model[0].weight.register_post_accumulate_grad_hook(lambda p: last_gradient.set())
         overlapped = []
         for step in range(steps):
             x = torch.randn(512, 256, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+            last_gradient.clear()
+            gates.clear()
             sync.module(x).pow(2).mean().backward()
             sync.wait_gradients()
             intervals = list(sync.meter.intervals)
@@ -111,7 +126,8 @@ def powersgd_overlap(blocking: bool, steps: int) -> dict:
             optimizer.zero_grad(set_to_none=True)
             if step >= 2:  # PowerSGD proper (plain all-reduce before start_powerSGD_iter)
                 overlapped.append({"buckets": len(intervals), "hidden": record["hidden_comm_fraction"],
-                                   "computed_during_a_round": sum(any(a < t < b for a, b in intervals) for t in ready)})
+                                   "computed_during_a_round": sum(any(a < t < b for a, b in intervals) for t in ready),
+                                   "gates_opened": sum(gates)})
             ready.clear()
         return {"overlapped": overlapped, "params": [p.detach().clone() for p in model.parameters()]}
     finally:

@@ -249,7 +249,8 @@ def test_the_family_is_the_devices_measured_best_and_a_given_cell_is_kept(make_c
 
     cfg, choices = resolved("cpu", "model.cell=gru")  # a default's cell, not given: the recipe chooses
     assert cfg.model.cell == recipe.FAMILIES["cpu"][0] == chosen(choices)["model.cell"]
-    assert any(f"model.cell = {cfg.model.cell}: measured best" in note for note in cfg.notes)
+    assert any(f"model.cell = {cfg.model.cell}: the recipe's family for a cpu (a fixed rule" in note
+               for note in cfg.notes)
     _, elsewhere = resolved("meta")
     assert chosen(elsewhere)["model.cell"] == recipe.FAMILIES["cpu"][0] and "not yet measured" in elsewhere[0].why
     kept, none = resolved("cpu", "model.cell=mlstm", "model.heads=2", given={"model.cell", "model.heads"})

@@ -80,7 +80,7 @@ def test_early_stop_waits_for_a_validation_that_share_of_the_budget_after_the_be
     from rpt.train.evaluate import Evaluation
 
     cfg = SimpleNamespace(eval_interval=1, eval_tokens=1, select_best=False, early_stop=0.25, seq_len=1,
-                          loop_ignored_after=0.25)
+                          loop_ignored_after=0.25, min_val_tokens=0)
     ev = Evaluation(cfg, SimpleNamespace(eot_id=0, tokens=lambda split: np.zeros(2)), np.zeros(1), "cpu", 0, 1, False,
                     nullcontext)
     for step, (loss, progress) in enumerate([(3.0, 0.1), (2.0, 0.2), (2.5, 0.3), (2.4, 0.44)]):
