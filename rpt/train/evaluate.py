@@ -63,11 +63,15 @@ def next_document_start(tokens, eot_id: int, begin: int, end: int, chunk: int = 
 
 
 def forward_tokens(batch_size: int, seq_len: int, vocab_size: int) -> int:
-    """Tokens an evaluation forward may take: at least the training batch's, and up to what FORWARD_LOGITS_BYTES of
-    float32 logits (and their log-softmax) hold, at most FORWARD_TOKENS. The state is carried from window to window,
-    so a longer window changes no score (within float rounding), only how many forwards the split takes: the final
-    evaluation of tiny-cpu's 4 x 32 batch ran 1,700 forwards too short for mlstm's chunkwise form."""
-    return max(batch_size * seq_len, min(FORWARD_TOKENS, FORWARD_LOGITS_BYTES // (8 * max(1, vocab_size))))
+    """Tokens an evaluation forward may take: at least the training batch's, and up to FORWARD_LOGITS_BYTES of float32
+    logits, at most FORWARD_TOKENS. The state is carried from window to window, so a longer window changes no score
+    (within float rounding), only how many forwards the split takes (tiny-cpu's 4 x 32 batch took 1,700); more
+    logits than that budget ran slower, not faster, on the build machine (benchmarks/results/training.md)."""
+    return max(batch_size * seq_len, min(FORWARD_TOKENS, FORWARD_LOGITS_BYTES // (4 * max(1, vocab_size))))
+
+
+FORWARD_TOKENS = 16384
+FORWARD_LOGITS_BYTES = 128 << 20
 
 
 def forward_shape(streams: np.ndarray, per_rank: int, batch_size: int, seq_len: int,
@@ -82,10 +86,6 @@ def forward_shape(streams: np.ndarray, per_rank: int, batch_size: int, seq_len: 
         T = seq_len * max(1, min(math.ceil(longest / seq_len), tokens_per_forward // (batch_size * seq_len)))
         rows = max(batch_size, tokens_per_forward // T)
     return math.ceil(per_rank / math.ceil(per_rank / rows)), T
-
-
-FORWARD_TOKENS = 16384
-FORWARD_LOGITS_BYTES = 1 << 30
 
 
 @torch.no_grad()
