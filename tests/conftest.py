@@ -24,6 +24,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker a core: o
 
 REPO = Path(__file__).resolve().parents[1]
 
+# the matrix-product peak MFU is measured against (rpt/runtime/peak.py), measured once per test process beside the
+# suite's other work: kept out of the machine's own cache, which a real run's MFU reads
+if "RPT_PEAK_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["RPT_PEAK_CACHE"] = str(Path(tempfile.mkdtemp(prefix="rpt-peak-")) / "peak_flops.json")
+
 
 @pytest.fixture(autouse=True)
 def test_device():

@@ -42,8 +42,9 @@ How each is run, never changing its code (each in a copy, since both write besid
 Each peer's loss in nats per token becomes bits per byte with its own token count on the held-out text:
 bpb = loss x tokens / bytes / ln 2 (tokens: characters for nanoGPT; words and one <eos> per line for
 word_language_model). Walls are whole processes, start-up and evaluations included. Training FLOPs, where known:
-rpt's 3 x its model's forward FLOPs a token (summary.json's flops_per_token: an mlstm's chunkwise products counted
-at its chunk size) x the tokens it trained; the gpt peer's by nanoGPT's own count (`gpt_flops_per_token`).
+rpt's summary.json's flops_per_token (already the training count: 3 x its model's forward products a token, an
+mlstm's chunkwise products counted at its chunk size; tests/models/test_flops.py holds it to torch's counter) x
+the tokens it trained; the gpt peer's by nanoGPT's own count (`gpt_flops_per_token`).
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ def run_rpt(case: Case, data: Path, work: Path, sets: list[str] = ()) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"peer": "rpt (default recipe)" + "".join(f" {s}" for s in sets), "wall_s": wall,
             "bpb": summary["val_bpb"], "summary": summary,
-            "train_flops": 3 * summary["flops_per_token"] * summary["tokens"],  # forward and backward
+            "train_flops": summary["flops_per_token"] * summary["tokens"],  # (forward and backward already)
             "detail": f"{summary['steps']} steps, ended by {summary['ended_by']}"}
 
 

@@ -37,7 +37,7 @@ def points_of(peers_json: Path, date: str, commit: str) -> list[dict]:
                 s = r["summary"]
                 cell = re.search(r"model\.cell=(\w+)", r["peer"])
                 rows = [{"line": f"rpt {cell.group(1) if cell else 'lstm'} (the recipe)", "bpb": r["bpb"],
-                         "wall_s": r["wall_s"], "train_flops": 3 * s["flops_per_token"] * s["tokens"],
+                         "wall_s": r["wall_s"], "train_flops": s["flops_per_token"] * s["tokens"],
                          "detail": r["detail"]}]
             elif r["peer"].startswith("nanoGPT"):
                 rows = [{"line": f"gpt {x['peer'].split()[1]}" + (f" ({x['vocab']:,} tokens)" if "vocab" in x else ""),

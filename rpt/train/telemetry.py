@@ -46,6 +46,12 @@ class Telemetry:
         self.store: MetricsWriter | None = None
         self.sinks: list = []
         self.bar = None
+        self.flops: tuple[int, float] | None = None  # (the model's training FLOPs a token, the job's peak FLOP/s)
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOP utilisation at `tokens_per_s` (the job's): its training FLOPs a second over the peak of its
+        devices in its precision (rpt/runtime/peak.py)."""
+        return None if self.flops is None else self.flops[0] * tokens_per_s / self.flops[1]
 
     def should_log(self, step: int) -> bool:
         return step % self.cfg.log_interval == 0
@@ -124,16 +130,18 @@ class Telemetry:
                  "grad_norm": record.grad_norm.item(), "lr": lr, "tokens_per_s": window_tokens / max(wall - apart, 1e-9),
                  "eval_s": phases["eval"], "checkpoint_s": phases["checkpoint"],
                  "skipped_steps": skipped_steps, "time": time.time(), **comm, **bubble, **sources,
+                 **({} if self.flops is None else {"mfu": self.mfu(window_tokens / max(wall - apart, 1e-9))}),
                  **({} if record.depth is None else {"depth": record.depth})}
         log.info(json.dumps(train))
         self._store_interval(train, record.loss.item(), comm, bubble.get("pipeline_bubble"), steps, wall, phases,
                              state)
         if self.layout.is_main:
             self.bar.set_postfix(step=step, loss=f"{mean_loss:.3f}", tok_s=f"{train['tokens_per_s']:,.0f}",
-                                 lr=f"{lr:.2e}")
+                                 lr=f"{lr:.2e}", **({"mfu": f"{train['mfu']:.1%}"} if "mfu" in train else {}))
             where = self.with_eta(where)
             if self.bar.disable and self.show_progress:  # stdout is no terminal (tee, nohup, SLURM): a plain line
-                print(progress_line(where, mean_loss, lr, train["tokens_per_s"], phases["eval"]), flush=True)
+                print(progress_line(where, mean_loss, lr, train["tokens_per_s"], phases["eval"], train.get("mfu")),
+                      flush=True)
             self.store.set_meta(progress=where)  # the dashboard's "step X of Y, ETA"
             self._append_jsonl(train)
 
@@ -308,14 +316,16 @@ def mean_across_ranks(value: torch.Tensor, layout) -> float:
     return value.item()
 
 
-def progress_line(where: dict, loss: float, lr: float, tokens_per_s: float, eval_s: float = 0.0) -> str:
+def progress_line(where: dict, loss: float, lr: float, tokens_per_s: float, eval_s: float = 0.0,
+                  mfu: float | None = None) -> str:
     """A log line off a terminal; `tokens_per_s`: training's own (validations and checkpoints left out), and
-    `eval_s`: the validations' seconds since the last line."""
+    `eval_s`: the validations' seconds since the last line; `mfu`: the model FLOP utilisation at that pace."""
     step = f"step {where['step']:,}" + (f"/{where['max_steps']:,}" if where["max_steps"] else "")
     eta = where["eta_s"]
     eta_text = "?" if eta is None else f"{int(eta // 60)}:{int(eta % 60):02d}"
     return (f"{step}  {100 * where['spent']:.0f}% of {where['budget']}  loss {loss:.4f}  lr {lr:.2e}  "
-            f"{tokens_per_s:,.0f} tokens/s" + (f" (+{eval_s:.1f} s validating)" if eval_s >= 0.05 else "")
+            f"{tokens_per_s:,.0f} tokens/s" + (f", MFU {mfu:.1%}" if mfu is not None else "")
+            + (f" (+{eval_s:.1f} s validating)" if eval_s >= 0.05 else "")
             + f"  ETA {eta_text}")
 
 

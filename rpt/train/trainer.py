@@ -55,6 +55,7 @@ from rpt.parallel.apply import parallelize
 from rpt.parallel.fsdp import param_digest
 from rpt.parallel.launch import Dist, restart_count
 from rpt.runtime.command_clock import command_started
+from rpt.runtime.peak import peak_flops
 from rpt.parallel.runner import StepRecord, autocast_for
 from rpt.runtime.signals import StopRequest
 from rpt.train.averaging import WeightAverage
@@ -162,6 +163,8 @@ class Trainer:
                                      self.dp_rank, self.dp_size, cfg.data.reset_at_documents,
                                      partial(autocast_for, layout.precision, layout.device))
         self.telemetry = Telemetry(cfg.monitor, layout, self.run_dir, runner.probes(), show_progress)
+        self.peak = peak_flops(self.device, layout.precision)  # one device's, in the run's precision (cached)
+        self.telemetry.flops = (self.flops_per_token, self.peak * layout.world_size)
         # what a checkpoint holds beside the model, the optimiser and the runner's parts: save and resume walk this
         # one provider (the parts a rank's place owns start afresh on another layout)
         self.held = self.held.with_parts({"progress": self.progress, "loader": self.loader, "budget": self.budget,
@@ -433,9 +436,11 @@ class Trainer:
         """What the run's summary says of the run itself (telemetry adds the losses and the communication): every
         figure over the whole run, all its segments (resumes) together, but those named `segment_*`."""
         ev, recipe, wall = self.evaluation, self.progress.recipe_seconds, self.progress.elapsed()
+        tokens_per_second = self.progress.tokens / max(wall, 1e-9)
         return {"steps": self.progress.step, "tokens": self.progress.tokens, "wall_seconds": round(wall, 3),
-                "tokens_per_second": self.progress.tokens / max(wall, 1e-9), "params": self.params,
-                "flops_per_token": self.flops_per_token, "ended_by": self.ended_by,
+                "tokens_per_second": tokens_per_second, "params": self.params,
+                "flops_per_token": self.flops_per_token, "peak_flops_per_device": self.peak,
+                "mfu": self.telemetry.mfu(tokens_per_second), "ended_by": self.ended_by,
                 "skipped_steps": self.progress.skipped_steps, "precision": self.cfg.train.precision,
                 "compression": self.cfg.comm.compression, "device": str(self.device), "profile_by_rank": profile,
                 **selected, "best_periodic_val_loss": ev.best["loss"] if ev.best else None,
