@@ -14,6 +14,7 @@ attention). tests/models/test_flops.py and tests/test_benchmark_peers.py hold ea
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -104,6 +105,8 @@ def gpt_counted(model_py: Path, layers: int, width: int, block: int, vocab: int,
 
 
 def main() -> None:
+    argparse.ArgumentParser(description="Each family's FLOP count, and the gpt peer's, against torch's "
+                            "FlopCounterMode (a markdown table).").parse_args()
     print("| model | rpt's count (forward) | torch's | ratio | rpt's count (training) | torch's | ratio |")
     print("|---|---|---|---|---|---|---|")
     for family in FAMILIES:
