@@ -1,4 +1,6 @@
-"""A recurrence runs in float32 under mixed precision (what every op's fast forms do, and why)."""
+"""A recurrence runs in float32 under mixed precision (what every op's fast forms do, and why), but where a form
+runs the autocast dtype itself: cuDNN's LSTM and GRU, and oneDNN's LSTM under bf16 autocast on a CPU
+(`cpu_bf16`)."""
 
 from contextlib import contextmanager
 
@@ -19,3 +21,11 @@ def full_precision(x: torch.Tensor):
 
 def as_fp32(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def cpu_bf16(x: torch.Tensor) -> bool:
+    """Whether x is on a CPU under bf16 autocast (train.precision = "bf16"): oneDNN's LSTM then runs its products
+    in bf16 on the CPU's bf16 units (AMX, avx512_bf16), its carried state kept in float32 between windows;
+    1.6x float32's forward + backward at 2 x 512 (benchmarks/results/quality.md, issue 70)."""
+    return x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and \
+        torch.get_autocast_dtype("cpu") == torch.bfloat16

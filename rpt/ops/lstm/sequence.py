@@ -13,7 +13,7 @@ from torch import Tensor
 from rpt import kernels
 from rpt.kernels.backend import Form
 from rpt.kernels.triton import on_chip
-from rpt.ops.precision import as_fp32, full_precision
+from rpt.ops.precision import as_fp32, cpu_bf16, full_precision
 from rpt.ops.segments import over_segments
 
 
@@ -38,7 +38,7 @@ def forward(cell, x: Tensor, state: tuple, reset: Optional[Tensor]):
         y, h, c = torch.lstm(xs, (st[0][None], st[1][None]), weights, True, 1, 0.0, cell.training, False, True)
         return y, (h[0], c[0])
 
-    if x.is_cuda:  # cuDNN runs the autocast dtype; the carried state keeps the caller's
+    if x.is_cuda or cpu_bf16(x):  # cuDNN, and oneDNN under bf16, run the autocast dtype; the state keeps the caller's
         dtype = state[0].dtype
         y, state = over_segments(run, x, state, reset)
         return y, tuple(s.to(dtype) for s in state)
