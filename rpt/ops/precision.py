@@ -29,3 +29,9 @@ def cpu_bf16(x: torch.Tensor) -> bool:
     1.6x float32's forward + backward at 2 x 512 (benchmarks/results/quality.md, issue 70)."""
     return x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and \
         torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def cpu_has_bf16_units() -> bool:
+    """Whether this CPU multiplies bf16 natively (oneDNN's test: avx512_bf16 or AMX), where elsewhere it emulates
+    bf16, slower than float32."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

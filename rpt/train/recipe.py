@@ -1,8 +1,9 @@
 """The default recipe: what `rpt train` chooses for the settings nobody gave (no --config, or a preset with
 `train.recipe = "auto"`).
 
-First the recurrent family (FAMILIES: the one measured best on the run's device) and the head: a two-level
-softmax's shortlist where it costs at most half a full softmax (token frequencies of the training split). Then rank
+First the recurrent family (FAMILIES: the one measured best on the run's device), the head (a two-level
+softmax's shortlist where it costs at most half a full softmax: token frequencies of the training split) and the
+precision (BF16_FAMILIES: bf16 where the CPU has bf16 units and the family was measured to keep its loss). Then rank
 0 times optimiser steps of one size on this machine, once (random tokens drawn as often as the corpus has them, the
 run's batch shape: measure_speed), scales that speed by FLOPs to a ladder of sizes and families (their parameters
 and FLOPs asked of the run's cell), reads the corpus's training tokens, and from the budget derives how many passes
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from rpt.models.registry import cell_options, get_cell
+from rpt.ops import precision
 from rpt.models.shapes import on_meta
 
 # width before depth: each size is (n_layers, d_model)
@@ -76,8 +78,23 @@ FAMILIES = {"cpu": ("lstm", "on the embedded corpus at equal time, ahead of minG
                             "mlstm by 0.019 at 300 s; at 1,200 s mlstm led by 0.009 in one run, twice the lstm's "
                             "run-to-run spread: not yet a rule")}
 
+# the families that train in bf16 on a CPU with bf16 units, and the measurement that chose each (1.6x float32's
+# tokens/s or more, the validation loss at equal steps within 0.01 bits per byte)
+BF16_FAMILIES = {
+    "lstm": "oneDNN's LSTM in bf16 trained 1.65x float32's tokens/s at 2 x 512 (64 x 64 tokens a step), the "
+            "validation loss after 200 steps 0.002 bits per byte lower",
+    "gru": "its projections and head in bf16 trained 1.18x float32's tokens/s at 2 x 512, the validation loss "
+           "after 120 steps the same (+0.0000 bits per byte)",
+    "modlstm": "its projections and head in bf16 trained 1.24x float32's tokens/s at 2 x 512, the validation loss "
+               "after 120 steps the same (+0.0001 bits per byte)",
+    "mingru": "its projections and head in bf16 trained 1.79x float32's tokens/s at 2 x 512, the validation loss "
+              "after 120 steps +0.003 bits per byte",
+    "minlstm": "its projections and head in bf16 trained 1.70x float32's tokens/s at 2 x 512, the validation loss "
+               "after 120 steps the same (-0.0000 bits per byte)"}
+# (mlstm: 1.60x, but +0.007 bits per byte after 120 steps in one run: float32 until a second run says otherwise)
+
 # every key the recipe may choose (a key a file or --set gives is left alone)
-CHOOSES = frozenset({"model.cell", "model.n_layers", "model.d_model", "model.head_shortlist", "model.attention_every",
+CHOOSES = frozenset({"model.cell", "train.precision", "model.n_layers", "model.d_model", "model.head_shortlist", "model.attention_every",
                      "train.batch_size", *REGULARISERS, *MANY_PASSES_OPTIMIZER, "train.early_stop",
                      "train.eval_tokens", "train.eval_interval", "train.warmup_steps"})
 
@@ -236,6 +253,19 @@ def cell_choice(cfg, device: torch.device) -> list[Choice]:
                    f"{device.type} (benchmarks/results/quality.md, issue 59)")]
 
 
+def precision_choice(cfg, device: torch.device, cell: str) -> list[Choice]:
+    """bf16 for a family of BF16_FAMILIES on a CPU with bf16 units (oneDNN's bf16 support: avx512_bf16 or AMX),
+    unless the precision was given; float32 elsewhere, said why."""
+    if "train.precision" in cfg.given or device.type != "cpu":
+        return []
+    if cell in BF16_FAMILIES and precision.cpu_has_bf16_units():
+        return [Choice("train.precision", "bf16", f"this CPU has bf16 units: {BF16_FAMILIES[cell]} "
+                       "(benchmarks/results/quality.md, issue 70)")]
+    why = (f"{cell} has not been measured to keep its loss in bf16 (or lost some)" if cell not in BF16_FAMILIES else
+           "this CPU has no bf16 units (oneDNN would emulate them)")
+    return [Choice("train.precision", "fp32", why)]
+
+
 def batch_open(cfg, rank_tokens: int) -> bool:
     """Whether the recipe may choose the rows a step: not where given, under a step budget (whose steps' size the
     user chose with it), where the batch would not divide into the run's micro-batches, or where a rank's
@@ -269,6 +299,8 @@ def measure_speed(cfg, size, device: torch.device, counts: np.ndarray, limit: fl
     windows' steps, else the longest step's."""
     from rpt.models import RecurrentLM
 
+    from rpt.parallel.runner import autocast_for
+
     B, T = cfg.train.batch_size, cfg.train.seq_len
     began = time.perf_counter()
     model = RecurrentLM(sized(cfg.model, size)).to(device)
@@ -282,7 +314,8 @@ def measure_speed(cfg, size, device: torch.device, counts: np.ndarray, limit: fl
     def step(t: int) -> float:
         """One optimiser step over the first t tokens of every row; its seconds."""
         step_began = time.perf_counter()
-        nats, _ = model(x[:, :t], targets=x[:, 1:t + 1])
+        with autocast_for(cfg.train.precision, device):  # the run's precision: bf16 where the recipe chose it
+            nats, _ = model(x[:, :t], targets=x[:, 1:t + 1])
         nats.mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -403,7 +436,9 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.nda
     given_attention = cfg.model.attention_every if "model.attention_every" in cfg.given else 0
     model = dataclasses.replace(cfg.model, vocab_size=len(counts), attention_every=given_attention,
                                 **{c.key.removeprefix("model."): c.value for c in family + head})
-    timing = Timing(cfg, model, device, counts, began)
+    precision = precision_choice(cfg, torch.device(device), model.cell)
+    train = dataclasses.replace(cfg.train, **{c.key.removeprefix("train."): c.value for c in precision})
+    timing = Timing(cfg, model, train, device, counts, began)
 
     def plan(attention: int, batch: int) -> tuple[list[Choice], dict]:
         facts = {}
@@ -421,7 +456,7 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.nda
         batch = batch_choice(cfg, facts["passes"] if attention and attention[0].value else at_larger["passes"])
         if batch[0].value == COMPUTE_BOUND_BATCH:
             sized = larger
-    choices = family + attention + batch + head + sized
+    choices = family + precision + attention + batch + head + sized
     if cfg.comm.mode == "diloco":  # the replicas agree only at outer steps, where validations must fall
         every = cfg.comm.diloco_steps
         choices = [Choice(c.key, math.ceil(c.value / every) * every,
@@ -439,8 +474,10 @@ class Timing:
 
     REFERENCE = (2, 256)
 
-    def __init__(self, cfg, model, device, counts: np.ndarray, began: float):
-        self.cfg, self.model, self.device, self.counts, self.began = cfg, model, torch.device(device), counts, began
+    def __init__(self, cfg, model, train, device, counts: np.ndarray, began: float):
+        """`model`, `train`: the sections as the recipe has chosen so far (the family, the precision)."""
+        self.cfg, self.model, self.train = cfg, model, train
+        self.device, self.counts, self.began = torch.device(device), counts, began
         self.allowance = RECIPE_SHARE * cfg.train.max_time if cfg.train.max_time else math.inf
         self.size = (cfg.model.n_layers, cfg.model.d_model) if {"model.d_model", "model.n_layers"} & cfg.given \
             else self.REFERENCE
@@ -454,7 +491,7 @@ class Timing:
         """Training tokens per second of each size of the family with `attention`."""
         if self.measured is None:
             run = type(self.cfg)()
-            run.model, run.train = self.model, self.cfg.train
+            run.model, run.train = self.model, self.train
             left = RESERVE * self.allowance - (time.perf_counter() - self.began)
             self.measured, whole = measure_speed(run, self.size, self.device, self.counts, left)
             if not whole:

@@ -39,3 +39,21 @@ def test_the_other_recurrences_stay_in_float32_under_cpu_autocast(name):
         y16, state = cell(x)
     assert all(s.dtype == torch.float32 for s in state)
     assert (y16.float() - y32).abs().max() < 0.05  # the projections around them in bf16 only
+
+
+def test_a_run_resumes_across_precisions_and_its_model_generates_in_float32(make_cfg, tmp_path, solo):
+    from rpt.train.run_dir import load_run
+    from rpt.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    Trainer(make_cfg("checkpoint.interval=3", "train.max_steps=3"), run, solo, show_progress=False).run()
+    resumed = Trainer(make_cfg("checkpoint.interval=3", "train.max_steps=6", "train.precision=bf16"), run, solo,
+                      resume=True, show_progress=False)
+    assert resumed.progress.step == 3 and all(s.dtype == torch.float32 for s in torch.utils._pytree.tree_leaves(
+        resumed.progress.state) if isinstance(s, torch.Tensor))
+    summary = resumed.run()
+    assert summary["steps"] == 6 and summary["precision"] == "bf16" and summary["val_loss"] < 20
+    _, model, *_ = load_run(run, "latest", "cpu")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    tokens = list(model.generate(torch.tensor([0]), 4, temperature=0.0))
+    assert len(tokens) == 4

@@ -256,3 +256,22 @@ def test_the_family_is_the_devices_measured_best_and_a_given_cell_is_kept(make_c
     kept, none = resolved("cpu", "model.cell=mlstm", "model.heads=2", given={"model.cell", "model.heads"})
     assert none == [] and (kept.model.cell, kept.model.heads) == ("mlstm", 2)
     assert not any("model.cell" in note for note in kept.notes)
+
+
+def test_the_precision_is_bf16_for_a_family_measured_in_it_on_a_cpu_with_bf16_units(make_cfg, monkeypatch):
+    from rpt.ops import precision
+
+    cfg = make_cfg("train.recipe=auto").thawed()
+    cfg.given = frozenset()
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(precision, "cpu_has_bf16_units", lambda: True)
+    [lstm] = recipe.precision_choice(cfg, cpu, "lstm")
+    assert lstm.value == "bf16" and "bf16 units" in lstm.why and "1.65x" in lstm.why and "issue 70" in lstm.why
+    [mlstm] = recipe.precision_choice(cfg, cpu, "mlstm")
+    assert mlstm.value == "fp32" and "not been measured" in mlstm.why
+    monkeypatch.setattr(precision, "cpu_has_bf16_units", lambda: False)
+    [none] = recipe.precision_choice(cfg, cpu, "lstm")
+    assert none.value == "fp32" and "no bf16 units" in none.why
+    cfg.given = frozenset({"train.precision"})
+    assert recipe.precision_choice(cfg, cpu, "lstm") == []  # given: left alone
+    assert recipe.precision_choice(make_cfg().thawed(), torch.device("meta"), "lstm") == []  # not a CPU
