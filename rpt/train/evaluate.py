@@ -18,6 +18,7 @@ import math
 import sys
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -358,6 +359,7 @@ def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str |
     from rpt.data.dataset import PreparedData
     from rpt.data.mixture import open_dataset
     from rpt.data.tokenizer import token_byte_lengths
+    from rpt.parallel.runner import autocast_for
     from rpt.runtime.memory import keep_freed_memory
     from rpt.train.run_dir import load_run
 
@@ -376,6 +378,7 @@ def eval_run(run_dir: str, checkpoint: str, device: str | None, data_path: str |
     lengths = token_byte_lengths(tokenizer)
     result = evaluate(model, data.tokens("val"), lengths, batch_size=cfg.train.batch_size,
                       seq_len=cfg.train.seq_len, device=dev,
+                      autocast=partial(autocast_for, cfg.train.precision, dev),  # as the run's own evaluations
                       eot_id=data.eot_id if cfg.data.reset_at_documents else None, depth=depth,
                       by_position=by_position,
                       tokens_per_forward=forward_tokens(cfg.train.batch_size, cfg.train.seq_len, len(lengths)),
