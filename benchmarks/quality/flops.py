@@ -9,7 +9,9 @@ spec.py, which generation runs and the export ships) token by token, since the s
 (oneDNN's LSTM) and C++ loops hide their products from the counter; an mlstm in its chunkwise form, what its count
 describes. Then the gpt peer's count (`peers.gpt_flops_per_token`, nanoGPT's own formula) against the counter on
 nanoGPT's model.py (the CPU's flash attention, absent from the counter's table, counted by torch's formula for
-attention). tests/models/test_flops.py and tests/test_benchmark_peers.py hold each within 5%.
+attention), and against nanoGPT's own reckoning (6 x its parameters + 12 L d T). tests/models/test_flops.py holds
+rpt's families within 5%; the peer's checks read nanoGPT from ../shared, which a clone of rpt alone lacks, so they
+are this script's: it exits non-zero where a count is off.
 """
 
 from __future__ import annotations
@@ -118,16 +120,33 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import peers
 
-    model_py = peers.PEERS / "nanoGPT" / "model.py"
-    if model_py.is_file():
-        for layers, width, block, vocab in ((2, 64, 32, 512), (4, 128, 64, 8192)):
-            ours, theirs = peers.gpt_flops_per_token(layers, width, block, vocab), gpt_counted(
-                model_py, layers, width, block, vocab)
-            print(f"| gpt peer {layers} x {width}, block {block}, vocabulary {vocab:,} | | | | {ours:,} | "
-                  f"{theirs:,.0f} | {ours / theirs:.4f} |")
-    else:
-        print(f"(the gpt peer: {model_py} is absent)")
+    model_py = peers.PEERS / "nanoGPT" / "model.py"  # (../shared: the peers are beside a checkout, not in it)
+    off = [family for family in FAMILIES if not 0.95 <= model_of(family).flops_per_token() / counted(
+        model_of(family), backward=True) <= 1.05]
+    if not model_py.is_file():
+        raise SystemExit(f"the gpt peer's checks need {model_py}: run beside ../shared")
+    for layers, width, block, vocab in ((2, 64, 32, 512), (4, 128, 64, 8192), (6, 256, 128, 32768)):
+        ours, theirs = peers.gpt_flops_per_token(layers, width, block, vocab), gpt_counted(
+            model_py, layers, width, block, vocab)
+        own = nanogpt_own_count(model_py, layers, width, block, vocab)  # its params x 6 and estimate_mfu's term
+        print(f"| gpt peer {layers} x {width}, block {block}, vocabulary {vocab:,} | | | | {ours:,} | "
+              f"{theirs:,.0f} | {ours / theirs:.4f} | (nanoGPT's own count {own:,})")
+        if ours != own or not 0.95 <= ours / theirs <= 1.05:
+            off.append(f"gpt peer {layers} x {width}")
+    if off:
+        raise SystemExit(f"counts more than 5% from torch's (or the peer's from nanoGPT's own): {', '.join(off)}")
 
+
+def nanogpt_own_count(model_py: Path, layers: int, width: int, block: int, vocab: int) -> int:
+    """nanoGPT's training FLOPs a token by its own reckoning: 6 x its parameters (get_num_params) + 12 L d T, as
+    its estimate_mfu counts them, on a meta model."""
+    spec = importlib.util.spec_from_file_location("nanogpt_model", model_py)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with torch.device("meta"):
+        gpt = module.GPT(module.GPTConfig(n_layer=layers, n_head=4, n_embd=width, block_size=block,
+                                          vocab_size=vocab, bias=False, dropout=0.0))
+    return 6 * gpt.get_num_params() + 12 * layers * width * block
 
 if __name__ == "__main__":
     main()
