@@ -79,12 +79,10 @@ def test_a_slow_evaluation_says_its_progress_at_every_interval():
     began = time.perf_counter()
     evaluate(Slow(), _split(4 * STREAM_TOKENS, 8), np.r_[0, np.full(39, 1)], batch_size=1, seq_len=64,
              device=torch.device("cpu"), eot_id=0, progress=progress)  # 64 forwards: about 2 s
-    spent = time.perf_counter() - began
     assert len(lines) >= 3, lines
     gaps = np.diff([began, *stamps])
     assert gaps.max() < 0.2 + 0.5, gaps  # at every interval, give or take a forward on a loaded machine
     assert all(" of 4,095 tokens (" in line and "s to go" in line for line in lines), lines
-    assert spent - stamps[-1] < spent  # (the last line came before the end)
 
 
 def test_the_final_evaluation_is_bounded_on_request_and_said_so(make_cfg, tmp_path, solo, capsys):
@@ -141,7 +139,7 @@ def test_a_validation_split_too_short_is_refused_at_start_or_every_figure_says_i
     assert went_on.returncode == 0, went_on.stderr
     evaluations = [line for line in went_on.stdout.splitlines() if "val loss" in line]
     assert evaluations and all(" tokens" in line for line in evaluations), evaluations
-    assert "on 9 validation tokens" in went_on.stdout or "validation tokens" in went_on.stdout
+    assert "validation tokens" in went_on.stdout  # the final line says what the figure rests on
 
 
 # --------------------------------------------------------------------- item 11: one list of checks, run by both
@@ -162,7 +160,7 @@ def test_a_missing_default_dataset_is_met_with_the_command_that_makes_it(cli, tm
     assert code == 2 and f"rpt prepare --out {tmp_path / 'stdlib'}` (the embedded corpus" in err
 
 
-def test_the_recipes_family_says_it_is_a_fixed_rule_and_where_it_was_measured(cfg_for_recipe=None):
+def test_the_recipes_family_says_it_is_a_fixed_rule_and_where_it_was_measured():
     from rpt.config import Config
     from rpt.train.recipe import cell_choice
 
