@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_model_io(sub)
 
+    _add_scaling(sub)
+
     p = sub.add_parser("topology", help="measure latency and bandwidth between ranks; predict each comm mode's cost",
                        description="Run under torchrun on every node (or --nproc N on this machine).")
     _add_config_flags(p)
@@ -214,6 +216,92 @@ def build_parser() -> argparse.ArgumentParser:
     for p in sub.choices.values():  # --debug also after the sub-command; absent there, the top-level value holds
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for user errors")
     return parser
+
+
+def _add_scaling(sub) -> None:
+    p = sub.add_parser("scaling", help="measure the compute-optimal frontier of your data: a grid of runs, a fitted law",
+                       description="A grid of short `rpt train` runs at training-FLOP budgets (resumable; split it "
+                                   "over processes with --worker), and the scaling law fitted to them (docs/scaling.md).")
+    steps = p.add_subparsers(dest="step", required=True, metavar="STEP")
+    for name, text in (("run", "train the grid's points not yet done, then fit"),
+                       ("commands", "print each pending point's `rpt train` command (for torchrun, a SLURM array)")):
+        q = steps.add_parser(name, help=text, description=text)
+        q.add_argument("folder", type=Path, help="the grid's folder (its grid.json, points/, logs/, law.json)")
+        q.add_argument("--data", action="append", default=[], help="a prepared corpus (repeat: one per vocabulary)")
+        q.add_argument("--budgets", help="training FLOPs, comma-separated, e.g. 1e13,3e13,1e14")
+        q.add_argument("--families", default="lstm", help="recurrent families, comma-separated (default lstm)")
+        q.add_argument("--sizes", help="LAYERSxWIDTH, comma-separated (default: the recipe's ladder to 2x512)")
+        q.add_argument("--batches", default="0", help="rows a step, comma-separated (0, the default: the recipe's)")
+        q.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="a setting every point trains with (repeatable)")
+        q.add_argument("--worker", default="0/1", metavar="I/N", help="run every N-th point from the I-th")
+        q.set_defaults(func=_cmd_scaling)
+    q = steps.add_parser("fit", help="fit the law to the finished points; write law.json, the table and a figure")
+    q.add_argument("folder", type=Path)
+    q.add_argument("--upto", type=float, default=0.0, help="fit only the budgets up to this many FLOPs")
+    q.add_argument("--law", type=Path, help="where to write the law (default FOLDER/law.json)")
+    q.add_argument("--plot", type=Path, help="draw the frontier into this PNG (matplotlib: the bench extra)")
+    q.add_argument("--predict", default="", help="more budgets (FLOPs, comma-separated) for the table")
+    q.set_defaults(func=_cmd_scaling)
+    p.set_defaults(func=_cmd_scaling)
+
+
+def _cmd_scaling(args) -> None:
+    from rpt.scaling import grid as grids
+
+    if args.step == "fit":
+        return _scaling_fit(args)
+    given = None
+    if args.data or args.budgets:
+        if not (args.data and args.budgets):
+            raise RptError("a new grid needs both --data and --budgets", "e.g. --data data/mine --budgets 1e13,3e13,1e14")
+        given = grids.Grid(data=[str(Path(d)) for d in args.data], budgets=grids.parse_budgets(args.budgets),
+                           families=[f.strip() for f in args.families.split(",") if f.strip()],
+                           sizes=grids.parse_sizes(args.sizes) if args.sizes else list(grids.DEFAULT_SIZES),
+                           batches=[int(b) for b in args.batches.split(",")], sets=list(args.sets))
+        given.check()
+    grid = grids.open_grid(args.folder, given, sys.stderr)  # (stdout: only the commands, for a script)
+    try:
+        index, count = (int(v) for v in args.worker.split("/"))
+        assert 0 <= index < count
+    except (ValueError, AssertionError):
+        raise RptError(f"--worker {args.worker}: I/N with 0 <= I < N", "e.g. --worker 0/4 ... --worker 3/4") from None
+    from rpt.scaling.runner import run_points, worker_share
+
+    if args.step == "commands":
+        for point in worker_share(grid.points(), (index, count)):
+            if grids.finished(args.folder, point) is None:
+                print(grids.shell_line(args.folder, point))
+        return
+    failed = run_points(args.folder, grid, (index, count))
+    if failed:
+        raise RptError(f"{len(failed)} point(s) failed: {', '.join(failed)}",
+                       f"read their logs in {args.folder / 'logs'}; run the same command again to retry them")
+    if all(grids.finished(args.folder, p) for p in grid.points()):
+        args.upto, args.law, args.plot, args.predict = 0.0, None, None, ""
+        try:
+            _scaling_fit(args)
+        except RptError as exc:  # the runs are done; only the law must wait for more of them
+            print(f"every point has run; no law yet: {exc}", file=sys.stderr)
+
+
+def _scaling_fit(args) -> None:
+    from rpt.scaling.grid import open_grid, parse_budgets
+    from rpt.scaling.law import fit_law
+    from rpt.scaling.report import plot, table
+    from rpt.scaling.runner import results
+
+    grid = open_grid(args.folder, None)
+    law = fit_law(results(args.folder, grid), grid.to_json(), args.upto)
+    out = args.law or args.folder / "law.json"
+    law.save(out)
+    text = table(law, parse_budgets(args.predict) if args.predict else None)
+    (out.with_suffix(".md")).write_text(text + "\n")
+    print(text)
+    if args.plot:
+        plot(law, args.plot, parse_budgets(args.predict) if args.predict else None)
+        print(f"figure: {args.plot}")
+    print(f"law: {out} (--set recipe.law={out} sizes a run from it)")
 
 
 def _cmd_prepare(args) -> None:

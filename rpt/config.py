@@ -207,6 +207,9 @@ class TrainConfig(_Section):
     max_steps: int = 1000
     max_tokens: int = 0
     max_time: float = 0.0
+    # training FLOPs (model.flops_per_token x tokens: forward and backward): a budget alike on every machine, the
+    # axis `rpt scaling` measures the compute-optimal frontier on
+    max_flops: float = 0.0
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -252,7 +255,7 @@ class TrainConfig(_Section):
     def check(self) -> None:
         for name in ("batch_size", "seq_len", "grad_accum", "max_bad_steps"):
             _positive(f"train.{name}", getattr(self, name))
-        for name in ("max_steps", "max_tokens", "max_time", "warmup_steps", "stall_timeout", "eval_interval",
+        for name in ("max_steps", "max_tokens", "max_time", "max_flops", "warmup_steps", "stall_timeout", "eval_interval",
                      "eval_tokens", "final_eval_tokens", "min_val_tokens", "grad_clip", "weight_decay"):
             _non_negative(f"train.{name}", getattr(self, name))
         _non_negative("train.bptt_chunk", self.bptt_chunk)
@@ -297,8 +300,8 @@ class TrainConfig(_Section):
                 raise RptError(f"train.compile = '{self.compile}' is not a torch.compile backend",
                                f"use 'inductor' (or one of {', '.join(torch._dynamo.list_backends())}), 'aot_eager' "
                                "to trace without generating code, or '' to run eagerly")
-        if self.max_steps == 0 and self.max_tokens == 0 and self.max_time == 0:
-            raise RptError("train.max_steps, train.max_tokens and train.max_time are all 0: the run would never end",
+        if self.max_steps == 0 and self.max_tokens == 0 and self.max_time == 0 and self.max_flops == 0:
+            raise RptError("train.max_steps, max_tokens, max_time and max_flops are all 0: the run would never end",
                            "set at least one budget, e.g. --set train.max_steps=1000")
 
 
@@ -431,7 +434,22 @@ class MonitorConfig(_Section):
                                "e.g. --profile 10:12 profiles steps 10, 11 and 12")
 
 
-BUDGETS = ("train.max_steps", "train.max_tokens", "train.max_time")
+@dataclass
+class RecipeConfig(_Section):
+    """What the default recipe (train.recipe = "auto") sizes a run from (rpt/train/recipe.py)."""
+
+    # A scaling law (law.json, written by `rpt scaling fit`): the model's size is the one of the recipe's ladder the
+    # law predicts the least loss for at the run's budget, on the passes over the data that budget makes.
+    # "": the ladder's rule (the widest size that sees 0.4 training token a recurrent parameter).
+    law: str = ""
+
+    def check(self) -> None:
+        if self.law and not Path(self.law).is_file():
+            raise RptError(f"recipe.law = {self.law!r}: no such file",
+                           "give the law.json `rpt scaling fit` wrote (or '' for the ladder's rule)")
+
+
+BUDGETS = ("train.max_steps", "train.max_tokens", "train.max_time", "train.max_flops")
 
 
 @dataclass
@@ -449,6 +467,7 @@ class Config(_Section):
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
 
     # ----------------------------------------------------------------- building
     @classmethod

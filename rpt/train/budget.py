@@ -1,4 +1,4 @@
-"""The run's budgets (steps, tokens, seconds): which are in force, how much of them is spent, which one
+"""The run's budgets (steps, tokens, seconds, training FLOPs): which are in force, how much of them is spent, which one
 ended the run, and the learning rate over that progress.
 
 Extending a run (resuming with other budgets than the checkpoint was written under) never makes the
@@ -14,12 +14,13 @@ import math
 from rpt.config import TrainConfig
 from rpt.errors import RptError
 
-KEYS = ("max_steps", "max_tokens", "max_time")
+KEYS = ("max_steps", "max_tokens", "max_time", "max_flops")
 
 
 class Budget:
-    def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: TrainConfig, flops_per_token: float = 0.0):
+        """`flops_per_token`: the model's training FLOPs a token, what train.max_flops counts in."""
+        self.cfg, self.flops_per_token = cfg, flops_per_token
         self.segment: tuple[float, float] | None = None  # (progress, lr) where an extension began
         self.current_lr = cfg.lr  # the rate of the last step
         self.saved: dict | None = None  # a checkpoint's budget state, until resume() continues from it
@@ -30,14 +31,18 @@ class Budget:
 
     def describe(self) -> str:
         """The budgets in force, as the start of a run states them."""
-        units = {"max_steps": "{:,} steps", "max_tokens": "{:,} tokens", "max_time": "{:g} s of training"}
+        units = {"max_steps": "{:,} steps", "max_tokens": "{:,} tokens", "max_time": "{:g} s of training",
+                 "max_flops": "{:.3g} training FLOPs"}
         parts = [units[k].format(v) + f" (train.{k})" for k, v in self.limits().items()]
         return "budget: " + " or ".join(parts) + ("; whichever comes first ends the run" if len(parts) > 1 else "")
 
     def _shares(self, step: int, tokens: int, elapsed: float) -> dict[str, float]:
         """The spent share of each budget set."""
-        spent = {"max_steps": step, "max_tokens": tokens, "max_time": elapsed}
+        spent = self._spent(step, tokens, elapsed)
         return {k: spent[k] / v for k, v in self.limits().items()}
+
+    def _spent(self, step: int, tokens: int, elapsed: float) -> dict[str, float]:
+        return {"max_steps": step, "max_tokens": tokens, "max_time": elapsed, "max_flops": tokens * self.flops_per_token}
 
     def progress(self, step: int, tokens: int, elapsed: float) -> float:
         """The spent share of the budget: the largest over the budgets set."""
@@ -88,7 +93,7 @@ class Budget:
         if saved["limits"] == self.limits():
             return None
         start = self.progress(step, tokens, elapsed)
-        spent = {"max_steps": step, "max_tokens": tokens, "max_time": elapsed}
+        spent = self._spent(step, tokens, elapsed)
         before = max(spent[k] / v for k, v in saved["limits"].items())
         self.rescale = start / before if before > 0 else 1.0
         if step < self.cfg.warmup_steps:
@@ -108,6 +113,8 @@ class Budget:
             return f"--set train.max_time={max(60, round(2 * max(elapsed, self.cfg.max_time)))}"
         if self.cfg.max_tokens:
             return f"--set train.max_tokens={2 * self.cfg.max_tokens}"
+        if self.cfg.max_flops:
+            return f"--set train.max_flops={2 * self.cfg.max_flops:.3g}"
         return f"--set train.max_steps={2 * max(step, self.cfg.max_steps)}"
 
 
@@ -115,7 +122,7 @@ def lr_at(step: int, progress: float, cfg: TrainConfig) -> float:
     """Linear warm-up over warmup_steps, then cosine or linear decay to min_lr_ratio * lr.
 
     `progress` in [0, 1] is how much of the run's budget is spent: the largest of
-    steps / max_steps, tokens / max_tokens and seconds / max_time among the budgets set, so the
+    steps / max_steps, tokens / max_tokens, seconds / max_time and FLOPs / max_flops among the budgets set, so the
     decay ends with the run whichever budget ends it. The warm-up's rise ends where it meets the decay: a run
     whose budget gives fewer steps than its warm-up was sized for (a slower machine) still decays.
     """

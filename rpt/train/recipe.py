@@ -122,42 +122,61 @@ def recurrent_params(model_cfg, size) -> int:
     return size[0] * sum(p.numel() for p in cell.parameters())
 
 
-def tokens_of(budget: dict, tokens_per_s: float, tokens_per_step: int) -> float:
-    """The training tokens a budget ({"seconds"|"tokens"|"steps": n}) holds at this speed."""
+def tokens_of(budget: dict, tokens_per_s: float, tokens_per_step: int, flops_per_token: float = 0.0) -> float:
+    """The training tokens a budget ({"seconds"|"tokens"|"steps"|"flops": n}) holds at this speed (a FLOP budget:
+    for a model of `flops_per_token`)."""
     if "seconds" in budget:
         return tokens_per_s * budget["seconds"] * (1 - EVAL_SHARE)
+    if "flops" in budget:
+        return budget["flops"] / flops_per_token
     return budget["tokens"] if "tokens" in budget else budget["steps"] * tokens_per_step
 
 
-def fits(size, budget: dict, tokens_per_s: float, tokens_per_step: int, params: int | None = None) -> bool:
+def fits(size, budget: dict, tokens_per_s: float, tokens_per_step: int, params: int | None = None,
+         flops_per_token: float = 0.0) -> bool:
     """Whether `size` (of `params` recurrent parameters: an lstm's where not given) sees TOKENS_PER_PARAM."""
-    return tokens_of(budget, tokens_per_s, tokens_per_step) >= TOKENS_PER_PARAM * (params or lstm_params(*size))
+    return tokens_of(budget, tokens_per_s, tokens_per_step, flops_per_token) >= \
+        TOKENS_PER_PARAM * (params or lstm_params(*size))
 
 
 def choose(train_tokens: int, val_tokens: int, budget: dict, speeds: dict, tokens_per_step: int,
            given: frozenset, spent: float = 0.0, facts: dict | None = None,
-           params: dict | None = None) -> list[Choice]:
-    """The choices for a corpus of `train_tokens` and a budget ({"seconds"|"tokens"|"steps": n}), with
-    `speeds` {(n_layers, d_model): training tokens per second on this machine} and `params` {size: recurrent
-    parameters} (an lstm's where not given); keys in `given` are left alone. `spent`: the share of the budget the
+           params: dict | None = None, flops: dict | None = None, law=None) -> list[Choice]:
+    """The choices for a corpus of `train_tokens` and a budget ({"seconds"|"tokens"|"steps"|"flops": n}), with
+    `speeds` {(n_layers, d_model): training tokens per second on this machine}, `params` {size: recurrent
+    parameters} (an lstm's where not given) and `flops` {size: training FLOPs a token} (for a FLOP budget); `law`: a
+    scaling law's group (rpt/scaling/law.py) the size is chosen from, where given; keys in `given` are left alone. `spent`: the share of the budget the
     timing took, which the validations' share gives up. `facts`, where given, receives the passes over the data
     the chosen size makes."""
-    params = params or {size: lstm_params(*size) for size in speeds}
+    params, flops = params or {size: lstm_params(*size) for size in speeds}, flops or {}
 
     def tokens_of_size(size) -> float:
-        return tokens_of(budget, speeds[size], tokens_per_step)
+        return tokens_of(budget, speeds[size], tokens_per_step, flops.get(size, 0.0))
 
     sized = "model.d_model" in given or "model.n_layers" in given
+    predicted = None
     if sized:
         size = next(iter(speeds))  # the run's own size, the one measured
+    elif law is not None:  # the least loss the law predicts, each size on the tokens (and passes) it would see
+        predicted = {s: law.predict(params[s], tokens_of_size(s), max(train_tokens, 1)) for s in speeds}
+        size = min(speeds, key=lambda s: predicted[s][0])
     else:  # the widest that fits, or the smallest when none does
-        fitting = [s for s in speeds if fits(s, budget, speeds[s], tokens_per_step, params[s])]
+        fitting = [s for s in speeds if fits(s, budget, speeds[s], tokens_per_step, params[s], flops.get(s, 0.0))]
         size = max(fitting, key=params.get) if fitting else min(speeds, key=params.get)
     passes = tokens_of_size(size) / max(train_tokens, 1)
     if facts is not None:
         facts["passes"] = passes
+        if predicted:
+            facts["predicted"] = predicted[size]
     choices = []
-    if not sized:
+    if predicted:
+        loss, low, high = predicted[size]
+        runner_up = min((s for s in speeds if s != size), key=lambda s: predicted[s][0], default=None)
+        why = (f"the least loss the scaling law predicts at this budget: {loss:.3f} bits per byte [{low:.3f}, "
+               f"{high:.3f}] on {tokens_of_size(size):,.0f} tokens, {passes:.1f} passes over {train_tokens:,}" +
+               (f" (next: {runner_up[0]} x {runner_up[1]}, {predicted[runner_up][0]:.3f})" if runner_up else ""))
+        choices += [Choice("model.n_layers", size[0], why), Choice("model.d_model", size[1], why)]
+    elif not sized:
         why = (f"the widest size that sees {TOKENS_PER_PARAM:g} token per recurrent parameter within the budget "
                f"({tokens_of_size(size):,.0f} tokens, {passes:.1f} passes over {train_tokens:,})")
         choices += [Choice("model.n_layers", size[0], why), Choice("model.d_model", size[1], why)]
@@ -392,6 +411,8 @@ def budget_of(train) -> dict:
     """The budget that ends the run first is not known before it runs: the time budget when there is one."""
     if train.max_time:
         return {"seconds": train.max_time}
+    if train.max_flops:
+        return {"flops": train.max_flops}
     return {"tokens": train.max_tokens} if train.max_tokens else {"steps": train.max_steps}
 
 
@@ -465,6 +486,24 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.nda
     return choices, timing.remarks()
 
 
+def law_group(cfg, model) -> tuple[object, str | None]:
+    """The group of recipe.law (where one is given) that sizes this family at this vocabulary, and a remark on it:
+    where it came from, or why it cannot size this run."""
+    if not cfg.recipe.law:
+        return None, None
+    from rpt.scaling.law import Law
+
+    law = Law.load(cfg.recipe.law)
+    group = law.group(model.cell, model.vocab_size)
+    p = law.provenance
+    source = (f"the scaling law {cfg.recipe.law} (fitted at rpt {p.get('rpt_commit')} on {', '.join(p['corpora'])}, "
+              f"{p['points_fitted']} runs to {max(p['budgets_fitted']):.3g} FLOPs, on {p['machine']})")
+    if group is None:
+        return None, (f"{source} holds no {model.cell} runs: the size follows the ladder's rule")
+    vocab = "" if group.vocab == model.vocab_size else f"; fitted at a {group.vocab:,}-token vocabulary, not {model.vocab_size:,}"
+    return group, f"sized by {source}{vocab}"
+
+
 class Timing:
     """The recipe's one measurement of speed on this machine: the run's own size where given, else REFERENCE, at
     the run's batch shape and the family as given, within RECIPE_SHARE of a time budget (measure_speed). Every
@@ -486,6 +525,7 @@ class Timing:
         self.params_of: dict = {}  # size -> recurrent parameters
         self.cut: list[str] = []  # the measurement cut short
         self.cores = CoreUse()
+        self.law, self.law_said = law_group(cfg, model)
 
     def speeds(self, sizes, attention: int) -> dict:
         """Training tokens per second of each size of the family with `attention`."""
@@ -513,7 +553,7 @@ class Timing:
         return self.flops_of[attention, size]
 
     def remarks(self) -> list[str]:
-        said = []
+        said = [self.law_said] if self.law_said else []
         if self.cut:
             said.append(f"measuring stopped at the recipe's share of the budget ({RECIPE_SHARE:.0%}, "
                         f"{self.allowance:.1f} s): {'; '.join(self.cut)}")
@@ -532,4 +572,6 @@ def _sized(cfg, timing: Timing, attention: int, batch: int, train_tokens: int, v
     speeds = timing.speeds(sizes, attention) if "seconds" in budget else dict.fromkeys(sizes, 1.0)
     spent = (time.perf_counter() - timing.began) / budget["seconds"] if "seconds" in budget else 0.0
     params = {size: timing.params(size) for size in sizes}
-    return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent, facts, params)
+    flops = {size: timing.flops(attention, size) for size in sizes} if "flops" in budget else None
+    law = timing.law if not attention else None  # (a law of the plain stack says nothing of the attended one)
+    return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent, facts, params, flops, law)

@@ -151,7 +151,7 @@ class Trainer:
                                  self.device, self.resolved.recipe_seconds)
         self.bad_streak = 0
         self.agreed_clock: float | None = None  # elapsed() as every rank agreed it this step, where they did
-        self.budget, self.ended_by, self.spent_share = Budget(t), None, 0.0
+        self.budget, self.ended_by, self.spent_share = Budget(t, self.flops_per_token), None, 0.0
         self.pending_skip = None  # on a GPU: the last step's non-finite flag, not read yet
         self.hooks = [*(extra_hooks(dist_info.rank) if extra_hooks else []),
                       *step_hooks(t, cfg.monitor, dist_info, self.run_dir)]
