@@ -240,7 +240,8 @@ def _add_scaling(sub) -> None:
     q.add_argument("folder", type=Path)
     q.add_argument("--upto", type=float, default=0.0, help="fit only the budgets up to this many FLOPs")
     q.add_argument("--law", type=Path, help="where to write the law (default FOLDER/law.json)")
-    q.add_argument("--plot", type=Path, help="draw the frontier into this PNG (matplotlib: the bench extra)")
+    q.add_argument("--plot", type=Path, help="draw the frontier into this PNG (default FOLDER/frontier.png where "
+                   "matplotlib, the bench extra, is installed)")
     q.add_argument("--predict", default="", help="more budgets (FLOPs, comma-separated) for the table")
     q.set_defaults(func=_cmd_scaling)
     p.set_defaults(func=_cmd_scaling)
@@ -298,9 +299,14 @@ def _scaling_fit(args) -> None:
     text = table(law, parse_budgets(args.predict) if args.predict else None)
     (out.with_suffix(".md")).write_text(text + "\n")
     print(text)
-    if args.plot:
-        plot(law, args.plot, parse_budgets(args.predict) if args.predict else None)
-        print(f"figure: {args.plot}")
+    figure = args.plot or out.with_name("frontier.png")
+    try:
+        plot(law, figure, parse_budgets(args.predict) if args.predict else None)
+        print(f"figure: {figure}")
+    except ImportError:
+        if args.plot:
+            raise RptError("--plot needs matplotlib", "pip install 'rpt[bench]' (or matplotlib)") from None
+        print("(no figure: matplotlib is not installed; pip install 'rpt[bench]' draws one)")
     print(f"law: {out} (--set recipe.law={out} sizes a run from it)")
 
 

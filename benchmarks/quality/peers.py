@@ -295,17 +295,29 @@ def gpt_flops_per_token(layers: int, width: int, block: int, vocab: int) -> int:
     return 6 * params + 12 * layers * width * block
 
 
-def run_gpt(case: Case, data: Path, work: Path, sizes=GPT_SIZES) -> dict:
-    """nanoGPT on rpt's token files at each of `sizes` for the whole budget; the best size's result."""
+# nanoGPT's train.py runs no autocast on a CPU; the bf16 rows change this one line of its copy (and pass
+# --dtype=bfloat16), so that its products run in bf16 as on a GPU
+NANOGPT_CPU_CTX = "ctx = nullcontext() if device_type == 'cpu' else torch.amp.autocast(device_type=device_type, dtype=ptdtype)"
+NANOGPT_BF16_CTX = "ctx = torch.amp.autocast(device_type=device_type, dtype=ptdtype)  # rpt's benchmark: bf16 on the CPU too"
+
+
+def run_gpt(case: Case, data: Path, work: Path, sizes=GPT_SIZES, precision: str = "fp32") -> dict:
+    """nanoGPT on rpt's token files at each of `sizes` for the whole budget; the best size's result. `precision`
+    bf16: its train.py changed to autocast on the CPU in bf16 (NANOGPT_BF16_CTX)."""
     meta = json.loads((data / "meta.json").read_text())
     if meta["dtype"] != "uint16" or any("shards" in meta["splits"][s] for s in ("train", "val")):
         raise SystemExit("the gpt peer reads one uint16 token file per split (rpt prepare's default)")
     results = []
     for layers, width, block in sizes:
-        tag = f"{layers}x{width}-b{block}"
+        tag = f"{layers}x{width}-b{block}" + ("-bf16" if precision == "bf16" else "")
         home = work / f"gpt-{case.name}-{tag}"
         shutil.rmtree(home, ignore_errors=True)
         shutil.copytree(PEERS / "nanoGPT", home)
+        if precision == "bf16":
+            script = (home / "train.py").read_text()
+            if NANOGPT_CPU_CTX not in script:
+                raise SystemExit("nanoGPT's train.py no longer has the line the bf16 rows change: " + NANOGPT_CPU_CTX)
+            (home / "train.py").write_text(script.replace(NANOGPT_CPU_CTX, NANOGPT_BF16_CTX))
         folder = home / "data" / "rpt_tokens"
         folder.mkdir(parents=True)
         for split in ("train", "val"):
@@ -314,7 +326,7 @@ def run_gpt(case: Case, data: Path, work: Path, sizes=GPT_SIZES) -> dict:
             pickle.dump({"vocab_size": meta["vocab_size"]}, f)
         flags = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", f"--block_size={block}",
                  f"--batch_size={GPT_BATCH}", f"--n_layer={layers}", "--n_head=4", f"--n_embd={width}", "--dropout=0.0",
-                 "--warmup_iters=50", "--dataset=rpt_tokens"]
+                 "--warmup_iters=50", "--dataset=rpt_tokens", *(["--dtype=bfloat16"] if precision == "bf16" else [])]
         log, wall, iters = fit_nanogpt(case, home, work, f"gpt-{case.name}-{tag}", flags)
         kept = next(p for p in (home / "out-rerun" / "ckpt.pt", home / "out-run" / "ckpt.pt") if p.exists())
         scored = run([sys.executable, "-c", SCORE_GPT, str(kept), str(folder / "val.bin")], home,
@@ -384,6 +396,8 @@ def main() -> None:
     parser.add_argument("--work", default="runs/peers", help="where the copies, data and logs go")
     parser.add_argument("--rpt-set", action="append", default=[], metavar="KEY=VALUE",
                         help="an ablation: rpt trains with this --set too (repeatable)")
+    parser.add_argument("--gpt-precision", default="fp32", help="fp32, bf16 or fp32,bf16: the gpt peer's rows (bf16: "
+                        "its train.py autocasts on the CPU too, a one-line change)")
     parser.add_argument("--vocab-size", default="auto", help="rpt prepare's --vocab-size (an ablation)")
     parser.add_argument("--gpt-sizes", help="the gpt peer's sizes, LAYERSxWIDTHxBLOCK,... (fewer: a partial row, said "
                         f"as such; by default GPT_SIZES, and {'x'.join(map(str, LARGE_GPT))} from {LARGE_BUDGET} s)")
@@ -400,7 +414,8 @@ def main() -> None:
         if "gpt" in chosen:
             sizes = [tuple(map(int, g.split("x"))) for g in args.gpt_sizes.split(",")] if args.gpt_sizes else \
                 [*GPT_SIZES, *([LARGE_GPT] if case.seconds >= LARGE_BUDGET else [])]
-            results.append(run_gpt(case, data, work, sizes))
+            for precision in args.gpt_precision.split(","):
+                results.append(run_gpt(case, data, work, sizes, precision))
         if "wlm" in chosen and case.corpus in ENGLISH:
             results.append(run_wlm(case, train, held_out, held_bytes, work))
         if "rpt" in chosen:

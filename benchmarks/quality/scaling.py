@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -107,7 +108,19 @@ def report(points: list[dict], corpus: str) -> None:
             print(f"per FLOP: the peer's {top} s loss {loss:.4f} ({line}, {flops:.3g} FLOPs); rpt {said}")
 
 
-def plot(points: list[dict], corpus: str, out: Path) -> None:
+def law_frontier(law_path: Path, flops: list[float]) -> list[tuple[float, float]]:
+    """(FLOPs, predicted bits per byte) of a law's frontier (the best of its sizes at each budget), on the corpus
+    the law was fitted to (its first group's)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from rpt.scaling.law import Law
+
+    law = Law.load(law_path)
+    group = law.groups[0]
+    unique = next(p["unique_tokens"] for p in law.points if p["family"] == group.family)
+    return [(c, group.frontier(c, unique)[0]["loss"]) for c in flops]
+
+
+def plot(points: list[dict], corpus: str, out: Path, law: Path | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,6 +142,13 @@ def plot(points: list[dict], corpus: str, out: Path) -> None:
                             [mean([p["bpb"] for p in by_budget[b]]) for b in budgets], label=line, **style)
             ax.scatter([p[x] for p in ps], [p["bpb"] for p in ps], color=drawn[0].get_color(), s=18,
                        marker="o" if line.startswith("rpt") else "s")
+    if law is not None:  # the law's predicted frontier beside the measured points
+        import numpy as np
+
+        drawn = [p["train_flops"] for p in points if p["corpus"] == corpus]
+        frontier = law_frontier(law, list(np.geomspace(min(drawn), max(drawn), 40)))
+        axes[1].plot(*zip(*frontier), "k:", linewidth=2, label=f"the law's frontier ({law.name})")
+        axes[1].legend(fontsize=8)
     for ax, label in zip(axes, ("training budget, s (2-core CPU)", "training FLOPs")):
         ax.set_xscale("log")
         ax.set_xlabel(label)
@@ -152,6 +172,7 @@ def main() -> None:
     parser.add_argument("--commit", help="the commit it ran (with --add)")
     parser.add_argument("--corpus", default="stdlib")
     parser.add_argument("--plot", type=Path, help="draw the curves into this PNG")
+    parser.add_argument("--law", type=Path, help="with --plot: draw this scaling law's frontier (rpt scaling fit)")
     args = parser.parse_args()
     points = json.loads(args.points.read_text()) if args.points.exists() else []
     if args.add:
@@ -161,7 +182,7 @@ def main() -> None:
         args.points.write_text(json.dumps(points, indent=1) + "\n")
     report(points, args.corpus)
     if args.plot:
-        plot(points, args.corpus, args.plot)
+        plot(points, args.corpus, args.plot, args.law)
 
 
 if __name__ == "__main__":

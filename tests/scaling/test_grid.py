@@ -67,6 +67,15 @@ def test_a_grid_runs_as_workers_resumes_and_restarts_a_stopped_point(cli, tiny_d
     assert "5 or more" in again.stderr
     grown = cli("scaling", "commands", str(folder), *flags[:2], "--budgets", "6e8", *flags[4:])  # a budget added
     assert "added 3 point(s)" in grown.stderr and sum("train.max_flops=6e+08" in x for x in grown.stdout.splitlines()) == 3
+    fitted = cli("scaling", "run", str(folder))  # its three points, then the law of all six
+    assert fitted.returncode == 0, fitted.stderr
+    law = Law.load(folder / "law.json")
+    assert law.provenance["points_fitted"] == 6 and law.provenance["budgets_fitted"] == [3e8, 6e8]
+    for p in law.points:  # N: the parameters beside the embedding and head, at least the two layers' lstm matrices
+        d = p["size"][1]
+        summary = json.loads((folder / "points" / p["name"] / "summary.json").read_text())
+        assert 2 * 8 * d * d < p["n"] <= summary["params"] - d * p["vocab"]  # (the head may share the embedding)
+    assert "| 6e+08 |" in (folder / "law.md").read_text() and "law: " in fitted.stdout
 
 
 def test_a_law_fitted_saved_and_read_back_chooses_the_truth_s_best_size(tiny_data, tmp_path):
