@@ -505,11 +505,12 @@ def law_group(cfg, model) -> tuple[object, str | None]:
 
 
 class Timing:
-    """The recipe's one measurement of speed on this machine: the run's own size where given, else REFERENCE, at
-    the run's batch shape and the family as given, within RECIPE_SHARE of a time budget (measure_speed). Every
-    other size, family and batch takes that speed scaled by FLOPs (a larger batch the same tokens a second, which
-    on a CPU it exceeds: the passes it gives are a floor). Measured once, at the first use, and only under a time
-    budget (the others need no speed)."""
+    """The recipe's measurement of speed on this machine: the run's own size where given, else REFERENCE, at the
+    run's batch shape and the family as given, within RECIPE_SHARE of a time budget (measure_speed). Every other
+    size, family and batch takes that speed scaled by FLOPs (a larger batch the same tokens a second, which on a
+    CPU it exceeds: the passes it gives are a floor); where a scaling law sizes the run, the size it chose is timed
+    too, and the speeds follow the line through both. Measured at the first use, and only under a time budget (the
+    others need no speed)."""
 
     REFERENCE = (2, 256)
 
@@ -520,25 +521,41 @@ class Timing:
         self.allowance = RECIPE_SHARE * cfg.train.max_time if cfg.train.max_time else math.inf
         self.size = (cfg.model.n_layers, cfg.model.d_model) if {"model.d_model", "model.n_layers"} & cfg.given \
             else self.REFERENCE
-        self.measured: float | None = None  # tokens per second of self.size as measured
+        self.measured: dict = {}  # size -> its tokens per second as measured (self.size first)
         self.flops_of: dict = {}  # (attention_every, size) -> FLOPs a token
         self.params_of: dict = {}  # size -> recurrent parameters
         self.cut: list[str] = []  # the measurement cut short
         self.cores = CoreUse()
         self.law, self.law_said = law_group(cfg, model)
 
+    def measure(self, size) -> bool:
+        """Time `size` (once); a size after the first only where the recipe's share of the budget has time left.
+        Whether it was measured now."""
+        left = RESERVE * self.allowance - (time.perf_counter() - self.began)
+        if size in self.measured or (self.measured and left <= 0):
+            return False
+        run = type(self.cfg)()
+        run.model, run.train = self.model, self.train
+        speed, whole = measure_speed(run, size, self.device, self.counts, left)
+        if not whole:
+            self.cut.append(f"{size[0]} x {size[1]} from steps of {PROBE_LEN} tokens a row ({speed:,.0f} tokens/s)")
+            if self.measured:  # a second size's speed from short steps would only blur the first's
+                return False
+        self.measured[size] = speed
+        return True
+
     def speeds(self, sizes, attention: int) -> dict:
-        """Training tokens per second of each size of the family with `attention`."""
-        if self.measured is None:
-            run = type(self.cfg)()
-            run.model, run.train = self.model, self.train
-            left = RESERVE * self.allowance - (time.perf_counter() - self.began)
-            self.measured, whole = measure_speed(run, self.size, self.device, self.counts, left)
-            if not whole:
-                self.cut.append(f"{self.size[0]} x {self.size[1]} from steps of {PROBE_LEN} tokens a row "
-                                f"({self.measured:,.0f} tokens/s)")
-        measured = self.flops(self.model.attention_every, self.size)
-        return {s: self.measured * measured / self.flops(attention, s) for s in sizes}
+        """Training tokens per second of each size of the family with `attention`: the measured size's FLOP/s
+        for all; where two sizes were measured, a seconds-a-token line through both, t = a + b x FLOPs (a: what a
+        token costs beside its products, the larger share of a small model's time on a CPU)."""
+        self.measure(self.size)
+        at = {self.flops(self.model.attention_every, s): v for s, v in self.measured.items()}
+        if len(at) >= 2:
+            b, a = np.polyfit(list(at), [1 / v for v in at.values()], 1)
+            if a > 0 and b > 0:
+                return {s: 1 / (a + b * self.flops(attention, s)) for s in sizes}
+        flops, speed = next(iter(at.items()))
+        return {s: speed * flops / self.flops(attention, s) for s in sizes}
 
     def params(self, size) -> int:
         """The recurrent parameters of `size` of this model's cell (cached)."""
@@ -574,4 +591,13 @@ def _sized(cfg, timing: Timing, attention: int, batch: int, train_tokens: int, v
     params = {size: timing.params(size) for size in sizes}
     flops = {size: timing.flops(attention, size) for size in sizes} if "flops" in budget else None
     law = timing.law if not attention else None  # (a law of the plain stack says nothing of the attended one)
-    return choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent, facts, params, flops, law)
+    choices = choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent, facts, params, flops, law)
+    size = tuple(next(c.value for c in choices if c.key == key) for key in ("model.n_layers", "model.d_model")) \
+        if law is not None and "seconds" in budget and not own else None
+    if size and timing.measure(size):  # the law's choice timed too, and chosen again on both speeds
+        speeds = timing.speeds(sizes, attention)
+        spent = (time.perf_counter() - timing.began) / budget["seconds"]
+        facts.clear()
+        choices = choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent, facts, params, flops,
+                         law)
+    return choices

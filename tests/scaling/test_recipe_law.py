@@ -2,6 +2,7 @@
 budget, said with the prediction; a larger budget never predicts a worse model; a law of another family is said
 and left unused."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -62,3 +63,38 @@ def test_rpt_train_s_recipe_reads_the_law_and_says_where_it_came_from(make_cfg, 
     assert mine.model.d_model == 32  # a size given is the user's, whatever the law says
     with pytest.raises(RptError, match="no such file"):
         make_cfg(f"recipe.law={tmp_path / 'none.json'}")
+
+
+def test_under_a_time_budget_the_law_s_choice_is_timed_too(make_cfg, tmp_path, monkeypatch):
+    """A token's seconds are not proportional to its FLOPs on a CPU (a small model's time is mostly elsewhere):
+    the law's choice is timed beside the reference size, and the speeds of every size follow the line through
+    both; the choice made on them is the law's least loss at the true speeds."""
+    timed, a, b = [], 2e-4, 2e-11  # seconds a token: a share beside the products, and per FLOP
+
+    def measure_speed(cfg, size, device, counts, limit):
+        timed.append(size)
+        return 1 / (a + b * recipe.flops_of(cfg.model, size, counts)), True
+
+    monkeypatch.setattr(recipe, "measure_speed", measure_speed)
+    cfg = make_cfg("train.max_steps=0", "train.max_time=600", "train.recipe=auto", "model.attention_every=0",
+                   f"recipe.law={write_law(tmp_path / 'law.json')}").thawed()
+    cfg.given = frozenset()
+    unique = 10**6
+    recipe.apply_recipe(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), unique, 10_000, np.ones(512))
+    assert timed[0] == recipe.Timing.REFERENCE and len(timed) >= 2 and len(set(timed)) == len(timed)
+    model = dataclasses.replace(cfg.model, vocab_size=512)
+
+    def flops(size):
+        return recipe.flops_of(model, size, np.ones(512))
+
+    def loss(size, speed):
+        tokens = recipe.tokens_of({"seconds": 600}, speed(size), 0)
+        return float(TRUTH.loss(recipe.recurrent_params(model, size), effective_tokens(tokens, unique)))
+
+    def true(size):
+        return 1 / (a + b * flops(size))
+
+    def one_flop_rate(size):  # the reference size's FLOP/s for every size
+        return true(recipe.Timing.REFERENCE) * flops(recipe.Timing.REFERENCE) / flops(size)
+    best = min(recipe.LADDER, key=lambda s: loss(s, true))
+    assert (cfg.model.n_layers, cfg.model.d_model) == best != min(recipe.LADDER, key=lambda s: loss(s, one_flop_rate))
