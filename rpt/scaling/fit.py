@@ -136,7 +136,8 @@ def fit_approach3(n, tokens, unique, loss, bootstrap: int = BOOTSTRAP, seed: int
     if theta is None:
         raise ValueError("approach 3 found no finite fit to these points")
     rng, samples = np.random.default_rng(seed), []
-    for _ in range(bootstrap):
+    # resampling as many points as parameters can only draw the same set again (a zero-width interval): none then
+    for _ in range(bootstrap if len(n) > len(PARAMS) else 0):
         pick = rng.integers(0, len(n), len(n))
         if len(set(pick.tolist())) < len(PARAMS):
             continue

@@ -21,7 +21,8 @@ def table(law: Law, budgets: list[float] | None = None) -> str:
         unique = mine[0]["unique_tokens"]
         L = g.law
         lines += [f"{g.family}, {g.vocab:,}-token vocabulary, {g.batch} rows a step: L = {L.E:.3f} + {L.A:.3g} / "
-                  f"N^{L.alpha:.3f} + {L.B:.3g} / D'^{L.beta:.3f} (bits per byte; {len(L.samples)} bootstrap fits)",
+                  f"N^{L.alpha:.3f} + {L.B:.3g} / D'^{L.beta:.3f} (bits per byte; "
+                  f"{f'{len(L.samples)} bootstrap fits' if L.samples else 'no interval: as many points as parameters'})",
                   "", "| budget (FLOPs) | best measured | approach 2: N_opt | approach 3: best size | tokens | passes "
                   "| predicted bits/byte [90%] | measured there |", "|---|---|---|---|---|---|---|---|"]
         vertices = {v["flops"]: v for v in g.vertices}

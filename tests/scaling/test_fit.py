@@ -47,6 +47,14 @@ def test_approach3_needs_as_many_points_as_parameters():
         fit_approach3([1e5, 2e5, 3e5, 4e5], [1e6] * 4, 1e7, [2.0, 1.9, 1.8, 1.7])
 
 
+def test_five_points_fit_without_an_interval_a_resample_could_not_give():
+    truth, unique = Law3(0.9, 40.0, 0.35, 300.0, 0.4), 2.7e6
+    n, d, loss = grid_points(truth, unique)
+    law = fit_approach3(n[:5], d[:5], unique, loss[:5], bootstrap=200)  # (before: ~8 copies of one fit)
+    assert law.samples == ()  # every resample with five distinct points is the same five
+    assert fit_approach3(n[:6], d[:6], unique, loss[:6], bootstrap=4).samples != ()
+
+
 def test_approach2_vertex_and_power_law():
     # a parabola in log N with its vertex at N = 7e5
     x = np.log([1e5, 3e5, 1e6, 3e6])
