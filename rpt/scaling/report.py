@@ -13,6 +13,10 @@ def fmt_n(n: float) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
 
 
+def rows_of(g) -> str:
+    return f"{g.batch} rows a step" if g.batch else "the recipe's rows a step"
+
+
 def table(law: Law, budgets: list[float] | None = None) -> str:
     """Markdown: each group's frontier at the grid's budgets (and any further `budgets`)."""
     lines = []
@@ -20,7 +24,7 @@ def table(law: Law, budgets: list[float] | None = None) -> str:
         mine = [p for p in law.points if group_key(p) == (g.family, g.vocab, g.batch)]
         unique = mine[0]["unique_tokens"]
         L = g.law
-        lines += [f"{g.family}, {g.vocab:,}-token vocabulary, {g.batch} rows a step: L = {L.E:.3f} + {L.A:.3g} / "
+        lines += [f"{g.family}, {g.vocab:,}-token vocabulary, {rows_of(g)}: L = {L.E:.3f} + {L.A:.3g} / "
                   f"N^{L.alpha:.3f} + {L.B:.3g} / D'^{L.beta:.3f} (bits per byte; "
                   f"{f'{len(L.samples)} bootstrap fits' if L.samples else 'no interval: as many points as parameters'})",
                   "", "| budget (FLOPs) | best measured | approach 2: N_opt | approach 3: best size | tokens | passes "
@@ -66,7 +70,7 @@ def plot(law: Law, path: Path, budgets: list[float] | None = None) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("training FLOPs")
         ax.set_ylabel("validation bits per byte")
-        ax.set_title(f"{g.family}, vocabulary {g.vocab:,}, {g.batch} rows a step")
+        ax.set_title(f"{g.family}, vocabulary {g.vocab:,}, {rows_of(g)}")
         ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

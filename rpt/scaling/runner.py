@@ -83,9 +83,11 @@ def results(folder: Path, grid: Grids) -> list[dict]:
             continue
         meta = json.loads((Path(point.data) / "meta.json").read_text())
         where = run_dir(folder, point)
-        n, batch = run_shape(where)
+        n, rows_a_step = run_shape(where)
         unique = meta["splits"]["train"]["tokens"]
-        rows.append({"name": point.name, "data": point.data, "family": point.family, "batch": batch,
+        rows.append({"name": point.name, "data": point.data, "family": point.family,
+                     # the grid's batch (0: the recipe's, which moves with the passes: one law for all of them)
+                     "batch": point.batch, "rows": rows_a_step,
                      "vocab": meta["vocab_size"], "size": [point.n_layers, point.d_model], "budget": point.flops,
                      "n": n, "tokens": summary["tokens"], "unique_tokens": unique,
                      "passes": summary["tokens"] / unique, "flops_per_token": summary["flops_per_token"],

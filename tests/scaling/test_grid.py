@@ -120,3 +120,17 @@ def test_a_grid_refuses_what_it_sets_itself(tiny_data, tmp_path):
         open_grid(tmp_path / "g", Grid([str(tmp_path)], [1e9]))
     with pytest.raises(RptError, match="holds no scaling grid"):
         open_grid(tmp_path / "none", None)
+
+
+def test_points_at_the_recipe_s_batch_are_one_group_whatever_rows_it_chose(tiny_data, tmp_path, monkeypatch):
+    from rpt.scaling import runner
+
+    grid = Grids([Grid([str(tiny_data)], [1e9, 3e9], sizes=[(2, 16), (2, 24), (2, 32)])])
+    rows_of = {}
+    for i, point in enumerate(grid.points()):  # the recipe chose 16 rows for the many-pass points, 64 for the rest
+        rows_of[point.name] = 16 if i % 2 else 64
+    monkeypatch.setattr(runner, "finished", lambda folder, p: {"tokens": 1e5, "flops_per_token": 1e4,
+                                                                "val_bpb": 2.0, "steps": 10})
+    monkeypatch.setattr(runner, "run_shape", lambda where: (1000, rows_of[where.name]))
+    rows = runner.results(tmp_path, grid)
+    assert {r["batch"] for r in rows} == {0} and {r["rows"] for r in rows} == {16, 64}
