@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rpt.scaling.grid import open_grid
 from rpt.scaling.law import fit_law, group_key
+from rpt.scaling.report import rows_of
 from rpt.scaling.runner import results
 from rpt.train.recipe import LADDER, lstm_params
 
@@ -41,7 +42,7 @@ def main() -> int:
     for g in law.groups:
         mine = [r for r in rows if group_key(r) == (g.family, g.vocab, g.batch)]
         fitted = sorted({r["budget"] for r in mine if r["budget"] <= args.upto})
-        print(f"{g.family}, vocabulary {g.vocab:,}, {g.batch} rows: fitted on {len(fitted)} budgets "
+        print(f"{g.family}, vocabulary {g.vocab:,}, {rows_of(g)}: fitted on {len(fitted)} budgets "
               f"({', '.join(f'{b:.3g}' for b in fitted)}); L = {g.law.E:.3f} + {g.law.A:.3g}/N^{g.law.alpha:.3f} "
               f"+ {g.law.B:.3g}/D'^{g.law.beta:.3f}")
         for budget in sorted({r["budget"] for r in mine if r["budget"] > args.upto}):
@@ -55,9 +56,10 @@ def main() -> int:
             ok &= loss_ok and size_ok
             checked += 1
             ran = ", ".join(f"{r['size'][0]}x{r['size'][1]} {r['bpb']:.4f}" for r in at)
+            interval = f"[{f['low']:.4f}, {f['high']:.4f}]" if g.law.samples else "(no interval)"
             print(f"  {budget:.3g} FLOPs: measured {ran}; best {best['size'][0]}x{best['size'][1]} "
                   f"{best['bpb']:.4f}{' (at the edge of the sizes run)' if edge else ''}\n"
-                  f"    law: {f['size'][0]}x{f['size'][1]} at {f['loss']:.4f} [{f['low']:.4f}, {f['high']:.4f}]: "
+                  f"    law: {f['size'][0]}x{f['size'][1]} at {f['loss']:.4f} {interval}: "
                   f"loss {gap:+.4f} ({'within' if loss_ok else 'outside'} {args.tolerance}), size {apart} step(s) "
                   f"apart ({'within one' if size_ok else 'more than one'})")
     if not checked:
