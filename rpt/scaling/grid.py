@@ -69,9 +69,6 @@ class Grid:
                                f"prepare it first: rpt prepare TEXT --out {d}")
         if not self.budgets or any(b <= 0 for b in self.budgets):
             raise RptError("a scaling grid needs training-FLOP budgets above 0", "e.g. --budgets 1e13,3e13,1e14")
-        if len(self.sizes) < 3:
-            raise RptError(f"{len(self.sizes)} sizes: a budget's compute-optimal size is a parabola's vertex, which "
-                           "needs three sizes or more", "e.g. --sizes 2x128,2x256,2x512")
         for s in self.sets:
             key = s.split("=", 1)[0].strip()
             if key in {"data.path", "model.cell", "model.n_layers", "model.d_model", "train.max_flops"} or \
@@ -106,6 +103,18 @@ class Grids(list):
     def data(self) -> list[str]:
         return sorted({d for block in self for d in block.data})
 
+    def check_sizes(self) -> None:
+        """Three sizes or more at each budget (of each corpus, family and batch), over all blocks: a budget's
+        compute-optimal size is a parabola's vertex. A block may add one size to a budget that has three."""
+        sizes = {}
+        for p in self.points():
+            sizes.setdefault((p.data, p.family, p.batch, p.flops), set()).add((p.n_layers, p.d_model))
+        for (data, family, batch, flops), have in sizes.items():
+            if len(have) < 3:
+                raise RptError(f"{len(have)} size(s) at {flops:.3g} FLOPs ({family} on {data}): a budget's "
+                               "compute-optimal size is a parabola's vertex, which needs three sizes or more",
+                               "e.g. --sizes 2x128,2x256,2x512")
+
     def to_json(self) -> dict:
         return {"blocks": [block.to_json() for block in self]}
 
@@ -123,6 +132,7 @@ def open_grid(folder: Path, given: Grid | None, out=None) -> Grids:
     given.check()
     if given.to_json() in [b.to_json() for b in saved]:
         return saved
+    Grids([*saved, given]).check_sizes()
     if saved and given.sets != saved[0].sets:
         raise RptError(f"{folder}'s grid trains with --set {' '.join(saved[0].sets) or '(none)'}, not "
                        f"{' '.join(given.sets) or '(none)'}: its points would not be alike",

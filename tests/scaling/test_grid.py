@@ -116,6 +116,11 @@ def test_a_grid_refuses_what_it_sets_itself(tiny_data, tmp_path):
         open_grid(tmp_path / "g", Grid([str(tiny_data)], [1e9], sets=["train.max_time=60"]))
     with pytest.raises(RptError, match="three sizes"):
         open_grid(tmp_path / "g", Grid([str(tiny_data)], [1e9], sizes=[(2, 16), (2, 32)]))
+    open_grid(tmp_path / "g", Grid([str(tiny_data)], [1e9], sizes=[(2, 16), (2, 24), (2, 32)]))
+    more = open_grid(tmp_path / "g", Grid([str(tiny_data)], [1e9], sizes=[(2, 48)]))  # one more size at 1e9
+    assert sorted(p.d_model for p in more.points()) == [16, 24, 32, 48]
+    with pytest.raises(RptError, match="1 size"):  # but a new budget's sizes are its own
+        open_grid(tmp_path / "g", Grid([str(tiny_data)], [3e9], sizes=[(2, 48)]))
     with pytest.raises(RptError, match="not a prepared corpus"):
         open_grid(tmp_path / "g", Grid([str(tmp_path)], [1e9]))
     with pytest.raises(RptError, match="holds no scaling grid"):
