@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import json
 import platform
-import subprocess
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from rpt.errors import RptError
+from rpt.runtime.version import rpt_commit
 from rpt.scaling.fit import Law3, Vertex, budget_vertex, effective_tokens, fit_approach3, power_law
 
 FORMAT = "rpt-law/1"
@@ -145,9 +145,8 @@ def provenance(grid: dict, used: list[dict], upto: float, skipped: list[str]) ->
         train = meta["splits"]["train"]
         corpora[Path(data).name] = {"path": data, "vocab": meta["vocab_size"], "train_tokens": train["tokens"],
                                     "train_bytes": train["bytes"], "train_sha256": train.get("sha256")}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
-    return {"rpt_commit": commit or None, "date": datetime.date.today().isoformat(),
+    return {"rpt_commit": rpt_commit(), "runs_rpt_commits": sorted({str(r.get("rpt_commit")) for r in used}),
+            "date": datetime.date.today().isoformat(),
             "machine": device_name(torch.device("cpu")), "platform": platform.platform(), "torch": torch.__version__,
             "grid": grid, "corpora": corpora, "points_fitted": len(used),
             "budgets_fitted": sorted({r["budget"] for r in used}), "upto_flops": upto or None,

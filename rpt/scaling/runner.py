@@ -92,7 +92,8 @@ def results(folder: Path, grid: Grids) -> list[dict]:
                      "n": n, "tokens": summary["tokens"], "unique_tokens": unique,
                      "passes": summary["tokens"] / unique, "flops_per_token": summary["flops_per_token"],
                      "train_flops": summary["flops_per_token"] * summary["tokens"], "bpb": summary["val_bpb"],
-                     "steps": summary["steps"], "wall_s": summary.get("wall_seconds")})
+                     "steps": summary["steps"], "wall_s": summary.get("wall_seconds"),
+                     "rpt_commit": summary.get("rpt_commit")})
     if not rows:
         raise RptError(f"no point of {folder}'s grid has finished", f"run it first: rpt scaling run {folder}")
     return rows

@@ -58,6 +58,7 @@ from rpt.runtime.command_clock import command_started
 from rpt.runtime.peak import peak_flops
 from rpt.parallel.runner import StepRecord, autocast_for
 from rpt.runtime.signals import StopRequest
+from rpt.runtime.version import rpt_commit
 from rpt.train.averaging import WeightAverage
 from rpt.train.budget import Budget
 from rpt.train.checkpoint.manager import Checkpointing, RandomState
@@ -442,7 +443,8 @@ class Trainer:
                 "flops_per_token": self.flops_per_token, "peak_flops_per_device": self.peak,
                 "mfu": self.telemetry.mfu(tokens_per_second), "ended_by": self.ended_by,
                 "skipped_steps": self.progress.skipped_steps, "precision": self.cfg.train.precision,
-                "compression": self.cfg.comm.compression, "device": str(self.device), "profile_by_rank": profile,
+                "compression": self.cfg.comm.compression, "device": str(self.device), "rpt_commit": rpt_commit(),
+                "profile_by_rank": profile,
                 **selected, "best_periodic_val_loss": ev.best["loss"] if ev.best else None,
                 "eval_seconds": round(ev.seconds, 3), "eval_share": ev.seconds / max(wall, 1e-9),
                 "recipe_seconds": round(recipe, 3),

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from rpt.errors import RptError
+from rpt.runtime.version import rpt_commit
 from rpt.scaling.fit import Law3, effective_tokens
 from rpt.scaling.grid import Grid, Grids, open_grid
 from rpt.scaling.law import Law, fit_law
@@ -73,6 +74,7 @@ def test_a_grid_runs_as_workers_resumes_and_restarts_a_stopped_point(cli, tiny_d
     assert fitted.returncode == 0, fitted.stderr
     law = Law.load(folder / "law.json")
     assert law.provenance["points_fitted"] == 5 and law.provenance["budgets_fitted"] == [3e8, 6e8]
+    assert law.provenance["runs_rpt_commits"] == [str(rpt_commit())]  # the runs' rpt, each from its summary
     for p in law.points:  # N: the parameters beside the embedding and head, at least the two layers' lstm matrices
         d = p["size"][1]
         summary = json.loads((folder / "points" / p["name"] / "summary.json").read_text())
@@ -139,3 +141,18 @@ def test_points_at_the_recipe_s_batch_are_one_group_whatever_rows_it_chose(tiny_
     monkeypatch.setattr(runner, "run_shape", lambda where: (1000, rows_of[where.name]))
     rows = runner.results(tmp_path, grid)
     assert {r["batch"] for r in rows} == {0} and {r["rows"] for r in rows} == {16, 64}
+
+
+def test_the_commit_a_result_came_from_is_this_checkout_s():
+    import subprocess
+    from pathlib import Path
+
+    import rpt
+
+    root = Path(rpt.__file__).resolve().parent
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    if head.returncode:
+        pytest.skip("rpt does not run from a git checkout here")
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."], cwd=root,
+                           capture_output=True, text=True).stdout.strip()
+    assert rpt_commit() == head.stdout.strip() + ("+" if dirty else "")
