@@ -156,3 +156,24 @@ def test_the_commit_a_result_came_from_is_this_checkout_s():
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."], cwd=root,
                            capture_output=True, text=True).stdout.strip()
     assert rpt_commit() == head.stdout.strip() + ("+" if dirty else "")
+
+
+def test_a_copy_of_rpt_untracked_inside_another_git_project_names_no_commit(tmp_path):
+    import importlib.util
+    import shutil
+    import subprocess
+
+    from rpt.runtime import version
+
+    if subprocess.run(["git", "--version"], capture_output=True).returncode:
+        pytest.skip("no git here")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "theirs"], check=True)
+    site = tmp_path / ".venv" / "site-packages"  # rpt as a wheel installs it: in the project's tree, untracked
+    site.mkdir(parents=True)
+    shutil.copy(version.__file__, site / "version.py")
+    spec = importlib.util.spec_from_file_location("copied_version", site / "version.py")
+    copied = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copied)
+    assert copied.rpt_commit() is None
