@@ -218,7 +218,7 @@ def decode_split(data: Path, meta: dict, split: str) -> str:
 
 def run_rpt(case: Case, data: Path, work: Path, sets: list[str] = ()) -> dict:
     """`rpt train` with the data and the time only; `sets`: more --set KEY=VALUE, for an ablation."""
-    tag = f"rpt-{case.name}" + "".join(f"-{s}" for s in sets)
+    tag = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"rpt-{case.name}" + "".join(f"-{s}" for s in sets))  # (a path's /)
     run_dir = work / tag
     shutil.rmtree(run_dir, ignore_errors=True)
     began = time.perf_counter()
