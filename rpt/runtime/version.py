@@ -1,6 +1,6 @@
 """Which rpt a result came from: the git commit of the source tree rpt runs from (an editable install, a clone),
-or None where rpt's files are not tracked by git. Read once a process; results that compare runs (a scaling law's points)
-name it."""
+or None where rpt's files are not tracked by git. Read once a process; results that compare runs (a scaling
+law's points) name it."""
 
 from __future__ import annotations
 
