@@ -4,7 +4,9 @@ Hardware efficiency is the honest measure (issue 3): achieved FLOP/s, from `flop
 and tokens/s, over the fp32 matmul peak measured in the same run (the best of a few GEMM shapes).
 nn.LSTM with hidden 512 (2.1M parameters) is the reference; each cell's width is chosen to
 match its parameter count. Two shapes: B=16 x T=256 and B=2 x T=2048. Prints markdown rows; for the
-cells whose time loops run in C++ (rpt.kernels.cpu), also the speed-up over their Python loops.
+cells whose time loops run in C++ (rpt.kernels.cpu), also the speed-up over their Python loops. Two rows of the
+mlstm with its recurrence swapped: compiled by inductor, and taken away ("mlstm-floor": its projections alone, the
+bound on any form of its recurrence; its GFLOP/s still count the recurrence's products).
 
     .venv/bin/python benchmarks/cells/speed.py [--repeats 3] [--device cpu|cuda] [--gen-tokens 100,10000]
         [--cells lstm,mlstm] [--profile mlstm]    (--profile: where one cell's time goes, at 16 x 512)
@@ -13,6 +15,7 @@ cells whose time loops run in C++ (rpt.kernels.cpu), also the speed-up over thei
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import os
 import platform
@@ -49,6 +52,31 @@ CELLS = [
     ("mlstm-chunk128", dict(cell="mlstm", d_hidden=768, heads=6, chunk_size=128)),
 ]
 SHAPES = [(16, 256), (16, 512), (2, 2048)]
+
+
+def passed_through(q, k, v, i_pre, log_f, reset, state, chunk):
+    """No recurrence at all (h = v): what is left of the mlstm is its projections, norm and gate, the floor of any
+    form of its recurrence at these widths."""
+    return v * 1.0, state
+
+
+# mlstm with its recurrence swapped (the cell module's `chunkwise`): compiled by inductor (compiled before the
+# timing: the compile is outside it), and taken away (the floor)
+SWAPS = {"mlstm-compiled": lambda form: torch.compile(form, dynamic=False), "mlstm-floor": lambda form: passed_through}
+CELLS += [(name, dict(CELLS)["mlstm"]) for name in SWAPS]
+
+
+@contextlib.contextmanager
+def swapped(name):
+    """The cell's recurrence as SWAPS has it for `name` (as it is for other names)."""
+    import rpt.models.cells.mlstm as module
+    form = module.chunkwise
+    if name in SWAPS:
+        module.chunkwise = SWAPS[name](form)
+    try:
+        yield
+    finally:
+        module.chunkwise = form
 
 
 def matmul_peak(device, repeats) -> tuple[float, str]:
@@ -95,7 +123,8 @@ def bench_cells(device, repeats, peak, peak_by, names):
             if names and name not in names:
                 continue
             cell = build_cell(ModelConfig(d_model=D, **over)).to(device)
-            tps = B * T / timed(fwd_bwd(cell, x, grad_y), device, repeats)
+            with swapped(name):
+                tps = B * T / timed(fwd_bwd(cell, x, grad_y), device, repeats)
             ref_speed = loop_speed = None
             if name.startswith(("modlstm", "gru", "min")) and kernels.current().loops() is not None:  # its time loops run in C++
                 with kernels.use(native=False):
