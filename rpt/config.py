@@ -78,7 +78,7 @@ class DataConfig(_Section):
 class ModelConfig(_Section):
     """The recurrent language model (rpt/models). `vocab_size = 0` takes the vocabulary of the data."""
 
-    cell: str = "lstm"  # lstm, gru, modlstm, mingru, minlstm, mlstm, or one registered with register_cell
+    cell: str = "lstm"  # lstm, gru, modlstm, mingru, minlstm, mlstm, gdn, or one registered with register_cell
     n_layers: int = 2
     d_model: int = 256
     d_hidden: int = 0  # the cell's state width; 0: the cell's default (d_model, or 2 x d_model for mingru/minlstm)
@@ -109,10 +109,10 @@ class ModelConfig(_Section):
     forget_bias: Union[float, Literal["auto"]] = "auto"  # "auto": the gate's own (+1 sigmoid-like, -1 for exp)
     peepholes: bool = False
     # lstm, gru, modlstm: a block-diagonal recurrent matrix of this many heads (xLSTM's sLSTM layout): each head's
-    # d_hidden / heads state units read only their own head's state; fewer parameters and FLOPs. mlstm: its heads,
-    # each a [d_hidden / heads]^2 matrix memory
+    # d_hidden / heads state units read only their own head's state; fewer parameters and FLOPs. mlstm, gdn: their
+    # heads, each a [d_hidden / heads]^2 matrix memory
     heads: int = 1
-    chunk_size: int = 64  # mlstm: the chunkwise form's chunk (steps computed together as attention computes them)
+    chunk_size: int = 64  # mlstm, gdn: the chunkwise form's chunk (steps computed together as attention computes them)
     # Depth recurrence (rpt/models/loop.py): blocks [0, loop_prelude) run once, the next loop_core blocks (the core)
     # run r times with the prelude's output injected at each iteration, the remaining blocks (the coda) once. r is
     # drawn per training step from (train.seed, step), the same on every rank; only the last loop_backprop

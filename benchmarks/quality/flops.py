@@ -6,8 +6,8 @@ For each family, `RecurrentLM.flops_per_token` (the model's matrix products, for
 summary.json's flops_per_token holds and peers.py multiplies by the tokens trained, once) against
 `torch.utils.flop_counter.FlopCounterMode` on the plain-torch form of the same model: its step form (the ops'
 spec.py, which generation runs and the export ships) token by token, since the sequence forms' library kernel
-(oneDNN's LSTM) and C++ loops hide their products from the counter; an mlstm in its chunkwise form, what its count
-describes. Then the gpt peer's count (`peers.gpt_flops_per_token`, nanoGPT's own formula) against the counter on
+(oneDNN's LSTM) and C++ loops hide their products from the counter; an mlstm and a gdn in their chunkwise forms,
+what their counts describe (the gdn's triangular solve counted as L^2 n / 2 multiply-adds). Then the gpt peer's count (`peers.gpt_flops_per_token`, nanoGPT's own formula) against the counter on
 nanoGPT's model.py (the CPU's flash attention, absent from the counter's table, counted by torch's formula for
 attention), and against nanoGPT's own reckoning (6 x its parameters + 12 L d T). tests/models/test_flops.py holds
 rpt's families within 5%; the peer's checks read nanoGPT from ../shared, which a clone of rpt alone lacks, so they
@@ -17,6 +17,7 @@ are this script's: it exits non-zero where a count is off.
 from __future__ import annotations
 
 import argparse
+import math
 import importlib.util
 import sys
 from pathlib import Path
@@ -32,7 +33,7 @@ from rpt.kernels.backend import Form
 from rpt.models.lm import RecurrentLM
 
 B, T, V = 2, 48, 512
-FAMILIES = {  # counted token by token (`stepped`), but the mlstm (`chunkwise`)
+FAMILIES = {  # counted token by token (`stepped`), but the chunkwise families
     "lstm": dict(cell="lstm"),
     "lstm, projected": dict(cell="lstm", d_hidden=96),
     "gru": dict(cell="gru"),
@@ -42,7 +43,9 @@ FAMILIES = {  # counted token by token (`stepped`), but the mlstm (`chunkwise`)
     "lstm with a gated MLP": dict(cell="lstm", mlp_ratio=2.0),
     "gru with attention": dict(cell="gru", attention_every=2, attention_window=32, attention_heads=2),
     "mlstm": dict(cell="mlstm", heads=2, chunk_size=16),
+    "gdn": dict(cell="gdn", heads=2, chunk_size=16),
 }
+CHUNKWISE = ("mlstm", "gdn")  # counted in the form their counts describe
 
 
 # the CPU's flash attention, absent from the counter's table: counted by torch's own formulas for attention
@@ -51,7 +54,9 @@ CPU_ATTENTION = {
     _aten._scaled_dot_product_flash_attention_for_cpu:
         lambda q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_flop_count(q, k, v),
     _aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda g, q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_backward_flop_count(g, q, k, v)}
+        lambda g, q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_backward_flop_count(g, q, k, v),
+    # absent too: a triangular solve of [..., L, L] against [..., L, n] is L^2 n / 2 multiply-adds
+    _aten.linalg_solve_triangular: lambda A, B, *a, out_shape=None, **kw: math.prod(A) * B[-1]}
 
 
 def tokens() -> torch.Tensor:
@@ -87,7 +92,7 @@ def counted(model: RecurrentLM, backward: bool) -> float:
             nats, _ = model(x[:, :-1], targets=x[:, 1:])
         if backward:
             nats.mean().backward()
-    return per_token(chunkwise if model.cfg.cell == "mlstm" else stepped)
+    return per_token(chunkwise if model.cfg.cell in CHUNKWISE else stepped)
 
 
 def gpt_counted(model_py: Path, layers: int, width: int, block: int, vocab: int, rows: int = 2) -> float:

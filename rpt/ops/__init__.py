@@ -1,5 +1,6 @@
 """The recurrences, one folder each, laid out by op as flash-linear-attention lays out its ops: `lstm/`, `gru/`,
-`modlstm/`, `minrnn/` (minGRU and minLSTM), `mlstm/` (xLSTM's matrix-memory LSTM), `loop/` (the depth loop) and
+`modlstm/`, `minrnn/` (minGRU and minLSTM), `mlstm/` (xLSTM's matrix-memory LSTM), `gdn/` (Gated DeltaNet), `loop/`
+(the depth loop) and
 `stack/` (the maths of the blocks and heads around the cells: attention, the gated MLP, the two-level head). Each
 holds every file that defines its maths:
 
@@ -14,7 +15,9 @@ holds every file that defines its maths:
     triton.py        the GPU forms (modlstm also triton_steps.py), on what rpt/kernels/triton/common.py shares
     scan.py          minrnn: the chunked scan in ATen ops (any device, no compiler)
     parallel.py      mlstm: the quadratic form over a whole window (as attention), the reference of the next
-    chunkwise.py     mlstm: the training form, each chunk's summary carried between chunks
+    chunkwise.py     mlstm, gdn: the training form, each chunk's summary carried between chunks (gdn: its
+                     quadratic form is the one-chunk case)
+    conv.py          gdn: the short causal convolution on q, k, v, its last inputs part of the state
     gates.py         modlstm: its gate functions by name (the built-in ones and those users register)
 
 The cells in rpt/models/cells are thin modules over these: their parameters and options. The tests hold every form

@@ -33,6 +33,8 @@ VARIANTS = {
     "modlstm-exp-heads": dict(cell="modlstm", gate="exp", heads=2),
     "mlstm": dict(cell="mlstm", heads=2, chunk_size=4),  # chunks that do not divide the window
     "mlstm-one-head": dict(cell="mlstm", chunk_size=3, d_hidden=9),
+    "gdn": dict(cell="gdn", heads=2, chunk_size=4),  # chunks that do not divide the window
+    "gdn-one-head": dict(cell="gdn", chunk_size=3, d_hidden=9),
 }
 D = 6
 
@@ -266,5 +268,5 @@ def test_a_cell_gets_the_options_it_declares_and_refuses_the_others():
         check_names(ModelConfig(cell="gated-elman-test", d_model=D, peepholes=True))
     with pytest.raises(RptError, match=r"model.gate applies to model.cell = 'gated-elman-test' or 'modlstm'"):
         check_names(ModelConfig(cell="lstm", d_model=D, gate="hard_sigmoid"))
-    with pytest.raises(RptError, match=r"model.heads applies to model.cell = 'gru' or 'lstm' or 'mlstm' or 'modlstm'"):
+    with pytest.raises(RptError, match=r"model.heads applies to model.cell = 'gdn' or 'gru' or 'lstm' or 'mlstm' or 'modlstm'"):
         check_names(ModelConfig(cell="mingru", d_model=D, heads=2))

@@ -4,7 +4,7 @@ import torch
 
 from rpt import kernels
 from rpt.kernels.cpu import build
-from rpt.models.cells import gru, lstm, minrnn, mlstm, modlstm  # noqa: F401
+from rpt.models.cells import gdn, gru, lstm, minrnn, mlstm, modlstm  # noqa: F401
 from rpt.models.cells.base import Cell, State
 
 __all__ = ["Cell", "State"]

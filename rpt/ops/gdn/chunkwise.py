@@ -1,0 +1,109 @@
+"""The gated delta rule's training form: the window cut into chunks of L steps; within a chunk every output at
+once by the UT transform (the WY representation), between chunks the state handed on as an affine map.
+
+Within a chunk (cumulative log decay gamma_t, its decay Gamma_t = exp(gamma_t) of the state entering the chunk),
+the values the step writes, u_t = beta_t (v_t - S'_t^T k_t), depend on the entering state S_0 only linearly:
+
+    (I + N) U = beta V - (beta Gamma K) S_0,   N_ts = beta_t exp(gamma_t - gamma_s) k_t . k_s   (s < t)
+
+so one triangular solve per chunk gives U = W_v - W_k S_0 with W_v, W_k free of S_0: (1) for every chunk at
+once. The chunk's effect on the state is then S_0 -> A S_0 + B (A = Gamma_L I - K_d^T W_k [d_k, d_k], B =
+K_d^T W_v, K_d the keys decayed to the chunk's end): (2) K small steps of [d_k, d_k] x [d_k, d_v] products hand
+the state from chunk to chunk. (3) Every output at once: o_t = Gamma_t q_t S_0 + sum_{s <= t} exp(gamma_t -
+gamma_s) (q_t . k_s) u_s. A reset (a document's start) cuts every decay across it, the entering state's
+included. A window that L does not divide is padded with steps that change nothing (beta = 0, g = 0, zero
+inputs). `parallel`, the whole window as one chunk, is the quadratic form. Written in torch: its products and
+the triangular solve run on oneDNN / LAPACK on the CPU, and autograd gives the backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class Terms(NamedTuple):
+    """A chunk's S_0-free parts: the pairwise decays D [..., L, L] (s <= t, 0 across a reset), the entering
+    state's decay G [..., L] (0 after a reset), and the triangular solve's W_v [..., L, d_v], W_k [..., L, d_k]."""
+    D: Tensor
+    G: Tensor
+    Wv: Tensor
+    Wk: Tensor
+
+
+def terms(k, v, g, beta, reset: Optional[Tensor]) -> Terms:
+    """k [..., L, d_k], v [..., L, d_v], g, beta [..., L], reset [..., L] bool (broadcast over heads) or None."""
+    L = g.shape[-1]
+    gamma = g.cumsum(-1)
+    valid = torch.ones(L, L, dtype=torch.bool, device=g.device).tril()
+    G = gamma
+    if reset is not None:
+        segment = reset.cumsum(-1)
+        valid = valid & (segment[..., :, None] == segment[..., None, :])
+        G = gamma.masked_fill(segment != 0, float("-inf"))
+    D = torch.exp((gamma[..., :, None] - gamma[..., None, :]).masked_fill(~valid, float("-inf")))
+    G = torch.exp(G)
+    N = beta[..., :, None] * D.tril(-1) * (k @ k.transpose(-1, -2))
+    rhs = torch.cat([beta[..., None] * v, (beta * G)[..., None] * k], dim=-1)
+    W = torch.linalg.solve_triangular(N, rhs, upper=False, unitriangular=True)  # N's diagonal read as ones
+    Wv, Wk = W.split([v.shape[-1], k.shape[-1]], dim=-1)
+    return Terms(D, G, Wv, Wk)
+
+
+def summary(k, t: Terms) -> tuple[Tensor, Tensor]:
+    """The chunk's effect on the state entering it, S -> A S + B: A [..., d_k, d_k], B [..., d_k, d_v]."""
+    Kd = (t.D[..., -1, :, None] * k).transpose(-1, -2)  # the keys decayed to the chunk's end, [..., d_k, L]
+    A = t.G[..., -1, None, None] * torch.eye(k.shape[-1], dtype=k.dtype, device=k.device) - Kd @ t.Wk
+    return A, Kd @ t.Wv
+
+
+def outputs(q, k, t: Terms, S: Tensor) -> Tensor:
+    """Every output of the chunk from the state entering it."""
+    U = t.Wv - t.Wk @ S
+    return t.G[..., None] * (q @ S) + (t.D * (q @ k.transpose(-1, -2))) @ U
+
+
+def at_least_fp32(form):
+    """Run a form in float32 at least (float64 stays): the cumulative decays and the triangular solve lose too
+    much in half precision. The outputs come back in q's dtype, the state in the precision it ran."""
+    def run(q, k, v, g, beta, reset, S, *args, **kwargs):
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        o, S = form(*(x.to(dtype) for x in (q, k, v, g, beta)), reset, S.to(dtype), *args, **kwargs)
+        return o.to(q.dtype), S
+    run.__doc__, run.__name__ = form.__doc__, form.__name__
+    return run
+
+
+@at_least_fp32
+def chunkwise(q, k, v, g, beta, reset: Optional[Tensor], S: Tensor, chunk: int):
+    """q, k [B, H, T, d_k], v [B, H, T, d_v], g (log decay, <= 0) and beta [B, H, T], reset [B, T] bool or None,
+    S [B, H, d_k, d_v], in chunks of `chunk` steps. Returns o [B, H, T, d_v] and the state after the window."""
+    B, H, T, _ = q.shape
+    L = min(chunk, T)
+    K = math.ceil(T / L)
+    pad = K * L - T
+    if pad:  # steps that change nothing: no decay, no write, no read
+        q, k, v, g, beta = (F.pad(x, (0, 0, 0, pad)) if x.dim() == 4 else F.pad(x, (0, pad)) for x in (q, k, v, g, beta))
+        reset = None if reset is None else F.pad(reset, (0, pad))
+
+    def cut(x):
+        return x.reshape(x.shape[0], x.shape[1], K, L, *x.shape[3:])
+    qc, kc, vc, gc, bc = (cut(x) for x in (q, k, v, g, beta))
+    rc = None if reset is None else reset.reshape(B, 1, K, L)
+    t = terms(kc, vc, gc, bc, rc)  # (1)
+    A, Bs = (x.unbind(2) for x in summary(kc, t))  # one backward for all K (not K selects)
+    entering = []
+    for j in range(K):  # (2)
+        entering.append(S)
+        S = A[j] @ S + Bs[j]
+    o = outputs(qc, kc, t, torch.stack(entering, dim=2))  # (3)
+    return o.reshape(B, H, K * L, -1)[:, :, :T], S
+
+
+def parallel(q, k, v, g, beta, reset: Optional[Tensor], S: Tensor):
+    """The whole window as one chunk: the quadratic form (T x T products), the others' reference."""
+    return chunkwise(q, k, v, g, beta, reset, S, chunk=q.shape[2])
