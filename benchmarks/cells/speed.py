@@ -50,6 +50,8 @@ CELLS = [
     ("mlstm", dict(cell="mlstm", d_hidden=768, heads=6)),
     ("mlstm-chunk32", dict(cell="mlstm", d_hidden=768, heads=6, chunk_size=32)),
     ("mlstm-chunk128", dict(cell="mlstm", d_hidden=768, heads=6, chunk_size=128)),
+    # Gated DeltaNet: 6 heads of 128 over 768 (1.97M parameters), chunks of 64
+    ("gdn", dict(cell="gdn", d_hidden=768, heads=6)),
 ]
 SHAPES = [(16, 256), (16, 512), (2, 2048)]
 

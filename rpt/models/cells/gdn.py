@@ -58,9 +58,9 @@ class GatedDeltaNet(Cell):
 
     def forward(self, x, state=None, reset=None):
         S, inputs = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
-        H, d = self.d_hidden, self.head_dim
-        q, k, v, gate, a, b = split(linear(x, self.proj.weight), self.heads, d, d)
-        qkv, inputs = conv_window(torch.cat([q, k, v], dim=-1), inputs, self.conv_weight, reset)
+        d = self.head_dim
+        qkv, gate, a, b = split(linear(x, self.proj.weight), self.heads, d, d)
+        qkv, inputs = conv_window(qkv, inputs, self.conv_weight, reset)
         q, k, v, g, beta = heads_of(qkv, a, b, self.A_log, self.dt_bias, self.heads, d)
         o, S = chunkwise(*(t.transpose(1, 2) for t in (q, k, v, g, beta)), reset, S, self.chunk_size)
         return read_out(o.transpose(1, 2), gate, self.norm_weight, self.out_proj.weight, linear), (S, inputs)

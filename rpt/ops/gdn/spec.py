@@ -31,9 +31,9 @@ def gdn_step(q, k, v, g, beta, S):
 
 
 def split(x, heads: int, d_k: int, d_v: int):
-    """The projection's columns: q, k [..., heads * d_k], v, the output gate [..., heads * d_v], a, b [..., heads]
-    (the decay's and the write strength's pre-activations)."""
-    return x.split([heads * d_k, heads * d_k, heads * d_v, heads * d_v, heads, heads], dim=-1)
+    """The projection's columns: q, k and v together [..., heads * (2 d_k + d_v)] (what the convolution reads),
+    the output gate [..., heads * d_v], a, b [..., heads] (the decay's and the write strength's pre-activations)."""
+    return x.split([heads * (2 * d_k + d_v), heads * d_v, heads, heads], dim=-1)
 
 
 def heads_of(qkv, a, b, A_log, dt_bias, heads: int, d_k: int):
@@ -59,8 +59,8 @@ def gdn_layer_step(x_t, state, proj_weight, conv_weight, A_log, dt_bias, norm_we
     inputs [B, width - 1, channels])."""
     S, inputs = state
     d_v = S.shape[-1]
-    q, k, v, gate, a, b = split(linear(x_t, proj_weight), heads, d_k, d_v)
-    qkv, inputs = conv_step(torch.cat([q, k, v], dim=-1), inputs, conv_weight)
+    qkv, gate, a, b = split(linear(x_t, proj_weight), heads, d_k, d_v)
+    qkv, inputs = conv_step(qkv, inputs, conv_weight)
     q, k, v, g, beta = heads_of(qkv, a, b, A_log, dt_bias, heads, d_k)
     o, S = gdn_step(q, k, v, g, beta, S)
     return read_out(o, gate, norm_weight, out_weight, linear), (S, inputs)

@@ -138,3 +138,27 @@ def test_the_convolution_s_window_equals_its_steps(with_resets):
     grads_steps = torch.autograd.grad((stepped * gy).sum(), [x, weight])
     for a, b in zip(grads, grads_steps):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_the_step_over_two_thousand_tokens_in_low_precision_stays_near_float64():
+    """The step form (what generation runs) from float64's inputs cast down: the state's relative error against
+    float64's after 2,000 tokens, at most 1e-4 in float32 and 2e-2 in bfloat16; finite in float16."""
+    steps, heads, d = 2000, 2, 16
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(steps, heads, d, generator=gen, dtype=torch.float64) * d ** -0.5
+    k = F.normalize(torch.randn(steps, heads, d, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(steps, heads, d, generator=gen, dtype=torch.float64)
+    g = -F.softplus(torch.randn(steps, heads, generator=gen, dtype=torch.float64) - 3)  # decays near 1
+    beta = torch.sigmoid(torch.randn(steps, heads, generator=gen, dtype=torch.float64))
+
+    def run(dtype):
+        S = torch.zeros(heads, d, d, dtype=dtype)
+        for t in range(steps):
+            _, S = gdn_step(q[t].to(dtype), k[t].to(dtype), v[t].to(dtype), g[t].to(dtype), beta[t].to(dtype), S)
+        return S
+
+    exact = run(torch.float64)
+    for dtype, bound in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        error = (run(dtype).double() - exact).norm() / exact.norm()
+        assert error <= bound, (dtype, float(error))
+    assert torch.isfinite(run(torch.float16)).all()
