@@ -36,6 +36,7 @@ VARIANTS = {  # name: the model settings of a run (every cell; attention, MLP, b
     "modlstm-coupled": ["model.cell=modlstm", "model.coupled_gates=true", "model.weight_norm=true"],
     "mingru-short": ["model.cell=mingru", "model.head_shortlist=40"],
     "mlstm": ["model.cell=mlstm", "model.heads=4", "model.chunk_size=5", "model.mlp_ratio=2"],
+    "gdn": ["model.cell=gdn", "model.heads=4", "model.chunk_size=5"],
     "minlstm": ["model.cell=minlstm", "model.attention_every=1", "model.attention_heads=4", "model.attention_window=4"],
     "mingru-looped": ["model.cell=mingru", "model.n_layers=3", "model.loop_prelude=1", "model.loop_core=1",
                       "model.loop_mean=3", "model.attention_every=2", "model.attention_heads=2",
@@ -81,7 +82,7 @@ def assert_steps_are_the_specs(folder: Path) -> None:
     they come from the specs)."""
     ops = Path(rpt.__file__).parent / "ops"
     specs = sorted(ops.glob("*/spec.py"))
-    assert {p.parent.name for p in specs} == {"lstm", "gru", "modlstm", "minrnn", "mlstm", "loop", "stack"}
+    assert {p.parent.name for p in specs} == {"lstm", "gru", "modlstm", "minrnn", "mlstm", "gdn", "loop", "stack"}
     for spec in specs:
         shipped = folder / f"spec_{spec.parent.name}.py"
         assert shipped.read_bytes() == spec.read_bytes(), shipped

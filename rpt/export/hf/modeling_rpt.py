@@ -34,6 +34,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .configuration_rpt import RptConfig
+from .spec_gdn import gdn_layer_step
 from .spec_gru import gru_step
 from .spec_loop import run_loop
 from .spec_lstm import lstm_step
@@ -154,7 +155,32 @@ class MLSTM(_Cell):
                                 self.out_proj.weight, self.heads)
 
 
-CELLS = {"lstm": LSTM, "gru": GRU, "modlstm": ModLSTM, "mingru": MinRNN, "minlstm": MinRNN, "mlstm": MLSTM}
+class GatedDeltaNet(_Cell):
+    """Gated DeltaNet: a [d, d] memory per head corrected by the delta rule, after a short convolution
+    (spec_gdn.py runs the whole layer's step)."""
+
+    def __init__(self, cfg: RptConfig):
+        nn.Module.__init__(self)
+        H, D, self.heads = cfg.d_hidden, cfg.d_model, cfg.heads
+        self.d_model, self.d_hidden, self.head_dim = D, H, H // cfg.heads
+        self.proj = nn.Linear(D, 4 * H + 2 * cfg.heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.zeros(3 * H, 4))
+        self.A_log = nn.Parameter(torch.zeros(cfg.heads))
+        self.dt_bias = nn.Parameter(torch.zeros(cfg.heads))
+        self.norm_weight = nn.Parameter(torch.ones(H))
+        self.out_proj = nn.Linear(H, D, bias=False)
+
+    def init_state(self, batch: int, like: torch.Tensor) -> tuple:
+        d, width = self.head_dim, self.conv_weight.shape[-1]
+        return like.new_zeros(batch, self.heads, d, d), like.new_zeros(batch, width - 1, 3 * self.d_hidden)
+
+    def step(self, x, state):
+        return gdn_layer_step(x, state, self.proj.weight, self.conv_weight, self.A_log, self.dt_bias,
+                              self.norm_weight, self.out_proj.weight, self.heads, self.head_dim)
+
+
+CELLS = {"lstm": LSTM, "gru": GRU, "modlstm": ModLSTM, "mingru": MinRNN, "minlstm": MinRNN, "mlstm": MLSTM,
+         "gdn": GatedDeltaNet}
 
 
 # ---------------------------------------------------------------------------------------------- the stack

@@ -1,5 +1,5 @@
 """The short causal convolution Gated DeltaNet runs on q, k and v (depthwise, `width` taps, 4 in the paper): each
-channel's output at t mixes its inputs t - width + 1 .. t. Its last width - 1 inputs are part of the layer's
+channel's output at t mixes its inputs t - width + 1 .. t (its step, the spec, is spec.py's `conv_step`). Its last width - 1 inputs are part of the layer's
 recurrent state: carried from window to window, and after a reset (a document's start) the inputs before it are
 not seen, inside a window and across its end alike.
 
@@ -57,8 +57,3 @@ def conv_window(x: Tensor, inputs: Tensor, weight: Tensor, reset: Optional[Tenso
         carry = carry * (seg[:, T:] == seg[:, -1:])[..., None].to(x.dtype)  # another document's inputs dropped
     return y, carry
 
-
-def conv_step(x_t: Tensor, inputs: Tensor, weight: Tensor):
-    """One token: x_t [B, C]; inputs [B, width - 1, C]. Returns y_t [B, C] and the new inputs."""
-    window = torch.cat([inputs.to(x_t.dtype), x_t[:, None]], dim=1)  # [B, width, C]
-    return (window * weight.T).sum(1), window[:, 1:]

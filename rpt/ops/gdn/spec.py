@@ -17,8 +17,6 @@ runs, and the file `rpt export` will ship.
 import torch
 import torch.nn.functional as F
 
-from rpt.ops.gdn.conv import conv_step
-
 NORM_EPS = 1e-6
 
 
@@ -28,6 +26,13 @@ def gdn_step(q, k, v, g, beta, S):
     u = beta[..., None] * (v - (k[..., None, :] @ S)[..., 0, :])
     S = S + k[..., :, None] * u[..., None, :]
     return (q[..., None, :] @ S)[..., 0, :], S
+
+
+def conv_step(x_t, inputs, weight):
+    """The short causal convolution for one token: x_t [B, C]; inputs, its last width - 1 inputs [B, width - 1, C];
+    weight [C, width] (the last tap on x_t). Returns y_t [B, C] and the new inputs."""
+    window = torch.cat([inputs.to(x_t.dtype), x_t[:, None]], dim=1)  # [B, width, C]
+    return (window * weight.T).sum(1), window[:, 1:]
 
 
 def split(x, heads: int, d_k: int, d_v: int):

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from rpt.ops.gdn.chunkwise import chunkwise, parallel, summary, terms
-from rpt.ops.gdn.conv import conv_step, conv_window
-from rpt.ops.gdn.spec import gdn_step
+from rpt.ops.gdn.conv import conv_window
+from rpt.ops.gdn.spec import conv_step, gdn_step
 
 B, H, T, DK, DV = 2, 3, 13, 4, 5
 
