@@ -11,12 +11,12 @@ from ranks import run_ranks
 from pipeline_workers import train_runs
 from test_pipeline import assert_same_training, reference
 
-CELLS = ["lstm", "gru", "modlstm", "mingru", "minlstm", "mlstm"]
+CELLS = ["lstm", "gru", "modlstm", "mingru", "minlstm", "mlstm", "gdn"]
 
 
 @pytest.mark.parametrize("cp", [2, 3])
 def test_a_window_split_over_ranks_equals_one_process(tmp_path, cp):
-    cells = CELLS if cp == 2 else ["lstm", "mingru", "mlstm"]  # three ranks: a state crosses two edges
+    cells = CELLS if cp == 2 else ["lstm", "mingru", "mlstm", "gdn"]  # three ranks: a state crosses two edges
     ranks = run_ranks(window_against_one_process, cp, tmp_path, cells, cp, timeout=120)
     for rank, found in enumerate(ranks):
         for cell in cells:
@@ -35,10 +35,11 @@ def test_under_bf16_autocast_the_pieces_agree_with_one_process_to_its_precision(
     for rank, found in enumerate(ranks):
         for cell in CELLS:
             got = found[cell]
-            assert got["nats"] < 1e-2 and got["state"] < 1e-2, (rank, cell, got)
-            # mlstm's pieces reorder its sums (each rank's chunks and the summaries' fold), where the others hand
-            # the state on as one process computes it: in one process, bf16 chunks of 8 against 64 differ as much
-            tol = 3e-2 if cell == "mlstm" else 1e-2
+            # the chunkwise cells' pieces reorder their sums (each rank's chunks start at its piece; mlstm also folds
+            # the summaries), where the others hand the state on as one process computes it: in one process, bf16
+            # chunks of 8 against 64 differ as much (gdn's state by 0.018)
+            tol = 3e-2 if cell in ("mlstm", "gdn") else 1e-2
+            assert got["nats"] < 1e-2 and got["state"] < tol, (rank, cell, got)
             assert got["grads"] < tol * got["grad_scale"], (rank, cell, got)
 
 
