@@ -3,12 +3,11 @@
 Rank i of a cp group reads the same rows as the others and runs tokens [i T/N, (i+1) T/N) through the whole model;
 what crosses a piece's edge is each sub-layer's recurrent state, so that is all the ranks exchange:
 
-- the scan cells (minGRU, minLSTM: h_t = a_t h_{t-1} + b_t) scan their pieces at once from a zero state, then one
-  all-gather of each piece's (product of a, final state) gives every rank the state entering its piece, and
-  h_t += (product of a up to t) * that state corrects the piece locally; backward mirrors it (`_CarryIn`);
-- the matrix memory (mlstm) alike: each piece's summary (what it does to the state entering it: its own memory at
-  its end and its gate sums; rpt/ops/mlstm/chunkwise.py) is all-gathered, every rank folds the earlier pieces'
-  summaries into the window's state to get its own first state, and runs its piece chunkwise from it (`_Entering`);
+- a cell whose piece's effect on the state can be summarised from the piece's own inputs (its `piece_forward`:
+  the scans, h_t = a_t h_{t-1} + b_t, by (product of a, final state from zero); mlstm by its memory at the end
+  and its gate sums; gdn by the affine map S -> A S + B, after its convolution's last inputs as a halo) runs its
+  piece at once: one all-gather of the summaries, each rank folds the earlier ones into the window's state with
+  the cell's `fold` and finishes its piece from there (`entering`); backward mirrors it (`_Entering`);
 - the non-linear cells (lstm, gru, modlstm) and sliding-window attention (whose state is its last window of keys
   and values) take their first state from the rank before and hand their last to the rank after (`_Receive`,
   `_Send`); state gradients travel back the same way. Block by block this is a pipeline in time: rank i runs
@@ -22,21 +21,14 @@ checkpointing of apply.py is; written here because torch's context parallelism c
 
 from __future__ import annotations
 
+import functools
 import math
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from rpt.kernels.cpu.products import linear
-from rpt.models.cells.minrnn import _BUILT_IN, _MinRNN
-from rpt.models.cells.mlstm import MLSTM
 from rpt.models.state import map_state
-from rpt.ops.minrnn import sequence
-from rpt.ops.minrnn.scan import linear_scan
-from rpt.ops.mlstm.chunkwise import Summary, advance, chunkwise, summary
-from rpt.ops.mlstm.spec import project, read_out
-from rpt.ops.precision import as_fp32
 from rpt.ops.stack.spec import at_least_fp32
 
 TAGS = 16  # message tags per sub-layer: one per tensor of its state
@@ -147,68 +139,19 @@ def _handed_on(forward, cp: ContextGroup, tag: int, x, state, reset=None):
     return y, new
 
 
-class _CarryIn(torch.autograd.Function):
-    """The state entering this rank's piece of a linear scan, from every piece's (product of a, final state from
-    zero) [2, B, H]: c = fold over the earlier pieces j of c * prod_j + end_j. Backward: each rank's gradient of
-    the ends it read, summed over the group (one all-reduce), its own slot."""
-
-    @staticmethod
-    def forward(ctx, cp, ends):
-        gathered = [torch.empty_like(ends) for _ in range(cp.size)]
-        dist.all_gather(gathered, ends.contiguous(), group=cp.group)
-        ctx.cp = cp
-        ctx.save_for_backward(torch.stack(gathered))
-        carry = torch.zeros_like(ends[1])
-        for j in range(cp.rank):
-            carry = gathered[j][0] * carry + gathered[j][1]
-        return carry
-
-    @staticmethod
-    def backward(ctx, grad):
-        (ends,) = ctx.saved_tensors
-        cp = ctx.cp
-        carries = [torch.zeros_like(ends[0, 1])]  # the carry before each earlier piece
-        for j in range(cp.rank):
-            carries.append(ends[j, 0] * carries[-1] + ends[j, 1])
-        grads = torch.zeros_like(ends)
-        for j in reversed(range(cp.rank)):
-            grads[j, 0] = grad * carries[j]
-            grads[j, 1] = grad
-            grad = grad * ends[j, 0]
-        dist.all_reduce(grads, group=cp.group)
-        return None, grads[cp.rank]
-
-
-def _scan_piece(cell: _MinRNN, cp: ContextGroup, x, state=None, reset=None):
-    """A minGRU / minLSTM cell over this rank's piece: its scan from zero (from the carried state on the first
-    rank), corrected by the state entering the piece. The cell's own forward, with the exchange in its middle."""
-    (h0,) = state
-    u = linear(x, cell.in_proj.weight, cell.in_proj.bias)
-    start = h0 if cp.prev is None else torch.zeros_like(h0)
-    h, _ = sequence.forward(u, start, reset, _BUILT_IN.get(type(cell).coefficients), cell.coefficients)
-    with torch.autocast(u.device.type, enabled=False):
-        a, _ = cell.coefficients(as_fp32(u))
-        if reset is not None:
-            a = a * (~reset).to(a.dtype)[..., None]
-        decay = linear_scan(a, torch.zeros_like(a), torch.ones_like(a[:, 0]))  # product of a up to each step
-        h = as_fp32(h)
-        carry = _CarryIn.apply(cp, torch.stack([decay[:, -1], h[:, -1]]))
-        h = torch.addcmul(h, decay, carry[:, None])
-    return linear(h, cell.out_proj.weight), (h[:, -1].to(h0.dtype),)
-
-
 class _Entering(torch.autograd.Function):
-    """The mLSTM state entering this rank's piece: every piece's summary (flat [n]) all-gathered, and the earlier
-    ones folded into the window's state with `advance`. Backward: the fold's gradient by autograd on the gathered
-    summaries; each rank's gradient of every summary summed over the group (one all-reduce), its own slot."""
+    """The state entering this rank's piece: every piece's summary (flat [n]) all-gathered, and the earlier ones
+    folded into the window's state with the cell's `fold`. Backward: the fold's gradient by autograd on the gathered
+    summaries; each rank's gradient of every summary summed over the group (one all-reduce), its own slot. Every
+    rank returns new tensors, so that every rank's backward runs the all-reduce."""
 
     @staticmethod
-    def forward(ctx, cp, unflatten, flat, *state):
+    def forward(ctx, cp, fold, unflatten, flat, *state):
         gathered = [torch.empty_like(flat) for _ in range(cp.size)]
         dist.all_gather(gathered, flat.contiguous(), group=cp.group)
-        ctx.cp, ctx.unflatten = cp, unflatten
+        ctx.cp, ctx.fold, ctx.unflatten = cp, fold, unflatten
         ctx.save_for_backward(torch.stack(gathered), *state)
-        return tuple(t.detach() for t in _fold(cp.rank, unflatten, gathered, state))
+        return tuple(t.detach() for t in _fold(cp.rank, fold, unflatten, gathered, state))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -216,43 +159,36 @@ class _Entering(torch.autograd.Function):
         with torch.enable_grad():
             pieces = gathered.detach().requires_grad_()
             start = [t.detach().requires_grad_() for t in state]
-            out = _fold(ctx.cp.rank, ctx.unflatten, pieces.unbind(0), start)
-            found = torch.autograd.grad([o for o in out], [pieces, *start], grads, allow_unused=True)
+            out = _fold(ctx.cp.rank, ctx.fold, ctx.unflatten, pieces.unbind(0), start)
+            found = torch.autograd.grad(out, [pieces, *start], grads, allow_unused=True)
         of_pieces = found[0] if found[0] is not None else torch.zeros_like(pieces)
         dist.all_reduce(of_pieces, group=ctx.cp.group)
-        return (None, None, of_pieces[ctx.cp.rank], *found[1:])
+        return (None, None, None, of_pieces[ctx.cp.rank], *found[1:])
 
 
-def _fold(rank: int, unflatten, pieces, state):
+def _fold(rank: int, fold, unflatten, pieces, state):
+    state = tuple(state)
     for j in range(rank):
-        state = advance(state, unflatten(pieces[j]))
+        state = tuple(fold(unflatten(pieces[j]), state))
     return tuple(t * 1 for t in state)  # a new tensor even where nothing is folded (rank 0)
 
 
-def _mlstm_piece(cell: MLSTM, cp: ContextGroup, x, state=None, reset=None):
-    """An mlstm cell over this rank's piece, from the state the earlier pieces leave (`_Entering`)."""
-    q, k, v, i_pre, log_f, o = project(x, cell.qkvo.weight, cell.gates.weight, cell.gates.bias, cell.heads, linear)
-    q, k, v, i_pre, log_f = (t.transpose(1, 2) for t in (q, k, v, i_pre, log_f))  # [B, heads, T, ...]
-    with torch.autocast(x.device.type, enabled=False):
-        wide = torch.promote_types(q.dtype, torch.float32)
-        own = summary(k.to(wide), v.to(wide), i_pre.to(wide), log_f.to(wide), None if reset is None else reset[:, None])
-        own = own._replace(clean=None if own.clean is None else own.clean.to(wide))
-        shapes = [None if t is None else t.shape for t in own]
+def entering(cp: ContextGroup, own: tuple, state: tuple, fold) -> tuple:
+    """The state entering this rank's piece, from every rank's summary `own` of its piece (a tuple of tensors, the
+    same shapes on every rank) and the window's `state`: the earlier pieces' folded into it in order. Summaries
+    travel in float32 at least."""
+    wide = functools.reduce(torch.promote_types, [t.dtype for t in own], torch.float32)
+    shapes = [t.shape for t in own]
 
-        def unflatten(flat):
-            parts, at = [], 0
-            for shape in shapes:
-                if shape is None:
-                    parts.append(None)
-                    continue
-                n = math.prod(shape)
-                parts.append(flat[at:at + n].view(shape))
-                at += n
-            return Summary(*parts[:4], None if parts[4] is None else parts[4] > 0.5, parts[5])
-        flat = torch.cat([t.reshape(-1) for t in own if t is not None])
-        entering = _Entering.apply(cp, unflatten, flat, *(t.to(wide) for t in state))
-    h, new = chunkwise(q, k, v, i_pre, log_f, reset, entering, cell.chunk_size)
-    return read_out(h.transpose(1, 2), o, cell.norm_weight, cell.out_proj.weight, linear), new
+    def unflatten(flat):
+        parts, at = [], 0
+        for shape in shapes:
+            n = math.prod(shape)
+            parts.append(flat[at:at + n].view(shape))
+            at += n
+        return tuple(parts)
+    flat = torch.cat([t.to(wide).reshape(-1) for t in own])
+    return _Entering.apply(cp, fold, unflatten, flat, *state)
 
 
 def split_windows(model, cp: ContextGroup) -> None:
@@ -260,10 +196,8 @@ def split_windows(model, cp: ContextGroup) -> None:
     piece of each window, its sub-layers exchanging their states with the group's other ranks."""
     for index, block in model.blocks.items():
         cell = block.cell
-        if isinstance(cell, _MinRNN):
-            cell.forward = partial(_scan_piece, cell, cp)
-        elif isinstance(cell, MLSTM):
-            cell.forward = partial(_mlstm_piece, cell, cp)
+        if cell.piece_forward is not None:  # its piece at once, from the state the earlier pieces leave
+            cell.forward = partial(cell.piece_forward, entering=partial(entering, cp))
         else:
             cell.forward = partial(_handed_on, cell.forward, cp, 2 * int(index))
         if block.attn is not None:

@@ -261,21 +261,19 @@ def make_plan(cfg: Config, world_size: int, pp: int, device_memory: int, costs: 
 
 
 def context_bytes(model, rows: int, cp: int) -> int:
-    """What a middle rank of a cp group sends a step (rpt/parallel/context.py), fp32: a scan cell's all-gather of
-    (product of a, last state) and the all-reduce of its gradient; every other cell's and attention's state to
-    the next rank, and the gradient of the state it received to the one before."""
+    """What a middle rank of a cp group sends a step (rpt/parallel/context.py), fp32: a cell that summarises its
+    piece (its `piece_forward`), the all-gather of its summary and the all-reduce of their gradients; every other
+    cell's and attention's state to the next rank, and the gradient of the state it received to the one before."""
     if cp == 1:
         return 0
-    from rpt.models.cells.minrnn import _MinRNN
-
     total = 0
     for block in model.blocks.values():
-        width = block.cell.state_numbers()
-        if isinstance(block.cell, _MinRNN):
-            ends = 4 * 2 * rows * width
-            total += ends * (cp - 1) + allreduce_wire_bytes(cp * ends, cp)
+        cell = block.cell
+        if cell.piece_forward is not None:
+            summary = 4 * rows * cell.summary_numbers()
+            total += summary * (cp - 1) + allreduce_wire_bytes(cp * summary, cp)
         else:
-            total += 2 * 4 * rows * width
+            total += 2 * 4 * rows * cell.state_numbers()
         if block.attn is not None:
             total += 2 * 4 * rows * block.attn.window * (2 * block.attn.d_model + 1)
     return total

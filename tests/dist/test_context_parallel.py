@@ -35,11 +35,12 @@ def test_under_bf16_autocast_the_pieces_agree_with_one_process_to_its_precision(
     for rank, found in enumerate(ranks):
         for cell in CELLS:
             got = found[cell]
-            # the chunkwise cells' pieces reorder their sums (each rank's chunks start at its piece; mlstm also folds
-            # the summaries), where the others hand the state on as one process computes it: in one process, bf16
-            # chunks of 8 against 64 differ as much (gdn's state by 0.018)
-            tol = 3e-2 if cell in ("mlstm", "gdn") else 1e-2
-            assert got["nats"] < 1e-2 and got["state"] < tol, (rank, cell, got)
+            # the chunkwise cells' pieces reorder their sums (each rank's chunks start at its piece, and the pieces'
+            # summaries are folded), where the others hand the state on as one process computes it: in one process,
+            # bf16 chunks of 8 against 64 differ as much (gdn: its state by 0.018, its gradients by 3.6% of their
+            # scale, chunks of 4 against 64 by 4.5%; its triangular solves amplify the inputs' rounding)
+            tol = {"mlstm": 3e-2, "gdn": 1e-1}.get(cell, 1e-2)
+            assert got["nats"] < 1e-2 and got["state"] < min(tol, 3e-2), (rank, cell, got)
             assert got["grads"] < tol * got["grad_scale"], (rank, cell, got)
 
 

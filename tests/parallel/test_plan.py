@@ -247,3 +247,35 @@ def test_context_parallelism_splits_each_windows_activations_and_counts_the_stat
     assert two.context_bytes_per_step == layers * 2 * 4 * B * 2 * D + layers // 2 * 2 * 4 * B * W * (2 * D + 1)
     assert one.context_bytes_per_step == 0
     assert "cp 2 x dp 2" in format_plan(two) and "context states" in format_plan(two)
+
+
+
+@pytest.mark.parametrize("cell", ["mingru", "mlstm", "gdn"])
+def test_a_summarising_cell_counts_the_summaries_it_sends(cell):
+    """The cells that fold their pieces' summaries send those (not their state) over the group: each rank's to
+    every other, and the gradients of all of them summed (an all-reduce of cp summaries). `summary_numbers` is
+    what its `piece_forward` hands to the exchange (recorded here, with resets in the piece)."""
+    import torch
+
+    from rpt.parallel.plan import allreduce_wire_bytes
+    from rpt.models.lm import build_cell
+    from rpt.config import ModelConfig
+
+    options = {"heads": 4} if cell != "mingru" else {}
+    model_cfg = ModelConfig(cell=cell, d_model=16, **options)
+    one = build_cell(model_cfg)
+    B, sent = 3, []
+
+    def recording(own, state, fold):
+        sent.append(sum(t.numel() for t in own) // B)
+        return tuple(state)
+    reset = torch.zeros(B, 8, dtype=torch.bool)
+    reset[1, 2] = True
+    one.piece_forward(torch.randn(B, 8, 16), one.init_state(B), reset, recording)
+    assert sum(sent) == one.summary_numbers()
+
+    cfg = _cfg(f"model.cell={cell}", *[f"model.{k}={v}" for k, v in options.items()], "parallel.cp=2")
+    plan = make_plan(cfg, 4, 1, 64 * GiB)
+    cells = [build_cell(cfg.model) for _ in range(cfg.model.n_layers)]
+    summary = [4 * cfg.train.batch_size * c.summary_numbers() for c in cells]
+    assert plan.context_bytes_per_step == sum(n + allreduce_wire_bytes(2 * n, 2) for n in summary)

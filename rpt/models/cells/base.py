@@ -67,6 +67,17 @@ class Cell(nn.Module):
         """Forward multiply-adds x 2 of the cell's matrix products per token (elementwise work not counted)."""
         raise NotImplementedError
 
+    # --- context parallelism (rpt/parallel/context.py): a window's time axis split over the ranks of a group
+    # A cell that defines `piece_forward(x, state, reset, entering)` runs its piece of the window at once: it
+    # summarises what its piece does to a state from its own inputs, and `entering(own, state, fold)` (a collective
+    # of the group, differentiable) gives the state entering its piece: every rank's `own` (a tuple of tensors)
+    # gathered and the earlier ones folded into `state` by `fold(own, state) -> state`. `summary_numbers()`: the
+    # numbers a row of its summaries holds (what a rank sends). A cell without it hands its state from rank to rank.
+    piece_forward = None
+
+    def summary_numbers(self) -> int:
+        raise NotImplementedError
+
     # --- shared
     def init_state(self, batch: int, device=None, dtype=None) -> State:
         p = next(self.parameters())

@@ -20,8 +20,8 @@ from rpt.errors import RptError
 from rpt.kernels.cpu.products import linear
 from rpt.models.cells.base import Cell, head_width
 from rpt.models.registry import register_cell
-from rpt.ops.gdn.chunkwise import chunkwise
-from rpt.ops.gdn.conv import conv_window
+from rpt.ops.gdn.chunkwise import chunked, chunkwise, composed, run
+from rpt.ops.gdn.conv import carried, conv_window
 from rpt.ops.gdn.spec import gdn_layer_step, heads_of, read_out, split
 
 CONV_WIDTH = 4  # the paper's; its last CONV_WIDTH - 1 inputs are state
@@ -65,9 +65,46 @@ class GatedDeltaNet(Cell):
         o, S = chunkwise(*(t.transpose(1, 2) for t in (q, k, v, g, beta)), reset, S, self.chunk_size)
         return read_out(o.transpose(1, 2), gate, self.norm_weight, self.out_proj.weight, linear), (S, inputs)
 
+    def piece_forward(self, x, state, reset, entering):
+        """Context parallelism: the convolution's last inputs of the piece before as a halo (its own are this
+        piece's summary to the next), then the piece's affine map S -> A S + B, the earlier pieces' folded into the
+        window's memory, the piece chunkwise from there."""
+        S, inputs = state
+        d = self.head_dim
+        qkv, gate, a, b = split(linear(x, self.proj.weight), self.heads, d, d)
+        if qkv.shape[1] < CONV_WIDTH - 1:
+            raise RptError(f"a piece of {qkv.shape[1]} tokens: gdn's convolution reads the last {CONV_WIDTH - 1} "
+                           "inputs of the piece before", "use fewer context-parallel ranks or longer windows")
+        (inputs,) = entering((carried(qkv, reset, CONV_WIDTH),), (inputs,), _replaced)
+        qkv, carry = conv_window(qkv, inputs, self.conv_weight, reset)
+        q, k, v, g, beta = heads_of(qkv, a, b, self.A_log, self.dt_bias, self.heads, d)
+        q, k, v, g, beta = (t.transpose(1, 2) for t in (q, k, v, g, beta))
+        with torch.autocast(x.device.type, enabled=False):
+            wide = torch.promote_types(q.dtype, torch.float32)
+            c = chunked(*(t.to(wide) for t in (q, k, v, g, beta)), reset, self.chunk_size)
+            (start,) = entering(composed(c), (S.to(wide),), _affine)
+            o, S = run(c, start)
+        return read_out(o.to(q.dtype).transpose(1, 2), gate, self.norm_weight, self.out_proj.weight, linear), \
+            (S, carry)
+
+    def summary_numbers(self):
+        """Its piece's map per head (A [d, d], B [d, d]) and the convolution's last inputs."""
+        d = self.head_dim
+        return self.heads * 2 * d * d + (CONV_WIDTH - 1) * 3 * self.d_hidden
+
     def flops_per_token(self):
         """The projections, and the chunkwise form's products per head at L = chunk_size: within a chunk k k^T,
         q k^T and its read (6 L d), the triangular solve (2 L d), the summary and the reads of the entering state
         (8 d^2), the hand-on between chunks (2 d^3 / L). The convolution is elementwise work, not counted."""
         H, D, d, L = self.d_hidden, self.d_model, self.head_dim, self.chunk_size
         return 2 * D * (4 * H + 2 * self.heads) + 2 * H * D + self.heads * (8 * L * d + 8 * d * d + 2 * d ** 3 // L)
+
+
+def _replaced(own, state):
+    """The convolution's inputs after a piece: that piece's own last ones."""
+    return own
+
+
+def _affine(own, state):
+    """The memory after a piece whose map is own = (A, B)."""
+    return (own[0] @ state[0] + own[1],)

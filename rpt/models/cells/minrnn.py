@@ -21,7 +21,9 @@ from torch import nn
 from rpt.kernels.cpu.products import linear
 from rpt.models.cells.base import Cell
 from rpt.models.registry import register_cell
+from rpt.ops.precision import as_fp32
 from rpt.ops.minrnn import sequence
+from rpt.ops.minrnn.scan import linear_scan
 from rpt.ops.minrnn.sequence import MinScan
 from rpt.ops.minrnn.spec import min_step, minlstm_coefficients, mingru_coefficients
 
@@ -54,6 +56,31 @@ class _MinRNN(Cell):
 
     def flops_per_token(self):
         return 2 * self.d_model * self.d_hidden * (self.n_proj + 1)
+
+    def piece_forward(self, x, state, reset, entering):
+        """Context parallelism: the piece's scan from zero, its summary (the product of a over it, its last state)
+        folded into the entering state, and h_t += (product of a up to t) * that state."""
+        (h0,) = state
+        u = linear(x, self.in_proj.weight, self.in_proj.bias)
+        h, _ = sequence.forward(u, torch.zeros_like(h0), reset, _BUILT_IN.get(type(self).coefficients),
+                                self.coefficients)
+        with torch.autocast(u.device.type, enabled=False):
+            a, _ = self.coefficients(as_fp32(u))
+            if reset is not None:
+                a = a * (~reset).to(a.dtype)[..., None]
+            decay = linear_scan(a, torch.zeros_like(a), torch.ones_like(a[:, 0]))  # product of a up to each step
+            h = as_fp32(h)
+            (carry,) = entering((decay[:, -1], h[:, -1]), (as_fp32(h0),), _scan_fold)
+            h = torch.addcmul(h, decay, carry[:, None])
+        return linear(h, self.out_proj.weight), (h[:, -1].to(h0.dtype),)
+
+    def summary_numbers(self):
+        return 2 * self.d_hidden
+
+
+def _scan_fold(own, state):
+    """The state after a piece of product `own[0]` and last state from zero `own[1]`."""
+    return (own[0] * state[0] + own[1],)
 
 
 @register_cell("mingru")

@@ -18,7 +18,7 @@ from rpt.errors import RptError
 from rpt.kernels.cpu.products import linear
 from rpt.models.cells.base import Cell, head_width
 from rpt.models.registry import register_cell
-from rpt.ops.mlstm.chunkwise import chunkwise
+from rpt.ops.mlstm.chunkwise import Summary, advance, chunkwise, summary
 from rpt.ops.mlstm.spec import mlstm_layer_step, project, read_out
 
 
@@ -56,6 +56,33 @@ class MLSTM(Cell):
         by_head = [t.transpose(1, 2) for t in (q, k, v, i_pre, log_f)]  # [B, heads, T, ...]
         h, state = chunkwise(*by_head, reset, state, self.chunk_size)
         return read_out(h.transpose(1, 2), o, self.norm_weight, self.out_proj.weight, linear), state
+
+    def piece_forward(self, x, state, reset, entering):
+        """Context parallelism: the piece's summary (its own memory at its end and its gate sums), the earlier
+        pieces' folded into the window's state, the piece chunkwise from there."""
+        q, k, v, i_pre, log_f, o = project(x, self.qkvo.weight, self.gates.weight, self.gates.bias, self.heads, linear)
+        q, k, v, i_pre, log_f = (t.transpose(1, 2) for t in (q, k, v, i_pre, log_f))  # [B, heads, T, ...]
+        with torch.autocast(x.device.type, enabled=False):
+            wide = torch.promote_types(q.dtype, torch.float32)
+            own = summary(k.to(wide), v.to(wide), i_pre.to(wide), log_f.to(wide),
+                          None if reset is None else reset[:, None])
+            present = tuple(t if t.dtype != torch.bool else t.to(wide) for t in own if t is not None)
+            layout = [t is not None for t in own]
+
+            def fold(parts, state):
+                parts = iter(parts)
+                found = [next(parts) if there else None for there in layout]
+                if found[4] is not None:
+                    found[4] = found[4] > 0.5  # `clean`, travelled as a number
+                return advance(state, Summary(*found))
+            start = entering(present, tuple(t.to(wide) for t in state), fold)
+        h, new = chunkwise(q, k, v, i_pre, log_f, reset, start, self.chunk_size)
+        return read_out(h.transpose(1, 2), o, self.norm_weight, self.out_proj.weight, linear), new
+
+    def summary_numbers(self):
+        """Its memory, normaliser, stabiliser and log-gate sum per head, and with resets two more numbers a head."""
+        d = self.head_dim
+        return self.heads * (d * d + d + 4)
 
     def flops_per_token(self):
         """The projections, and the chunkwise form's products per head: L (d_k + d_v) within a chunk, d_k d_v twice

@@ -78,10 +78,20 @@ def at_least_fp32(form):
     return run
 
 
-@at_least_fp32
-def chunkwise(q, k, v, g, beta, reset: Optional[Tensor], S: Tensor, chunk: int):
-    """q, k [B, H, T, d_k], v [B, H, T, d_v], g (log decay, <= 0) and beta [B, H, T], reset [B, T] bool or None,
-    S [B, H, d_k, d_v], in chunks of `chunk` steps. Returns o [B, H, T, d_v] and the state after the window."""
+class Chunked(NamedTuple):
+    """A window cut into K chunks of L steps ([B, H, K, L, ...]), their S_0-free terms and maps: what `run`
+    and `composed` read. T: the window's own length (the rest is padding)."""
+    q: Tensor
+    k: Tensor
+    terms: Terms
+    A: Tensor
+    B: Tensor
+    T: int
+
+
+def chunked(q, k, v, g, beta, reset: Optional[Tensor], chunk: int) -> Chunked:
+    """(1) for every chunk at once: q, k [B, H, T, d_k], v [B, H, T, d_v], g (log decay, <= 0) and beta [B, H, T],
+    reset [B, T] bool or None."""
     B, H, T, _ = q.shape
     L = min(chunk, T)
     K = math.ceil(T / L)
@@ -93,15 +103,36 @@ def chunkwise(q, k, v, g, beta, reset: Optional[Tensor], S: Tensor, chunk: int):
     def cut(x):
         return x.reshape(x.shape[0], x.shape[1], K, L, *x.shape[3:])
     qc, kc, vc, gc, bc = (cut(x) for x in (q, k, v, g, beta))
-    rc = None if reset is None else reset.reshape(B, 1, K, L)
-    t = terms(kc, vc, gc, bc, rc)  # (1)
-    A, Bs = (x.unbind(2) for x in summary(kc, t))  # one backward for all K (not K selects)
+    t = terms(kc, vc, gc, bc, None if reset is None else reset.reshape(B, 1, K, L))
+    return Chunked(qc, kc, t, *summary(kc, t), T)
+
+
+def run(c: Chunked, S: Tensor):
+    """(2) the state handed from chunk to chunk from S [B, H, d_k, d_v], (3) every output at once. Returns o
+    [B, H, T, d_v] and the state after the window."""
+    B, H, K, L, _ = c.q.shape
+    A, Bs = c.A.unbind(2), c.B.unbind(2)  # one backward for all K (not K selects)
     entering = []
-    for j in range(K):  # (2)
+    for j in range(K):
         entering.append(S)
         S = A[j] @ S + Bs[j]
-    o = outputs(qc, kc, t, torch.stack(entering, dim=2))  # (3)
-    return o.reshape(B, H, K * L, -1)[:, :, :T], S
+    o = outputs(c.q, c.k, c.terms, torch.stack(entering, dim=2))
+    return o.reshape(B, H, K * L, -1)[:, :, :c.T], S
+
+
+def composed(c: Chunked) -> tuple[Tensor, Tensor]:
+    """The whole window's effect on the state entering it, S -> A S + B: its chunks' maps composed in order."""
+    A, B = c.A[:, :, 0], c.B[:, :, 0]
+    for j in range(1, c.A.shape[2]):
+        A, B = c.A[:, :, j] @ A, c.A[:, :, j] @ B + c.B[:, :, j]
+    return A, B
+
+
+@at_least_fp32
+def chunkwise(q, k, v, g, beta, reset: Optional[Tensor], S: Tensor, chunk: int):
+    """q, k [B, H, T, d_k], v [B, H, T, d_v], g (log decay, <= 0) and beta [B, H, T], reset [B, T] bool or None,
+    S [B, H, d_k, d_v], in chunks of `chunk` steps. Returns o [B, H, T, d_v] and the state after the window."""
+    return run(chunked(q, k, v, g, beta, reset, chunk), S)
 
 
 def parallel(q, k, v, g, beta, reset: Optional[Tensor], S: Tensor):

@@ -46,7 +46,6 @@ def conv_window(x: Tensor, inputs: Tensor, weight: Tensor, reset: Optional[Tenso
     width = weight.shape[-1]
     xp = torch.cat([inputs.to(x.dtype), x], dim=1)  # [B, width - 1 + T, C]
     y = _Shifted.apply(xp, weight)
-    carry = xp[:, T:]
     if reset is not None:  # the segment of each padded position (the carried inputs: before any reset)
         seg = torch.cat([reset.new_zeros(B, width - 1, dtype=torch.long), reset.long().cumsum(-1)], dim=1)
         b, t = (seg[:, :T] != seg[:, width - 1:]).nonzero(as_tuple=True)  # outputs reading across a reset
@@ -54,6 +53,17 @@ def conv_window(x: Tensor, inputs: Tensor, weight: Tensor, reset: Optional[Tenso
             wrong = sum(xp[b, t + j] * weight[:, j] * (seg[b, t + j] != seg[b, t + width - 1])[:, None].to(x.dtype)
                         for j in range(width - 1))
             y.index_put_((b, t), -wrong, accumulate=True)
-        carry = carry * (seg[:, T:] == seg[:, -1:])[..., None].to(x.dtype)  # another document's inputs dropped
-    return y, carry
+    return y, carried(xp, reset, width)
+
+
+def carried(x: Tensor, reset: Optional[Tensor], width: int) -> Tensor:
+    """The last width - 1 inputs of x [B, >= width - 1, C] as the next window's convolution reads them: those
+    before the last reset among them (reset [B, T] for x's last T steps) dropped, another document's."""
+    carry = x[:, x.shape[1] - (width - 1):]
+    if reset is None:
+        return carry
+    tail = reset[:, reset.shape[1] - (width - 1):] if reset.shape[1] >= width - 1 else \
+        torch.cat([reset.new_zeros(reset.shape[0], width - 1 - reset.shape[1]), reset], dim=1)
+    later = tail.flip(1).long().cumsum(1).flip(1) - tail.long()  # resets after each position
+    return carry * (later == 0)[..., None].to(x.dtype)
 
