@@ -10,7 +10,7 @@ import torch
 
 from ranks import run_ranks
 from pipeline_workers import train_runs, train_runs_with_env
-from test_pipeline import MLSTM, assert_same_training, reference
+from test_pipeline import GDN, MLSTM, assert_same_training, reference
 
 from rpt.comm.accounting import fsdp_wire_bytes
 
@@ -43,7 +43,8 @@ def test_fsdp2_on_two_processes_trains_exactly_as_one(tiny_data, tmp_path, refer
              False),
             # a new run from the reference's weights: each rank loads its shards of them
             ("init", ["parallel.fsdp=2", f"train.init_from={ref_dir / 'ref'}", *CLIP], False),
-            ("mlstm", ["parallel.fsdp=2", *MLSTM, *CLIP], False)]  # a matrix-memory cell's parameters sharded
+            ("mlstm", ["parallel.fsdp=2", *MLSTM, *CLIP], False),  # a matrix-memory cell's parameters sharded
+            ("gdn", ["parallel.fsdp=2", *GDN, *CLIP], False)]
     ranks = run_ranks(train_runs, 2, tmp_path / "ranks", str(tiny_data), str(tmp_path), runs, timeout=240)
     init_losses, init_params = reference(tiny_data, tmp_path, "init-ref", "train.batch_size=8",
                                          f"train.init_from={ref_dir / 'ref'}", *CLIP)
@@ -51,10 +52,11 @@ def test_fsdp2_on_two_processes_trains_exactly_as_one(tiny_data, tmp_path, refer
     for r in ranks:
         assert_same_training({"losses": ranks[0]["init"]["losses"], "params": r["init"]["params"]}, init_losses,
                              init_params)
-    mlstm_losses, mlstm_params = reference(tiny_data, tmp_path, "mlstm-ref", "train.batch_size=8", *MLSTM, *CLIP)
-    for r in ranks:
-        assert_same_training({"losses": ranks[0]["mlstm"]["losses"], "params": r["mlstm"]["params"]}, mlstm_losses,
-                             mlstm_params)
+    for cell, settings in (("mlstm", MLSTM), ("gdn", GDN)):
+        cell_losses, cell_params = reference(tiny_data, tmp_path, f"{cell}-ref", "train.batch_size=8", *settings, *CLIP)
+        for r in ranks:
+            assert_same_training({"losses": ranks[0][cell]["losses"], "params": r[cell]["params"]}, cell_losses,
+                                 cell_params)
     assert all(n > 0.05 for n in grad_norms(ref_dir / "ref"))  # clipping was active
     for run in ("fsdp", "accum", "reshard"):
         for r in ranks:  # every rank's gathered parameters, and rank 0's losses

@@ -19,6 +19,7 @@ from rpt.train.evaluate import eval_run
 from rpt.train.trainer import Trainer
 
 MLSTM = ["model.cell=mlstm", "model.heads=2", "model.chunk_size=4"]  # windows of 16: four chunks a window
+GDN = ["model.cell=gdn", "model.heads=2", "model.chunk_size=5"]  # and chunks that do not divide them
 SOLO = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
@@ -56,6 +57,7 @@ def two_stages(tiny_data, tmp_path_factory):
             ("shortlist", ["parallel.pp=2", "model.head_shortlist=64"], False),
             # a matrix state ([B, heads, d, d]) handed between micro-batches, its chunkwise form within each stage
             ("mlstm", ["parallel.pp=2", *MLSTM], False),
+            ("gdn", ["parallel.pp=2", *GDN], False),  # a memory and the convolution's inputs handed on
             # a warm-up longer than the runs: the learning rate depends on the step alone, not on max_steps
             ("whole", ["parallel.pp=2", "train.warmup_steps=100"], False),
             # a new run from the weights of the one above: each stage loads its own blocks
@@ -111,6 +113,15 @@ def test_an_mlstm_in_two_stages_trains_exactly_as_one_process(two_stages, tiny_d
     ref_losses, ref_params = reference(tiny_data, tmp_path, "ref-mlstm", *MLSTM)
     first, last = ranks[0]["mlstm"], ranks[1]["mlstm"]
     assert any(".cell.qkvo." in name for name in first["params"])  # the stages hold mlstm blocks
+    assert_same_training({"losses": first["losses"], "params": {**first["params"], **last["params"]}},
+                         ref_losses, ref_params)
+
+
+def test_a_gdn_in_two_stages_trains_exactly_as_one_process(two_stages, tiny_data, tmp_path):
+    _, ranks = two_stages
+    ref_losses, ref_params = reference(tiny_data, tmp_path, "ref-gdn", *GDN)
+    first, last = ranks[0]["gdn"], ranks[1]["gdn"]
+    assert any(".cell.conv_weight" in name for name in first["params"])  # the stages hold gdn blocks
     assert_same_training({"losses": first["losses"], "params": {**first["params"], **last["params"]}},
                          ref_losses, ref_params)
 

@@ -36,7 +36,9 @@ VARIANTS = {  # name: the model settings of a run (every cell; attention, MLP, b
     "modlstm-coupled": ["model.cell=modlstm", "model.coupled_gates=true", "model.weight_norm=true"],
     "mingru-short": ["model.cell=mingru", "model.head_shortlist=40"],
     "mlstm": ["model.cell=mlstm", "model.heads=4", "model.chunk_size=5", "model.mlp_ratio=2"],
-    "gdn": ["model.cell=gdn", "model.heads=4", "model.chunk_size=5"],
+    # Qwen3-Next's ratio: three gdn blocks to one attention block
+    "gdn-hybrid": ["model.cell=gdn", "model.heads=4", "model.chunk_size=5", "model.n_layers=4", "model.attention_every=4",
+                   "model.attention_heads=2", "model.attention_window=6"],
     "minlstm": ["model.cell=minlstm", "model.attention_every=1", "model.attention_heads=4", "model.attention_window=4"],
     "mingru-looped": ["model.cell=mingru", "model.n_layers=3", "model.loop_prelude=1", "model.loop_core=1",
                       "model.loop_mean=3", "model.attention_every=2", "model.attention_heads=2",

@@ -12,7 +12,7 @@ from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
 from rpt.models.sampling import sample_next
 
-CELLS = ["lstm", "gru", "modlstm", "mingru", "minlstm", "mlstm"]
+CELLS = ["lstm", "gru", "modlstm", "mingru", "minlstm", "mlstm", "gdn"]
 V = 50
 
 

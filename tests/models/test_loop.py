@@ -27,7 +27,7 @@ def looped(cell="lstm", **kw) -> RecurrentLM:
     return RecurrentLM(cfg).double()
 
 
-@pytest.mark.parametrize("cell", ["lstm", "mingru", "modlstm", "mlstm"])
+@pytest.mark.parametrize("cell", ["lstm", "mingru", "modlstm", "mlstm", "gdn"])
 def test_the_step_form_with_the_exact_state_equals_the_sequence_form(cell):
     model = looped(cell)
     x = torch.randint(0, V, (2, T))

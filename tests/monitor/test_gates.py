@@ -10,7 +10,7 @@ from rpt.models import RecurrentLM
 from rpt.monitor.metrics import InputProbe, gate_saturation
 
 
-@pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm", "mlstm"])
+@pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm", "mlstm", "gdn"])
 def test_fresh_cells_have_few_saturated_gates(cell):
     torch.manual_seed(0)
     model = RecurrentLM(ModelConfig(cell=cell, n_layers=2, d_model=32, vocab_size=50))

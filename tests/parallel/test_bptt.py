@@ -26,7 +26,7 @@ def model_of(cell: str, chunk: int = 0) -> RecurrentLM:
     return model
 
 
-@pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm", "mlstm"])
+@pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm", "mlstm", "gdn"])
 def test_chunks_give_the_plain_backwards_losses_state_and_gradients(cell):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)

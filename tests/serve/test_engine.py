@@ -252,9 +252,9 @@ def test_abort_ends_every_stream_with_its_reason():
     assert engine.state_bytes(3) == 3 * engine.state_bytes(1) > 0
 
 
-@pytest.mark.parametrize("cell", ["gru", "mingru", "mlstm"])
+@pytest.mark.parametrize("cell", ["gru", "mingru", "mlstm", "gdn"])
 def test_every_family_serves_as_it_generates(cell):
-    m = model(cell=cell, **({"heads": 4} if cell == "mlstm" else {}))
+    m = model(cell=cell, **({"heads": 4} if cell in ("mlstm", "gdn") else {}))
     ps = prompts(6, seed=31)
     streams = [stream(p, max_tokens=12, temperature=0, ignore_eos=True) for p in ps]
     run(Engine(m, EOT, True, TABLE, prefill_chunk=5), streams)
