@@ -4,9 +4,9 @@ Hardware efficiency is the honest measure (issue 3): achieved FLOP/s, from `flop
 and tokens/s, over the fp32 matmul peak measured in the same run (the best of a few GEMM shapes).
 nn.LSTM with hidden 512 (2.1M parameters) is the reference; each cell's width is chosen to
 match its parameter count. Two shapes: B=16 x T=256 and B=2 x T=2048. Prints markdown rows; for the
-cells whose time loops run in C++ (rpt.kernels.cpu), also the speed-up over their Python loops. Two rows of the
-mlstm with its recurrence swapped: compiled by inductor, and taken away ("mlstm-floor": its projections alone, the
-bound on any form of its recurrence; its GFLOP/s still count the recurrence's products).
+cells whose time loops run in C++ (rpt.kernels.cpu), also the speed-up over their Python loops. Rows of the
+chunkwise cells with their recurrence swapped: compiled by inductor, and taken away ("mlstm-floor": its projections
+alone, the bound on any form of its recurrence; its GFLOP/s still count the recurrence's products).
 
     .venv/bin/python benchmarks/cells/speed.py [--repeats 3] [--device cpu|cuda] [--gen-tokens 100,10000]
         [--cells lstm,mlstm] [--profile mlstm]    (--profile: where one cell's time goes, at 16 x 512)
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import sys
 import os
 import platform
@@ -57,24 +58,29 @@ SHAPES = [(16, 256), (16, 512), (2, 2048)]
 
 
 def passed_through(q, k, v, i_pre, log_f, reset, state, chunk):
-    """No recurrence at all (h = v): what is left of the mlstm is its projections, norm and gate, the floor of any
+    """No recurrence at all (h = v): what is left of the cell is its projections, norm and gate, the floor of any
     form of its recurrence at these widths."""
     return v * 1.0, state
 
 
-# mlstm with its recurrence swapped (the cell module's `chunkwise`): compiled by inductor (compiled before the
-# timing: the compile is outside it), and taken away (the floor)
-SWAPS = {"mlstm-compiled": lambda form: torch.compile(form, dynamic=False), "mlstm-floor": lambda form: passed_through}
-CELLS += [(name, dict(CELLS)["mlstm"]) for name in SWAPS]
+# the chunkwise cells with their recurrence swapped (the cell module's `chunkwise`): compiled by inductor (compiled
+# before the timing: the compile is outside it), and taken away (the floor); name: (family, swap)
+SWAPS = {"mlstm-compiled": ("mlstm", lambda form: torch.compile(form, dynamic=False)),
+         "mlstm-floor": ("mlstm", lambda form: passed_through),
+         "gdn-compiled": ("gdn", lambda form: torch.compile(form, dynamic=False))}
+CELLS += [(name, dict(CELLS)[family]) for name, (family, _) in SWAPS.items()]
 
 
 @contextlib.contextmanager
 def swapped(name):
     """The cell's recurrence as SWAPS has it for `name` (as it is for other names)."""
-    import rpt.models.cells.mlstm as module
+    if name not in SWAPS:
+        yield
+        return
+    family, swap = SWAPS[name]
+    module = importlib.import_module(f"rpt.models.cells.{family}")
     form = module.chunkwise
-    if name in SWAPS:
-        module.chunkwise = SWAPS[name](form)
+    module.chunkwise = swap(form)
     try:
         yield
     finally:
