@@ -250,3 +250,31 @@ def test_only_the_named_readers_take_the_whole_configuration():
     assert "train/resolve.py" in found  # really read
     extra = {f"{path}: {sorted(fns)}" for path, fns in found.items() if path not in WHOLE_CONFIG}
     assert not extra, f"these take the whole Config: pass their section or the values they need ({extra})"
+
+
+def test_a_family_is_its_own_folder():
+    """A recurrent family (rpt/ops/NAME and rpt/models/cells/NAME.py) is imported only from its own files and the
+    registry of cells (rpt/models/cells/__init__.py): context parallelism, the plan and the trainer reach it through
+    the cell's interface (piece_forward, summary_numbers, state_shapes), never by name. The exceptions are named
+    here: modlstm's gate table, which the registry of gates and the export read. (The export's modeling file keeps a
+    class per cell beside the spec files it ships: issue 71, item 4, still open.)"""
+    known = {"modlstm": {"rpt/export/hf_export.py", "rpt/models/registry.py"}}
+    families = [p.name for p in (ROOT / "ops").iterdir() if (p / "spec.py").exists() and p.name not in ("stack", "loop")]
+    assert {"lstm", "mlstm", "minrnn", "gdn"} <= set(families)  # the folders are really read
+    wrong = {}
+    for path in ROOT.rglob("*.py"):
+        if path.is_symlink():  # the export's copies of the spec files
+            continue
+        rel = f"rpt/{path.relative_to(ROOT)}"
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module, *(f"{node.module}.{a.name}" for a in node.names)] \
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            for family in families:
+                own = rel.startswith(f"rpt/ops/{family}/") or rel in (f"rpt/models/cells/{family}.py",
+                                                                      "rpt/models/cells/__init__.py")
+                if not own and rel not in known.get(family, ()) and any(
+                        n.startswith((f"rpt.ops.{family}.", f"rpt.models.cells.{family}")) or n == f"rpt.ops.{family}"
+                        for n in names):
+                    wrong.setdefault(family, set()).add(rel)
+    assert not wrong, wrong
