@@ -10,7 +10,7 @@
 # The GPU machine has no network and its image lacks tomli_w (ninja, tokenizers, triton are there): carry its
 # wheel in .whl/ (git-ignored through .git/info/exclude), fetched here with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_17_x86_64 -d .whl tomli_w==1.2.0
+#       --platform manylinux_2_17_x86_64 -d .whl tomli_w==1.2.0 fla-core==0.6.0 einops==0.8.2
 # and the device tool's call (carry [".whl"], timeout_s 560):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
 #   export PYTHONPATH=/tmp/site && OUT=$OUT bash benchmarks/gpu_check.sh
@@ -25,7 +25,8 @@
 #   3. training runs at a GPU-sized shape (4 x 1024, bf16): lstm, mingru, modlstm with 16 heads, dense modlstm,
 #      each with its top GPU kernels over three profiled steps (tools/trace_top.py)
 #   4. tests/models, the scan and the mlstm forms on the GPU (RPT_TEST_DEVICE=cuda): every cell's fast path against its reference
-#   5. benchmarks/cells/speed.py on the GPU (issue 3's table, generation memory); benchmarks/cells/compiled.py
+#   5. benchmarks/cells/speed.py on the GPU (issue 3's table, generation memory); benchmarks/cells/gdn_library.py
+#      (flash-linear-attention's gdn kernel against rpt's chunkwise form); benchmarks/cells/compiled.py
 #   6. rpt train on the GPU: fp32, bf16 (with a profiled range), fp16 with loss scaling; exact resume; a mixed job
 #   7. the run report of every run, and trainer overhead against a minimal loop
 set -u
@@ -124,6 +125,7 @@ part cells 130 $PY benchmarks/cells/speed.py $CELLS_ARGS
 grep -E "^\||matmul peak" "$WORK/cells.log" >>"$SUMMARY"
 
 # modlstm's fused kernel compiled whole with CUDA graphs (mode="reduce-overhead") against eager: its per-step launches
+part gdn-fla 90 $PY benchmarks/cells/gdn_library.py  # flash-linear-attention's gdn kernel against rpt's form
 part compiled-cells 90 $PY benchmarks/cells/compiled.py --device "$DEV" --repeats $([ "$QUICK" = 1 ] && echo 2 || echo 10)
 grep -E "^\|" "$WORK/compiled-cells.log" >>"$SUMMARY"
 

@@ -4,8 +4,8 @@ causal convolution (4 taps) and SiLU, keys and queries L2-normalised; a decay fr
 write strength beta; the read normalised per head and gated by SiLU of an output gate, projected back. The spec of
 all of it is rpt/ops/gdn/spec.py.
 
-Training runs the chunkwise form (rpt/ops/gdn/chunkwise.py, chunks of `model.chunk_size` steps); generation runs
-the step. The state is two tensors a row, neither growing with the text: the memory [heads, d, d] and the
+Training runs the chunkwise form (rpt/ops/gdn/chunkwise.py, chunks of `model.chunk_size` steps), or on CUDA
+flash-linear-attention's kernel where it is installed (rpt/ops/gdn/sequence.py); generation runs the step. The state is two tensors a row, neither growing with the text: the memory [heads, d, d] and the
 convolution's last three inputs [3, 3 d_hidden].
 """
 
@@ -20,7 +20,8 @@ from rpt.errors import RptError
 from rpt.kernels.cpu.products import linear
 from rpt.models.cells.base import Cell, head_width
 from rpt.models.registry import register_cell
-from rpt.ops.gdn.chunkwise import chunked, chunkwise, composed, run
+from rpt.ops.gdn import sequence
+from rpt.ops.gdn.chunkwise import chunked, composed, run
 from rpt.ops.gdn.conv import carried, conv_window
 from rpt.ops.gdn.spec import gdn_layer_step, heads_of, read_out, split
 
@@ -62,7 +63,7 @@ class GatedDeltaNet(Cell):
         qkv, gate, a, b = split(linear(x, self.proj.weight), self.heads, d, d)
         qkv, inputs = conv_window(qkv, inputs, self.conv_weight, reset)
         q, k, v, g, beta = heads_of(qkv, a, b, self.A_log, self.dt_bias, self.heads, d)
-        o, S = chunkwise(*(t.transpose(1, 2) for t in (q, k, v, g, beta)), reset, S, self.chunk_size)
+        o, S = sequence.forward(*(t.transpose(1, 2) for t in (q, k, v, g, beta)), reset, S, self.chunk_size)
         return read_out(o.transpose(1, 2), gate, self.norm_weight, self.out_proj.weight, linear), (S, inputs)
 
     def piece_forward(self, x, state, reset, entering):

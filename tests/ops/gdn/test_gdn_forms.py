@@ -162,3 +162,41 @@ def test_the_step_over_two_thousand_tokens_in_low_precision_stays_near_float64()
         error = (run(dtype).double() - exact).norm() / exact.norm()
         assert error <= bound, (dtype, float(error))
     assert torch.isfinite(run(torch.float16)).all()
+
+
+def one_sequence_at_a_time(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """The library kernel's contract (flash-linear-attention's varlen call: [1, total, H, d], a state per
+    sequence, no resets inside one), kept by running rpt's chunkwise form on each sequence by itself."""
+    assert scale == 1.0 and output_final_state and q.shape[0] == 1
+    outs, finals = [], []
+    for i in range(len(cu_seqlens) - 1):
+        part = slice(int(cu_seqlens[i]), int(cu_seqlens[i + 1]))
+        heads = [x[0, part].transpose(0, 1)[None] for x in (q, k, v, g, beta)]  # [1, H, len, ...]
+        o, final = chunkwise(*heads, None, initial_state[i:i + 1], chunk=4)
+        outs.append(o[0].transpose(0, 1))
+        finals.append(final[0])
+    return torch.cat(outs)[None], torch.stack(finals)
+
+
+@pytest.mark.parametrize("with_resets", [False, True])
+def test_the_library_form_s_sequences_give_what_the_resets_give(with_resets):
+    """rpt's resets mapped to the library's variable-length sequences (rows cut at their resets, the entering
+    state where a row's first sequence starts, the last sequence's state after): against the chunkwise form with
+    resets, outputs, state and gradients, in float64 (the kernel stood in for by rpt's own form)."""
+    from rpt.ops.gdn.library import by_sequences
+
+    xs, S = inputs()
+    reset = resets() if with_resets else None
+    results = []
+    for run in (lambda *a: chunkwise(*a, chunk=4), lambda *a: by_sequences(one_sequence_at_a_time, *a)):
+        leaves = [x.clone().requires_grad_() for x in (*xs, S)]
+        o, final = run(*leaves[:5], reset, leaves[5])
+        gen = torch.Generator().manual_seed(1)
+        ((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() +
+         (final * torch.randn(final.shape, generator=gen, dtype=o.dtype)).sum()).backward()
+        results.append((o.detach(), final.detach(), [x.grad for x in leaves]))
+    (o0, s0, g0), (o1, s1, g1) = results
+    torch.testing.assert_close(o1, o0, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s1, s0, rtol=1e-10, atol=1e-10)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
