@@ -256,8 +256,8 @@ def test_a_family_is_its_own_folder():
     """A recurrent family (rpt/ops/NAME and rpt/models/cells/NAME.py) is imported only from its own files and the
     registry of cells (rpt/models/cells/__init__.py): context parallelism, the plan and the trainer reach it through
     the cell's interface (piece_forward, summary_numbers, state_shapes), never by name. The exceptions are named
-    here: modlstm's gate table, which the registry of gates and the export read. (The export's modeling file keeps a
-    class per cell beside the spec files it ships: issue 71, item 4, still open.)"""
+    here: modlstm's gate table, which the registry of gates and the export read. The export reaches a family by
+    its cell's `export_spec`: rpt/export/hf holds no file of any family's (tests/export checks what it ships)."""
     known = {"modlstm": {"rpt/export/hf_export.py", "rpt/models/registry.py"}}
     families = [p.name for p in (ROOT / "ops").iterdir() if (p / "spec.py").exists() and p.name not in ("stack", "loop")]
     assert {"lstm", "mlstm", "minrnn", "gdn"} <= set(families)  # the folders are really read
@@ -278,3 +278,5 @@ def test_a_family_is_its_own_folder():
                         for n in names):
                     wrong.setdefault(family, set()).add(rel)
     assert not wrong, wrong
+    hf = ROOT / "export" / "hf"
+    assert not [p.name for p in hf.iterdir() if any(f in p.name for f in families)], "a family's file in export/hf"

@@ -3,6 +3,7 @@
     DIR/model.safetensors (or model-0000K-of-0000N.safetensors + model.safetensors.index.json above --max-shard-size)
     DIR/config.json, generation_config.json      model_type "rpt", auto_map to the two files below
     DIR/configuration_rpt.py, modeling_rpt.py     the model in torch + transformers only (rpt/export/hf/)
+    DIR/spec_cell.py, spec_stack.py, spec_loop.py the maths: the family's rpt/ops/FAMILY/spec.py, the stack's, the loop's
     DIR/tokenizer.json, tokenizer_config.json    the run's tokenizer (it adds no special token: the model starts
                                                  every fresh row from the end-of-text token's state)
 
@@ -12,6 +13,8 @@ so the folder is what `from_pretrained(DIR, trust_remote_code=True)` expects of 
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import shutil
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from torch.nn.utils import parametrize
 from rpt.errors import RptError
 from rpt.ops.modlstm.spec import GATES as SPEC_GATES
 
+CONFIG_FILE = "configuration_rpt.py"
 GATES = (*SPEC_GATES, "exp")  # the gates the exported spec knows (a registered gate of a user's is not in it)
 
 
@@ -57,12 +61,16 @@ def export_model(cfg, model, tokenizer_path: Path, out: Path, tokenizer_sha256: 
     from transformers import PreTrainedTokenizerFast
 
     from rpt.data.tokenizer import eot_id, load_tokenizer
-    from rpt.export.hf.modeling_rpt import CELLS, RptForCausalLM
+    from rpt.export.hf.modeling_rpt import RptForCausalLM
+    from rpt.models.registry import CELLS
 
     m = cfg.model
-    if m.cell not in CELLS:
-        raise RptError(f"model.cell = '{m.cell}' is a cell of your own: the exported modeling file knows rpt's "
-                       f"built-in cells ({', '.join(CELLS)})", "export a run of a built-in cell, or use the run with rpt")
+    spec = CELLS[m.cell].export_spec
+    if spec is None:
+        exportable = ", ".join(name for name, cell in CELLS.items() if cell.export_spec)
+        raise RptError(f"model.cell = '{m.cell}' has no exported step (its class sets no export_spec): the exported "
+                       f"folder runs a family's spec file ({exportable})",
+                       "export a run of one of those, or give the cell an export_spec (docs/cells.md)")
     if m.cell == "modlstm" and m.gate not in GATES:
         raise RptError(f"model.gate = '{m.gate}' is a gate of your own: the exported modeling file knows "
                        f"{', '.join(GATES)}", "export a run with a built-in gate, or use the run with rpt")
@@ -78,6 +86,10 @@ def export_model(cfg, model, tokenizer_path: Path, out: Path, tokenizer_sha256: 
     type(hf.config).register_for_auto_class()
     type(hf).register_for_auto_class("AutoModelForCausalLM")
     hf.save_pretrained(out, max_shard_size=max_shard_size)
+    shutil.copyfile(importlib.import_module(spec).__file__, out / "spec_cell.py")  # the family's own, for the stand-in
+    code = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(out.glob("*.py")) if p.name != CONFIG_FILE))
+    config_file = out / CONFIG_FILE  # (configuration_rpt.py's CODE: why)
+    config_file.write_text(config_file.read_text().replace('\nCODE = ""\n', f'\nCODE = "{code.hexdigest()[:16]}"\n', 1))
     eot = tok.id_to_token(config.eot_token_id)  # adds no special token: each row starts as a document by itself
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eot, eos_token=eot, pad_token=eot,
                                    clean_up_tokenization_spaces=False)

@@ -77,25 +77,27 @@ def tokens(model, eot: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def assert_steps_are_the_specs(folder: Path) -> None:
-    """The exported step forms are rpt's spec files byte for byte (rpt/ops/CELL/spec.py, which rpt's cells run;
-    rpt/ops/stack/spec.py, which its blocks and heads run), each importing torch alone; modeling_rpt.py imports
-    nothing else of its folder and writes no maths of its own (no gate, attention, MLP, softmax or loop injection:
-    they come from the specs)."""
+def assert_steps_are_the_specs(folder: Path, family: str) -> None:
+    """The exported maths are rpt's spec files byte for byte: spec_cell.py the model's family's (rpt/ops/FAMILY/
+    spec.py, which rpt's cell runs; no other family's ships), spec_stack.py and spec_loop.py the stack's and the
+    loop's, each importing torch alone; modeling_rpt.py imports nothing else of its folder, names no family and
+    writes no maths of its own (no gate, attention, MLP, softmax or loop injection: they come from the specs)."""
     ops = Path(rpt.__file__).parent / "ops"
-    specs = sorted(ops.glob("*/spec.py"))
-    assert {p.parent.name for p in specs} == {"lstm", "gru", "modlstm", "minrnn", "mlstm", "gdn", "loop", "stack"}
-    for spec in specs:
-        shipped = folder / f"spec_{spec.parent.name}.py"
-        assert shipped.read_bytes() == spec.read_bytes(), shipped
+    families = {p.parent.name for p in ops.glob("*/spec.py")} - {"stack", "loop"}
+    assert families == {"lstm", "gru", "modlstm", "minrnn", "mlstm", "gdn"}
+    shipped = {"spec_cell.py": ops / family / "spec.py", "spec_stack.py": ops / "stack" / "spec.py",
+               "spec_loop.py": ops / "loop" / "spec.py"}
+    assert {p.name for p in folder.glob("spec_*.py")} == set(shipped)
+    for name, spec in shipped.items():
+        assert (folder / name).read_bytes() == spec.read_bytes(), name
         tree = ast.parse(spec.read_text())
         imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
         imported |= {(node.module or ".").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         assert imported == {"torch"}, (spec, imported)
     modeling = (folder / "modeling_rpt.py").read_text()
-    assert "from .spec_lstm import lstm_step" in modeling
     relative = {node.module for node in ast.walk(ast.parse(modeling)) if isinstance(node, ast.ImportFrom) and node.level}
-    assert relative == {"configuration_rpt", *(f"spec_{p.parent.name}" for p in specs)}, relative
+    assert relative == {"configuration_rpt", "spec_cell", "spec_stack", "spec_loop"}, relative
+    assert not [f for f in families if f"spec_{f}" in modeling or f"{f}_step" in modeling]
     maths = ("torch.sigmoid", "torch.tanh", "torch.exp(", "torch.clamp(", "scaled_dot_product_attention", "silu",
              "logsumexp", "log_softmax", "block_diag(")
     assert not [f for f in maths if f in modeling], "maths written in modeling_rpt.py instead of taken from a spec"
@@ -114,8 +116,8 @@ def test_export_round_trip_gives_rpt_logits(runs, name):
             "configuration_rpt.py"} <= files
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_rpt.RptForCausalLM"
-    assert_steps_are_the_specs(folder)
     cfg, model, tokenizer, *_ = load_run(run, "best", "cpu")
+    assert_steps_are_the_specs(folder, "minrnn" if cfg.model.cell in ("mingru", "minlstm") else cfg.model.cell)
     eot = tokenizer.token_to_id("<|endoftext|>")
     x = tokens(model, eot)
     hf = hf_model(folder)
@@ -239,6 +241,22 @@ def test_transformers_greedy_generate_equals_rpt_generate(runs, name, tmp_path):
     assert out.cache.seen == ids.shape[1] + 29
 
 
+def test_exports_of_two_families_in_one_process_keep_their_own_cells(runs, tmp_path):
+    """transformers gives a config class it has seen the model class it first loaded with it: exports of two
+    families into folders of the same name (the same configuration file but for the code hash the export writes)
+    would otherwise share the first one's cell."""
+    cells = {}
+    for name in ("lstm-attn", "mlstm"):
+        run, _ = runs[name]
+        cfg, model, *_ = load_run(run, "best", "cpu")
+        folder = tmp_path / name / "hf"
+        export_model(cfg, model, run / "tokenizer.json", folder)
+        hf = hf_model(folder)
+        cells[name] = {n for n, _ in hf.blocks["0"].cell.named_parameters()}
+        assert cells[name] == {n.removeprefix("blocks.0.cell.") for n in model.state_dict() if n.startswith("blocks.0.cell.")}
+    assert cells["lstm-attn"] != cells["mlstm"]
+
+
 def test_left_padded_batch_scores_and_generates_as_each_row_alone(runs):
     _, folder = runs["lstm-attn"]
     tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
@@ -273,8 +291,13 @@ def test_large_weights_are_sharded_and_load_back(runs, tmp_path):
         torch.testing.assert_close(a(x).logits, b(x).logits, atol=1e-6, rtol=0)
 
 
-def test_bad_exports_get_one_clear_message(runs, tmp_path, tiny_data):
+def test_bad_exports_get_one_clear_message(runs, tmp_path, tiny_data, monkeypatch):
     run, folder = runs["lstm-attn"]
+    from rpt.models.registry import CELLS
+    monkeypatch.setattr(CELLS["lstm"], "export_spec", None)  # as a user's cell that names no exported step
+    with pytest.raises(RptError, match="lstm' has no exported step.*gru"):
+        export_run(run, tmp_path / "cell")
+    monkeypatch.undo()
     with pytest.raises(RptError, match="exists and is not empty"):
         export_run(run, folder)
     empty = tmp_path / "no-checkpoint"
@@ -284,7 +307,7 @@ def test_bad_exports_get_one_clear_message(runs, tmp_path, tiny_data):
         export_run(empty, tmp_path / "out")
     with pytest.raises(RptError, match="not a run directory"):
         export_run(tmp_path, tmp_path / "out2")
-    assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+    assert not any((tmp_path / name).exists() for name in ("out", "out2", "cell"))
 
 
 def _tensors(state):

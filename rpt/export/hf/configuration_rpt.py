@@ -6,6 +6,12 @@ forward needs, with the cell's state width resolved. It depends on transformers 
 
 from transformers import PretrainedConfig
 
+# The hash of the code an export ships (modeling_rpt.py and its spec files), which `rpt export` writes here.
+# transformers keeps one config class per content of this file and, once it has loaded a model class with it,
+# gives every later folder with that config class the same model class: two exports whose code differs (another
+# family's spec_cell.py, another rpt's modeling file) loaded in one process must not share this file's bytes.
+CODE = ""
+
 
 class RptConfig(PretrainedConfig):
     model_type = "rpt"

@@ -4,14 +4,14 @@
 
     model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 
-builds the model without rpt installed. The cells run their reference forms: the step of each recurrence in
-plain torch ops (F.linear and pointwise), in a Python loop over time. Each step is rpt's own spec, the file
-rpt/ops/CELL/spec.py that rpt's cells run, shipped beside this one as spec_CELL.py and imported relatively
-(transformers copies such files with the module), and so is the rest of the maths (spec_stack.py: attention, the
-gated MLP, the two-level head, the loop's injection; spec_loop.py: the loop): this file only assembles the parts,
-so the exported model cannot drift from rpt's. That is exact
-and runs on any device, but it is much slower than rpt's fused kernels: train and evaluate at scale with rpt, use
-this for interchange.
+builds the model without rpt installed. The cell runs its reference form: the step of the recurrence in
+plain torch ops (F.linear and pointwise), in a Python loop over time. The step and the layer around it
+(`Layer`) are rpt's own spec, the file rpt/ops/FAMILY/spec.py that rpt's cell runs, shipped beside this one as
+spec_cell.py and imported relatively (transformers copies such files with the module); this file names no
+family. So is the rest of the maths (spec_stack.py: attention, the gated MLP, the two-level head, the loop's
+injection; spec_loop.py: the loop): this file only assembles the parts, so the exported model cannot drift from
+rpt's. That is exact and runs on any device, but it is much slower than rpt's fused kernels: train and evaluate at
+scale with rpt, use this for interchange.
 
 Parameter names are rpt's own (`blocks.3.cell.w_hh`), so the weights load both ways unchanged. The recurrent
 state is the generation cache (`RptState`): one token at a time, memory constant in the length.
@@ -34,153 +34,9 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .configuration_rpt import RptConfig
-from .spec_gdn import gdn_layer_step
-from .spec_gru import gru_step
+from .spec_cell import Layer
 from .spec_loop import run_loop
-from .spec_lstm import lstm_step
-from .spec_minrnn import COEFFICIENTS, min_step
-from .spec_mlstm import mlstm_layer_step
-from .spec_modlstm import GATES, gate_groups, modlstm_step
-from .spec_stack import block_diagonal, clustered_log_probs, gated_mlp, inject, sliding_window_attention
-
-
-# ---------------------------------------------------------------------------------------------- cells (one step)
-class _Cell(nn.Module):
-    def __init__(self, d_model: int, d_hidden: int):
-        super().__init__()
-        self.d_model, self.d_hidden = d_model, d_hidden
-        self.proj = nn.Linear(d_hidden, d_model, bias=False) if d_hidden != d_model else None
-
-    n_state = 1
-
-    def init_state(self, batch: int, like: torch.Tensor) -> tuple:
-        return tuple(like.new_zeros(batch, self.d_hidden) for _ in range(self.n_state))
-
-    def out(self, h):
-        return self.proj(h) if self.proj is not None else h
-
-
-class _Gated(_Cell):
-    """PyTorch's RNN layout: w_ih, w_hh, b_ih, b_hh over `n_gates` gate groups (w_hh: the blocks, with heads)."""
-    n_gates = 1
-
-    def __init__(self, cfg: RptConfig):
-        super().__init__(cfg.d_model, cfg.d_hidden)
-        G, H, D = self.n_gates, cfg.d_hidden, cfg.d_model
-        self.heads = cfg.heads
-        self.w_ih, self.w_hh = nn.Parameter(torch.empty(G * H, D)), nn.Parameter(torch.empty(G * H, H // cfg.heads))
-        self.b_ih, self.b_hh = nn.Parameter(torch.zeros(G * H)), nn.Parameter(torch.zeros(G * H))
-
-    def recurrent(self):
-        return block_diagonal(self.w_hh, self.n_gates, self.heads)
-
-
-class LSTM(_Gated):
-    n_gates, n_state = 4, 2
-
-    def step(self, x, state):
-        h, state = lstm_step(x, state, self.w_ih, self.recurrent(), self.b_ih, self.b_hh)
-        return self.out(h), state
-
-
-class GRU(_Gated):
-    n_gates = 3
-
-    def step(self, x, state):
-        h, state = gru_step(x, state, self.w_ih, self.recurrent(), self.b_ih, self.b_hh)
-        return self.out(h), state
-
-
-class ModLSTM(_Cell):
-    """rpt's modified LSTM: sigmoid, hard_sigmoid or the stabilised exponential gate; gate layer norm,
-    coupled gates, peepholes."""
-
-    def __init__(self, cfg: RptConfig):
-        super().__init__(cfg.d_model, cfg.d_hidden)
-        H, D = cfg.d_hidden, cfg.d_model
-        self.exp, self.coupled, self.gate_norm, self.peepholes = cfg.gate == "exp", cfg.coupled_gates, cfg.gate_norm, cfg.peepholes
-        self.gate_fn = None if self.exp else GATES[cfg.gate][0]
-        self.groups = gate_groups(self.coupled)
-        G = len(self.groups)
-        self.n_state = 4 if self.exp else 2
-        self.heads = cfg.heads
-        self.w_x, self.w_h = nn.Parameter(torch.empty(G * H, D)), nn.Parameter(torch.empty(G * H, H // cfg.heads))
-        if self.gate_norm:
-            self.bias = None
-            self.ln_weight, self.ln_bias = nn.Parameter(torch.ones(G, H)), nn.Parameter(torch.zeros(G, H))
-        else:
-            self.bias = nn.Parameter(torch.zeros(G * H))
-        self.peep = nn.Parameter(torch.zeros(G - 1, H)) if self.peepholes else None
-
-    def step(self, x, state):
-        w_h = block_diagonal(self.w_h, len(self.groups), self.heads)
-        ln_w, ln_b = (self.ln_weight, self.ln_bias) if self.gate_norm else (None, None)
-        h, state = modlstm_step(x, state, self.w_x, w_h, self.bias, ln_w, ln_b, self.peep, self.gate_fn, self.coupled)
-        return self.out(h), state
-
-
-class MinRNN(_Cell):
-    """minGRU / minLSTM: gates from the input only, h_t = a_t * h_{t-1} + b_t."""
-
-    def __init__(self, cfg: RptConfig):
-        nn.Module.__init__(self)
-        self.d_model, self.d_hidden, self.kind = cfg.d_model, cfg.d_hidden, cfg.cell
-        n_proj = 2 if cfg.cell == "mingru" else 3
-        self.in_proj = nn.Linear(cfg.d_model, n_proj * cfg.d_hidden)
-        self.out_proj = nn.Linear(cfg.d_hidden, cfg.d_model, bias=False)
-
-    def step(self, x, state):
-        h, state = min_step(self.in_proj(x), state, COEFFICIENTS[self.kind])
-        return self.out_proj(h), state
-
-
-class MLSTM(_Cell):
-    """xLSTM's matrix-memory LSTM: a [d, d] memory per head (spec_mlstm.py runs the whole layer's step)."""
-
-    def __init__(self, cfg: RptConfig):
-        nn.Module.__init__(self)
-        H, D, self.heads = cfg.d_hidden, cfg.d_model, cfg.heads
-        self.d_model, self.d_hidden, self.head_dim = D, H, H // cfg.heads
-        self.qkvo = nn.Linear(D, 4 * H, bias=False)
-        self.gates = nn.Linear(D, 2 * cfg.heads)
-        self.norm_weight = nn.Parameter(torch.ones(H))
-        self.out_proj = nn.Linear(H, D, bias=False)
-
-    def init_state(self, batch: int, like: torch.Tensor) -> tuple:
-        n, d = self.heads, self.head_dim
-        return like.new_zeros(batch, n, d, d), like.new_zeros(batch, n, d), like.new_zeros(batch, n)
-
-    def step(self, x, state):
-        return mlstm_layer_step(x, state, self.qkvo.weight, self.gates.weight, self.gates.bias, self.norm_weight,
-                                self.out_proj.weight, self.heads)
-
-
-class GatedDeltaNet(_Cell):
-    """Gated DeltaNet: a [d, d] memory per head corrected by the delta rule, after a short convolution
-    (spec_gdn.py runs the whole layer's step)."""
-
-    def __init__(self, cfg: RptConfig):
-        nn.Module.__init__(self)
-        H, D, self.heads = cfg.d_hidden, cfg.d_model, cfg.heads
-        self.d_model, self.d_hidden, self.head_dim = D, H, H // cfg.heads
-        self.proj = nn.Linear(D, 4 * H + 2 * cfg.heads, bias=False)
-        self.conv_weight = nn.Parameter(torch.zeros(3 * H, 4))
-        self.A_log = nn.Parameter(torch.zeros(cfg.heads))
-        self.dt_bias = nn.Parameter(torch.zeros(cfg.heads))
-        self.norm_weight = nn.Parameter(torch.ones(H))
-        self.out_proj = nn.Linear(H, D, bias=False)
-
-    def init_state(self, batch: int, like: torch.Tensor) -> tuple:
-        d, width = self.head_dim, self.conv_weight.shape[-1]
-        return like.new_zeros(batch, self.heads, d, d), like.new_zeros(batch, width - 1, 3 * self.d_hidden)
-
-    def step(self, x, state):
-        return gdn_layer_step(x, state, self.proj.weight, self.conv_weight, self.A_log, self.dt_bias,
-                              self.norm_weight, self.out_proj.weight, self.heads, self.head_dim)
-
-
-CELLS = {"lstm": LSTM, "gru": GRU, "modlstm": ModLSTM, "mingru": MinRNN, "minlstm": MinRNN, "mlstm": MLSTM,
-         "gdn": GatedDeltaNet}
+from .spec_stack import clustered_log_probs, gated_mlp, inject, sliding_window_attention
 
 
 # ---------------------------------------------------------------------------------------------- the stack
@@ -222,7 +78,7 @@ class Block(nn.Module):
     def __init__(self, cfg: RptConfig, index: int):
         super().__init__()
         D = cfg.d_model
-        self.cell_norm, self.cell = make_norm(cfg), CELLS[cfg.cell](cfg)
+        self.cell_norm, self.cell = make_norm(cfg), Layer(cfg)
         self.cell_gate = nn.Parameter(torch.ones(D))
         self.attn = None
         if cfg.attention_every and (index + 1) % cfg.attention_every == 0:

@@ -42,6 +42,9 @@ class Cell(nn.Module):
     # Whether its training form runs rpt's compiled CPU loops (built once per machine: `rpt train` builds them
     # before anything is timed)
     native_loops = False
+    # The module whose `Layer` is this cell's exported step (`rpt export` ships that file as spec_cell.py: torch
+    # alone, the parameters by this cell's names); None: the cell cannot be exported
+    export_spec: str | None = None
 
     def __init__(self, d_model: int, d_hidden: int):
         super().__init__()

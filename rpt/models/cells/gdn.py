@@ -31,6 +31,7 @@ CONV_WIDTH = 4  # the paper's; its last CONV_WIDTH - 1 inputs are state
 @register_cell("gdn")
 class GatedDeltaNet(Cell):
     options = ("heads", "chunk_size")
+    export_spec = "rpt.ops.gdn.spec"
 
     def __init__(self, d_model: int, d_hidden: int = 0, heads: int = 1, chunk_size: int = 64):
         super().__init__(d_model, d_hidden or d_model)

@@ -15,6 +15,7 @@ from rpt.ops.gru.spec import gru_step
 class GRU(GatedRNNCell):
     n_gates = 3
     options = ("heads",)
+    export_spec = "rpt.ops.gru.spec"
     native_loops = True
 
     def __init__(self, d_model: int, d_hidden: int = 0, heads: int = 1):

@@ -19,6 +19,7 @@ from rpt.ops.lstm.spec import lstm_step
 class LSTM(GatedRNNCell):
     n_gates = 4
     options = ("forget_bias", "weight_drop", "heads")
+    export_spec = "rpt.ops.lstm.spec"
 
     def __init__(self, d_model: int, d_hidden: int = 0, forget_bias: float | None = None, weight_drop: float = 0.0,
                  heads: int = 1):

@@ -30,6 +30,7 @@ from rpt.ops.minrnn.spec import min_step, minlstm_coefficients, mingru_coefficie
 
 class _MinRNN(Cell):
     n_proj = 2
+    export_spec = "rpt.ops.minrnn.spec"
     native_loops = True
 
     def __init__(self, d_model: int, d_hidden: int = 0):

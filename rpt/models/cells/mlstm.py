@@ -25,6 +25,7 @@ from rpt.ops.mlstm.spec import mlstm_layer_step, project, read_out
 @register_cell("mlstm")
 class MLSTM(Cell):
     options = ("heads", "chunk_size")
+    export_spec = "rpt.ops.mlstm.spec"
 
     def __init__(self, d_model: int, d_hidden: int = 0, heads: int = 1, chunk_size: int = 64):
         super().__init__(d_model, d_hidden or d_model)

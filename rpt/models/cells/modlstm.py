@@ -25,6 +25,7 @@ from rpt.ops.modlstm.spec import modlstm_step
 @register_cell("modlstm")
 class ModLSTM(Cell):
     options = ("gate", "gate_norm", "coupled_gates", "forget_bias", "peepholes", "heads")
+    export_spec = "rpt.ops.modlstm.spec"
     native_loops = True
 
     def __init__(self, d_model: int, d_hidden: int = 0, gate: str = "sigmoid", gate_norm: bool = False,

@@ -16,6 +16,7 @@ runs, and the file `rpt export` will ship.
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 NORM_EPS = 1e-6
 
@@ -69,3 +70,27 @@ def gdn_layer_step(x_t, state, proj_weight, conv_weight, A_log, dt_bias, norm_we
     q, k, v, g, beta = heads_of(qkv, a, b, A_log, dt_bias, heads, d_k)
     o, S = gdn_step(q, k, v, g, beta, S)
     return read_out(o, gate, norm_weight, out_weight, linear), (S, inputs)
+
+
+class Layer(nn.Module):
+    """The layer `rpt export` builds from this file (modeling_rpt.py imports it as spec_cell.Layer): its weights by
+    the names rpt's cell gives them, so a checkpoint loads unchanged; a zero state (the reset's); one step."""
+
+    def __init__(self, cfg, conv_width: int = 4):
+        super().__init__()
+        H, D, self.heads = cfg.d_hidden, cfg.d_model, cfg.heads
+        self.head_dim = H // cfg.heads
+        self.proj = nn.Linear(D, 4 * H + 2 * cfg.heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.zeros(3 * H, conv_width))
+        self.A_log = nn.Parameter(torch.zeros(cfg.heads))
+        self.dt_bias = nn.Parameter(torch.zeros(cfg.heads))
+        self.norm_weight = nn.Parameter(torch.ones(H))
+        self.out_proj = nn.Linear(H, D, bias=False)
+
+    def init_state(self, batch: int, like: torch.Tensor) -> tuple:
+        d, width = self.head_dim, self.conv_weight.shape[-1]
+        return like.new_zeros(batch, self.heads, d, d), like.new_zeros(batch, width - 1, self.conv_weight.shape[0])
+
+    def step(self, x, state):
+        return gdn_layer_step(x, state, self.proj.weight, self.conv_weight, self.A_log, self.dt_bias,
+                              self.norm_weight, self.out_proj.weight, self.heads, self.head_dim)

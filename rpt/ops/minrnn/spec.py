@@ -3,6 +3,7 @@ h_t = a_t * h_{t-1} + b_t. The coefficients from the projected input u, and the 
 exported modeling_rpt.py both run. Plain torch only: `rpt export` copies this file."""
 
 import torch
+from torch import nn
 
 
 def mingru_coefficients(u):
@@ -29,3 +30,21 @@ def min_step(u_t, state, coefficients):
     a, b = coefficients(u_t)
     h = a * h + b
     return h, (h,)
+
+
+class Layer(nn.Module):
+    """The layer `rpt export` builds from this file (modeling_rpt.py imports it as spec_cell.Layer): its weights by
+    the names rpt's cell gives them, so a checkpoint loads unchanged; a zero state (the reset's); one step."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.coefficients = COEFFICIENTS[cfg.cell]
+        self.in_proj = nn.Linear(cfg.d_model, (2 if cfg.cell == "mingru" else 3) * cfg.d_hidden)
+        self.out_proj = nn.Linear(cfg.d_hidden, cfg.d_model, bias=False)
+
+    def init_state(self, batch: int, like: torch.Tensor) -> tuple:
+        return (like.new_zeros(batch, self.out_proj.in_features),)
+
+    def step(self, x, state):
+        h, state = min_step(self.in_proj(x), state, self.coefficients)
+        return self.out_proj(h), state

@@ -19,6 +19,7 @@ the file `rpt export` ships beside modeling_rpt.py.
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 EPS = 1e-6
 
@@ -63,3 +64,24 @@ def mlstm_layer_step(x_t, state, qkvo_weight, gates_weight, gates_bias, norm_wei
     q, k, v, i_pre, log_f, o = project(x_t, qkvo_weight, gates_weight, gates_bias, heads, linear)
     h, state = mlstm_step(q, k, v, i_pre, log_f, state)
     return read_out(h, o, norm_weight, out_weight, linear), state
+
+
+class Layer(nn.Module):
+    """The layer `rpt export` builds from this file (modeling_rpt.py imports it as spec_cell.Layer): its weights by
+    the names rpt's cell gives them, so a checkpoint loads unchanged; a zero state (the reset's); one step."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        H, D, self.heads = cfg.d_hidden, cfg.d_model, cfg.heads
+        self.qkvo = nn.Linear(D, 4 * H, bias=False)
+        self.gates = nn.Linear(D, 2 * cfg.heads)
+        self.norm_weight = nn.Parameter(torch.ones(H))
+        self.out_proj = nn.Linear(H, D, bias=False)
+
+    def init_state(self, batch: int, like: torch.Tensor) -> tuple:
+        n, d = self.heads, self.norm_weight.shape[0] // self.heads
+        return like.new_zeros(batch, n, d, d), like.new_zeros(batch, n, d), like.new_zeros(batch, n)
+
+    def step(self, x, state):
+        return mlstm_layer_step(x, state, self.qkvo.weight, self.gates.weight, self.gates.bias, self.norm_weight,
+                                self.out_proj.weight, self.heads)

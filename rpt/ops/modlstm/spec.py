@@ -21,6 +21,7 @@ both run, and the built-in gate functions they both take. Plain torch only: `rpt
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 LN_EPS = 1e-5
 
@@ -82,3 +83,35 @@ def modlstm_step(x_t, state, w_x, w_h, bias, ln_w, ln_b, peep, gate, coupled, li
         P_o = P_o + peep[-1] * c
     h = torch.sigmoid(P_o) * torch.tanh(c)
     return h, (h, c)
+
+
+class Layer(nn.Module):
+    """The layer `rpt export` builds from this file (modeling_rpt.py imports it as spec_cell.Layer): its weights by
+    the names rpt's cell gives them, so a checkpoint loads unchanged; a zero state (the reset's); one step."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        H, D, self.heads = cfg.d_hidden, cfg.d_model, cfg.heads
+        self.coupled, self.gate_norm = cfg.coupled_gates, cfg.gate_norm
+        self.gate_fn = None if cfg.gate == "exp" else GATES[cfg.gate][0]
+        self.groups = gate_groups(self.coupled)
+        G, self.n_state = len(self.groups), 4 if cfg.gate == "exp" else 2
+        self.w_x, self.w_h = nn.Parameter(torch.empty(G * H, D)), nn.Parameter(torch.empty(G * H, H // cfg.heads))
+        if self.gate_norm:
+            self.bias = None
+            self.ln_weight, self.ln_bias = nn.Parameter(torch.ones(G, H)), nn.Parameter(torch.zeros(G, H))
+        else:
+            self.bias = nn.Parameter(torch.zeros(G * H))
+        self.peep = nn.Parameter(torch.zeros(G - 1, H)) if cfg.peepholes else None
+        self.proj = nn.Linear(H, D, bias=False) if H != D else None
+
+    def init_state(self, batch: int, like: torch.Tensor) -> tuple:
+        H = self.w_h.shape[0] // len(self.groups)
+        return tuple(like.new_zeros(batch, H) for _ in range(self.n_state))
+
+    def step(self, x, state):
+        # w_h holds each head's [d, d] blocks (xLSTM's sLSTM heads); the step multiplies the dense matrix
+        w_h = torch.cat([torch.block_diag(*g.chunk(self.heads)) for g in self.w_h.chunk(len(self.groups))])
+        ln_w, ln_b = (self.ln_weight, self.ln_bias) if self.gate_norm else (None, None)
+        h, state = modlstm_step(x, state, self.w_x, w_h, self.bias, ln_w, ln_b, self.peep, self.gate_fn, self.coupled)
+        return (self.proj(h) if self.proj is not None else h), state

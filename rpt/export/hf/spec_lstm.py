@@ -1,1 +1,0 @@
-../../ops/lstm/spec.py

@@ -1,1 +1,0 @@
-../../ops/minrnn/spec.py

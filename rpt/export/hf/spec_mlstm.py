@@ -1,1 +1,0 @@
-../../ops/mlstm/spec.py

@@ -1,1 +1,0 @@
-../../ops/modlstm/spec.py
