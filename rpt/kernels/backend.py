@@ -3,9 +3,10 @@
 A recurrence's op (rpt/ops/CELL/) says which forms it has for a configuration on a device; `Backend.form` picks
 one, once per call, and the op's forward and backward both run that one (the backward reads it from what the
 forward saved, so a backend changed between the two cannot split them). The preference is fixed: on a GPU the
-Triton forms, then torch's fused kernel (cuDNN), then rpt's C++ loops, then ATen ops; on the CPU torch's fused
-kernel (oneDNN's LSTM), then rpt's C++ loops (each step's pointwise part in one pass, else ATen ops inside them),
-then ATen ops from Python. The ATen form always exists: it is each op's readable loop, the same computation.
+Triton forms, then a library's kernel (cuDNN's LSTM, flash-linear-attention's gated delta rule), then a matrix
+memory's chunkwise form, then rpt's C++ loops, then ATen ops; on the CPU the library's kernel (oneDNN's LSTM), the
+chunkwise form, rpt's C++ loops (each step's pointwise part in one pass, else ATen ops inside them), then ATen ops
+from Python. The ATen form always exists: it is each op's readable loop over time, the same computation.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ class Form(str, Enum):
     """The forms a recurrence may have (a str, so that a torch custom operator takes it as its argument)."""
     TRITON_LOOP = "triton_loop"  # the whole sequence in one Triton kernel, a program per head (rpt/ops/CELL/triton.py)
     TRITON_STEPS = "triton_steps"  # a product and one Triton kernel a step, replayed as a CUDA graph (modlstm)
-    LIBRARY = "library"  # torch's fused kernel: cuDNN on a GPU, oneDNN's LSTM on the CPU
+    LIBRARY = "library"  # a library's fused kernel: cuDNN's or oneDNN's LSTM, flash-linear-attention's (gdn)
+    CHUNKWISE = "chunkwise"  # a matrix memory's chunkwise-parallel form in torch (mlstm, gdn: rpt/ops/CELL/chunkwise.py)
     NATIVE_ONE_PASS = "native_one_pass"  # rpt's C++ loops, each step's pointwise part one vector pass (CPU)
     NATIVE = "native"  # rpt's C++ loops, each step's pointwise part as ATen ops (the GPU's arithmetic)
     ATEN = "aten"  # ATen ops driven from Python: the op's readable loop or scan
 
 
-ON_GPU = (Form.TRITON_LOOP, Form.TRITON_STEPS, Form.LIBRARY, Form.NATIVE, Form.ATEN)
-ON_CPU = (Form.LIBRARY, Form.NATIVE_ONE_PASS, Form.NATIVE, Form.ATEN)
+ON_GPU = (Form.TRITON_LOOP, Form.TRITON_STEPS, Form.LIBRARY, Form.CHUNKWISE, Form.NATIVE, Form.ATEN)
+ON_CPU = (Form.LIBRARY, Form.CHUNKWISE, Form.NATIVE_ONE_PASS, Form.NATIVE, Form.ATEN)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from rpt.errors import RptError
 from rpt.kernels.cpu.products import linear
 from rpt.models.cells.base import Cell, head_width
 from rpt.models.registry import register_cell
-from rpt.ops.mlstm.chunkwise import Summary, advance, chunkwise, summary
+from rpt.ops.mlstm import sequence
+from rpt.ops.mlstm.chunkwise import Summary, advance, summary
 from rpt.ops.mlstm.spec import mlstm_layer_step, project, read_out
 
 
@@ -55,7 +56,7 @@ class MLSTM(Cell):
         state = state if state is not None else self.init_state(x.shape[0], x.device, x.dtype)
         q, k, v, i_pre, log_f, o = project(x, self.qkvo.weight, self.gates.weight, self.gates.bias, self.heads, linear)
         by_head = [t.transpose(1, 2) for t in (q, k, v, i_pre, log_f)]  # [B, heads, T, ...]
-        h, state = chunkwise(*by_head, reset, state, self.chunk_size)
+        h, state = sequence.forward(*by_head, reset, state, self.chunk_size)
         return read_out(h.transpose(1, 2), o, self.norm_weight, self.out_proj.weight, linear), state
 
     def piece_forward(self, x, state, reset, entering):
@@ -77,7 +78,7 @@ class MLSTM(Cell):
                     found[4] = found[4] > 0.5  # `clean`, travelled as a number
                 return advance(state, Summary(*found))
             start = entering(present, tuple(t.to(wide) for t in state), fold)
-        h, new = chunkwise(q, k, v, i_pre, log_f, reset, start, self.chunk_size)
+        h, new = sequence.forward(q, k, v, i_pre, log_f, reset, start, self.chunk_size)
         return read_out(h.transpose(1, 2), o, self.norm_weight, self.out_proj.weight, linear), new
 
     def summary_numbers(self):

@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rpt.ops.gdn import sequence
 from rpt.ops.gdn.chunkwise import chunkwise, parallel, summary, terms
 from rpt.ops.gdn.conv import conv_window
+from rpt.ops.gdn.sequence import steps
 from rpt.ops.gdn.spec import conv_step, gdn_step
 
 B, H, T, DK, DV = 2, 3, 13, 4, 5
@@ -23,17 +25,6 @@ def inputs(seed=0, dtype=torch.float64):
     beta = torch.sigmoid(torch.randn(B, H, T, generator=g, dtype=dtype))
     S = torch.randn(B, H, DK, DV, generator=g, dtype=dtype)
     return [q, k, v, decay, beta], S
-
-
-def by_steps(q, k, v, g, beta, reset, S):
-    """The spec over the window, one step at a time; a reset restores the zero state before its step."""
-    outs = []
-    for t in range(q.shape[2]):
-        if reset is not None:
-            S = S * (~reset[:, t]).to(S.dtype)[:, None, None, None]
-        o, S = gdn_step(q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t], S)
-        outs.append(o)
-    return torch.stack(outs, dim=2), S
 
 
 def resets():
@@ -51,7 +42,7 @@ def test_every_form_equals_the_steps_with_gradients_and_states(form, with_resets
     xs, S = inputs()
     reset = resets() if with_resets else None
     results = []
-    for run in (by_steps, FORMS[form]):
+    for run in (steps, FORMS[form]):
         leaves = [x.clone().requires_grad_() for x in (*xs, S)]
         o, final = run(*leaves[:5], reset, leaves[5])
         gen = torch.Generator().manual_seed(1)
@@ -86,7 +77,7 @@ def test_the_summary_is_the_window_s_affine_map(with_resets):
     reset = resets()[:, None] if with_resets else None
     A, Bm = summary(k, terms(k, v, g, beta, reset))
     for start in (S, torch.randn_like(S)):
-        _, final = by_steps(q, k, v, g, beta, None if reset is None else reset[:, 0], start)
+        _, final = steps(q, k, v, g, beta, None if reset is None else reset[:, 0], start)
         torch.testing.assert_close(A @ start + Bm, final, rtol=1e-10, atol=1e-10)
 
 
@@ -200,3 +191,19 @@ def test_the_library_form_s_sequences_give_what_the_resets_give(with_resets):
     torch.testing.assert_close(s1, s0, rtol=1e-10, atol=1e-10)
     for a, b in zip(g0, g1):
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
+
+
+def test_the_backend_runs_the_chunkwise_form_on_the_cpu_and_the_steps_when_forced():
+    """The cell's window goes through the backend (rpt.kernels): on the CPU it picks the chunkwise form, and forced
+    to the ATen form it runs the spec's steps, the two equal in float64 through the dispatch."""
+    from rpt import kernels
+    from rpt.kernels.backend import Form
+
+    xs, state = inputs()
+    assert kernels.current().form(xs[0], sequence.forms(xs[0])) is Form.CHUNKWISE
+    reset = resets()
+    chunked = sequence.forward(*xs, reset, state, 4)
+    with kernels.use(force=Form.ATEN):
+        stepped = sequence.forward(*xs, reset, state, 4)
+    for a, b in zip(torch.utils._pytree.tree_leaves(chunked), torch.utils._pytree.tree_leaves(stepped)):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)

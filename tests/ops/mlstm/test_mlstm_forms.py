@@ -6,9 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rpt.ops.mlstm import sequence
 from rpt.ops.mlstm.chunkwise import chunkwise
 from rpt.ops.mlstm.parallel import parallel
-from rpt.ops.mlstm.spec import mlstm_step
+from rpt.ops.mlstm.sequence import steps
+
 
 B, H, T, DK, DV = 2, 3, 13, 4, 5
 
@@ -22,18 +24,6 @@ def inputs(dtype=torch.float64, scale=1.0, seed=0, T=T):
     state = (torch.randn(B, H, DK, DV, generator=g, dtype=dtype), torch.randn(B, H, DK, generator=g, dtype=dtype),
              torch.randn(B, H, generator=g, dtype=dtype))
     return [q, k, v, i_pre, log_f], state
-
-
-def by_steps(q, k, v, i_pre, log_f, reset, state):
-    """The spec over the window, one step at a time; a reset restores the zero state before its step."""
-    hs = []
-    for t in range(q.shape[2]):
-        if reset is not None:
-            keep = (~reset[:, t]).to(q.dtype)[:, None]
-            state = (state[0] * keep[..., None, None], state[1] * keep[..., None], state[2] * keep)
-        h, state = mlstm_step(q[:, :, t], k[:, :, t], v[:, :, t], i_pre[:, :, t], log_f[:, :, t], state)
-        hs.append(h)
-    return torch.stack(hs, dim=2), state
 
 
 def resets():
@@ -51,7 +41,7 @@ def test_every_form_equals_the_spec_with_gradients_and_states(form, with_resets)
     xs, state = inputs()
     reset = resets() if with_resets else None
     outs = []
-    for run in (by_steps, FORMS[form]):
+    for run in (steps, FORMS[form]):
         leaves = [x.clone().requires_grad_() for x in (*xs, *state)]
         h, final = run(*leaves[:5], reset, tuple(leaves[5:]))
         g = torch.Generator().manual_seed(1)
@@ -108,3 +98,19 @@ def test_the_stabiliser_keeps_gates_at_plus_minus_30_finite(dtype):
     assert all(torch.isfinite(x.grad).all() for x in leaves)
     error = ((h.double() - exact).norm() / exact.norm()).item()
     assert error < {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-3}[dtype], error
+
+
+def test_the_backend_runs_the_chunkwise_form_on_the_cpu_and_the_steps_when_forced():
+    """The cell's window goes through the backend (rpt.kernels): on the CPU it picks the chunkwise form, and forced
+    to the ATen form it runs the spec's steps, the two equal in float64 through the dispatch."""
+    from rpt import kernels
+    from rpt.kernels.backend import Form
+
+    xs, state = inputs()
+    assert kernels.current().form(xs[0], sequence.forms(xs[0])) is Form.CHUNKWISE
+    reset = resets()
+    chunked = sequence.forward(*xs, reset, state, 4)
+    with kernels.use(force=Form.ATEN):
+        stepped = sequence.forward(*xs, reset, state, 4)
+    for a, b in zip(torch.utils._pytree.tree_leaves(chunked), torch.utils._pytree.tree_leaves(stepped)):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
