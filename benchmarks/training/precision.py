@@ -21,14 +21,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness.py
 from harness import REPO, commit, metrics, rpt_train, summary
 
-CELLS = ("lstm", "gru", "modlstm", "mingru", "minlstm", "mlstm")
+CELLS = ("lstm", "gru", "modlstm", "mingru", "minlstm", "mlstm", "gdn")
+HEADED = ("mlstm", "gdn")  # 4 heads, as the quality rows train them
 
 
 def run(data: str, cell: str, precision: str, steps: int, extra: list[str], run_dir: Path) -> dict:
     rpt_train(run_dir, [f"data.path={data}", f"model.cell={cell}", f"train.precision={precision}",
                         f"train.max_steps={steps}", "train.max_time=0", f"train.eval_interval={steps}",
                         "train.final_eval_tokens=65536", "checkpoint.interval=0", "monitor.log_interval=25",
-                        *(["model.heads=4"] if cell == "mlstm" else []), *extra],
+                        *(["model.heads=4"] if cell in HEADED else []), *extra],
               config=REPO / "configs" / "demo-cpu.toml", timeout=7200)
     speeds = [r["tokens_per_s"] for r in metrics(run_dir, "train")][1:]
     s = summary(run_dir)
