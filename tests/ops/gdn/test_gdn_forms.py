@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rpt.ops.gdn import sequence
 from rpt.ops.gdn.chunkwise import chunkwise, parallel, summary, terms
 from rpt.ops.gdn.conv import conv_window
 from rpt.ops.gdn.sequence import steps
@@ -191,19 +190,3 @@ def test_the_library_form_s_sequences_give_what_the_resets_give(with_resets):
     torch.testing.assert_close(s1, s0, rtol=1e-10, atol=1e-10)
     for a, b in zip(g0, g1):
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
-
-
-def test_the_backend_runs_the_chunkwise_form_on_the_cpu_and_the_steps_when_forced():
-    """The cell's window goes through the backend (rpt.kernels): on the CPU it picks the chunkwise form, and forced
-    to the ATen form it runs the spec's steps, the two equal in float64 through the dispatch."""
-    from rpt import kernels
-    from rpt.kernels.backend import Form
-
-    xs, state = inputs()
-    assert kernels.current().form(xs[0], sequence.forms(xs[0])) is Form.CHUNKWISE
-    reset = resets()
-    chunked = sequence.forward(*xs, reset, state, 4)
-    with kernels.use(force=Form.ATEN):
-        stepped = sequence.forward(*xs, reset, state, 4)
-    for a, b in zip(torch.utils._pytree.tree_leaves(chunked), torch.utils._pytree.tree_leaves(stepped)):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)

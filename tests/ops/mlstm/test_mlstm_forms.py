@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rpt.ops.mlstm import sequence
 from rpt.ops.mlstm.chunkwise import chunkwise
 from rpt.ops.mlstm.parallel import parallel
 from rpt.ops.mlstm.sequence import steps
@@ -98,19 +97,3 @@ def test_the_stabiliser_keeps_gates_at_plus_minus_30_finite(dtype):
     assert all(torch.isfinite(x.grad).all() for x in leaves)
     error = ((h.double() - exact).norm() / exact.norm()).item()
     assert error < {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-3}[dtype], error
-
-
-def test_the_backend_runs_the_chunkwise_form_on_the_cpu_and_the_steps_when_forced():
-    """The cell's window goes through the backend (rpt.kernels): on the CPU it picks the chunkwise form, and forced
-    to the ATen form it runs the spec's steps, the two equal in float64 through the dispatch."""
-    from rpt import kernels
-    from rpt.kernels.backend import Form
-
-    xs, state = inputs()
-    assert kernels.current().form(xs[0], sequence.forms(xs[0])) is Form.CHUNKWISE
-    reset = resets()
-    chunked = sequence.forward(*xs, reset, state, 4)
-    with kernels.use(force=Form.ATEN):
-        stepped = sequence.forward(*xs, reset, state, 4)
-    for a, b in zip(torch.utils._pytree.tree_leaves(chunked), torch.utils._pytree.tree_leaves(stepped)):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
