@@ -18,7 +18,8 @@ from rpt.ops.gdn.spec import gdn_step
 
 
 def forms(x: Tensor) -> set[Form]:
-    return {Form.LIBRARY, Form.CHUNKWISE} if x.is_cuda and library.kernel() is not None else {Form.CHUNKWISE}
+    return {Form.LIBRARY, Form.CHUNKWISE, Form.ATEN} if x.is_cuda and library.kernel() is not None else \
+        {Form.CHUNKWISE, Form.ATEN}
 
 
 def forward(q, k, v, g, beta, reset: Optional[Tensor], S: Tensor, chunk: int):

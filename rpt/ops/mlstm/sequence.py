@@ -17,7 +17,7 @@ from rpt.ops.mlstm.spec import mlstm_step
 
 
 def forms(x: Tensor) -> set[Form]:
-    return {Form.CHUNKWISE}
+    return {Form.CHUNKWISE, Form.ATEN}
 
 
 def forward(q, k, v, i_pre, log_f, reset: Optional[Tensor], state, chunk: int):
