@@ -4,8 +4,8 @@
 First the recurrent family (FAMILIES: the one measured best on the run's device), the head (a two-level
 softmax's shortlist where it costs at most half a full softmax: token frequencies of the training split) and the
 precision (BF16_FAMILIES: bf16 where the CPU has bf16 units and the family was measured to keep its loss). Then rank
-0 times optimiser steps of one size on this machine, once (random tokens drawn as often as the corpus has them, the
-run's batch shape: measure_speed), scales that speed by FLOPs to a ladder of sizes and families (their parameters
+0 times optimiser steps of one size on this machine, once for each batch shape it plans (random tokens drawn as
+often as the corpus has them: measure_speed), scales that speed by FLOPs to a ladder of sizes and families (their parameters
 and FLOPs asked of the run's cell), reads the corpus's training tokens, and from the budget derives how many passes
 over the data each would make. A corpus the budget passes over many times is over-fitted long before the budget
 ends, so the recipe regularises by the passes (dropout, embedding dropout, weight drop; SGD with momentum for
@@ -296,17 +296,19 @@ def batch_open(cfg, rank_tokens: int) -> bool:
                 rank_tokens <= COMPUTE_BOUND_BATCH * 2 * cfg.train.seq_len)
 
 
-def batch_choice(cfg, passes: float) -> list[Choice]:
-    """The rows a step, from the passes over the data the run makes at COMPUTE_BOUND_BATCH rows (where the recipe
-    may choose them: batch_open): under REGIME_PASSES the compute, not the data, limits it, and COMPUTE_BOUND_BATCH
-    rows a step (4,096 tokens at the default window) reach a lower loss in the same time than the default's 16
-    (steps of less noise, and more tokens a second from the larger matrix products); beyond, the data limits it
-    and the smaller batches' more steps are kept."""
-    if passes < REGIME_PASSES:
-        return [Choice("train.batch_size", COMPUTE_BOUND_BATCH, f"{passes:.1f} passes: compute is short, and larger "
+def batch_choice(cfg, larger: float, kept: float) -> list[Choice]:
+    """The rows a step, from the passes over the data the run makes at COMPUTE_BOUND_BATCH rows, `larger` (where
+    the recipe may choose them: batch_open): under REGIME_PASSES the compute, not the data, limits it, and
+    COMPUTE_BOUND_BATCH rows a step (4,096 tokens at the default window) reach a lower loss in the same time than the
+    default's 16 (steps of less noise, and more tokens a second from the larger matrix products); beyond, the data
+    limits it and the smaller batches' more steps are kept (`kept`: the passes they make, which the line gives)."""
+    if larger < REGIME_PASSES:
+        return [Choice("train.batch_size", COMPUTE_BOUND_BATCH, f"{larger:.1f} passes: compute is short, and larger "
                        "steps reach a lower loss in the same time (benchmarks/results/quality.md, issue 44)")]
-    return [Choice("train.batch_size", cfg.train.batch_size, f"{passes:.1f} passes: the data limits the run, "
-                   "and smaller batches' more steps generalise better")]
+    why = ("the data limits the run" if kept >= REGIME_PASSES else
+           f"at {COMPUTE_BOUND_BATCH} rows a step (more tokens a second) the data would limit the run")
+    return [Choice("train.batch_size", cfg.train.batch_size, f"{kept:.1f} passes: {why}, and smaller batches' "
+                   "more steps generalise better")]
 
 
 def measure_speed(cfg, size, device: torch.device, counts: np.ndarray, limit: float) -> tuple[float, bool]:
@@ -452,7 +454,7 @@ def apply_recipe(cfg, dist_info, train_tokens: int, val_tokens: int, counts: np.
 def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.ndarray,
                  world_size: int = 1) -> tuple[list[Choice], list]:
     """The choices, and remarks on the measuring (where it was cut short or contended). One size is measured
-    (Timing); every configuration's speed follows from it by FLOPs, and each decision (the family, the batch) is
+    at each batch shape planned (Timing); every configuration's speed follows from its batch's by FLOPs, and each decision (the family, the batch) is
     made on the passes of the configuration it leads to, so that every line the recipe prints agrees."""
     began = time.perf_counter()
     family, head = cell_choice(cfg, torch.device(device)), head_choice(cfg, counts)
@@ -476,9 +478,12 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.nda
             sized, facts = attended, with_it
     if batch_open(cfg, train_tokens // world_size):
         larger, at_larger = plan(given_attention, COMPUTE_BOUND_BATCH)
-        batch = batch_choice(cfg, facts["passes"] if attention and attention[0].value else at_larger["passes"])
+        batch = batch_choice(cfg, facts["passes"] if attention and attention[0].value else at_larger["passes"],
+                             facts["passes"])
         if batch[0].value == COMPUTE_BOUND_BATCH:
             sized = larger
+            if attention:  # (none, as compute is short) said on the passes of the larger batch's run it leads to
+                attention = attention_choice(cfg, at_larger["passes"], with_it["passes"])
     choices = family + precision + attention + batch + head + sized
     if cfg.comm.mode == "diloco":  # the replicas agree only at outer steps, where validations must fall
         every = cfg.comm.diloco_steps
@@ -507,12 +512,13 @@ def law_group(cfg, model) -> tuple[object, str | None]:
 
 
 class Timing:
-    """The recipe's measurement of speed on this machine: the run's own size where given, else REFERENCE, at the
-    run's batch shape and the family as given, within RECIPE_SHARE of a time budget (measure_speed). Every other
-    size, family and batch takes that speed scaled by FLOPs (a larger batch the same tokens a second, which on a
-    CPU it exceeds: the passes it gives are a floor); where a scaling law sizes the run, the size it chose is timed
-    too, and the speeds follow the line through both. Measured at the first use, and only under a time budget (the
-    others need no speed)."""
+    """The recipe's measurement of speed on this machine: the run's own size where given, else REFERENCE, at each
+    batch shape a plan asks about and the family as given, within RECIPE_SHARE of a time budget (measure_speed).
+    Every other size and family takes its batch's speed scaled by FLOPs; where a scaling law sizes the run, the size
+    it chose is timed too, and the speeds follow the line through both. Each batch is timed itself: on a CPU 64
+    rows a step train more tokens a second than 16, and sizing the larger batch's run from the smaller's speed
+    foresaw 0.7x the tokens it trained (benchmarks/results/quality.md). Measured at the first use, and only under a
+    time budget (the others need no speed)."""
 
     REFERENCE = (2, 256)
 
@@ -523,35 +529,38 @@ class Timing:
         self.allowance = RECIPE_SHARE * cfg.train.max_time if cfg.train.max_time else math.inf
         self.size = (cfg.model.n_layers, cfg.model.d_model) if {"model.d_model", "model.n_layers"} & cfg.given \
             else self.REFERENCE
-        self.measured: dict = {}  # size -> its tokens per second as measured (self.size first)
+        self.measured: dict = {}  # (size, rows a step) -> tokens per second as measured (self.size first)
         self.flops_of: dict = {}  # (attention_every, size) -> FLOPs a token
         self.params_of: dict = {}  # size -> recurrent parameters
         self.cut: list[str] = []  # the measurement cut short
         self.cores = CoreUse()
         self.law, self.law_said = law_group(cfg, model)
 
-    def measure(self, size) -> bool:
-        """Time `size` (once); a size after the first only where the recipe's share of the budget has time left.
-        Whether it was measured now."""
+    def measure(self, size, batch: int) -> bool:
+        """Time `size` at `batch` rows a step (once); after the first only where the recipe's share of the budget
+        has time left. Whether it was measured now."""
         left = RESERVE * self.allowance - (time.perf_counter() - self.began)
-        if size in self.measured or (self.measured and left <= 0):
+        if (size, batch) in self.measured or (self.measured and left <= 0):
             return False
         run = type(self.cfg)()
-        run.model, run.train = self.model, self.train
+        run.model, run.train = self.model, dataclasses.replace(self.train, batch_size=batch)
         speed, whole = measure_speed(run, size, self.device, self.counts, left)
         if not whole:
-            self.cut.append(f"{size[0]} x {size[1]} from steps of {PROBE_LEN} tokens a row ({speed:,.0f} tokens/s)")
-            if self.measured:  # a second size's speed from short steps would only blur the first's
+            self.cut.append(f"{size[0]} x {size[1]} at {batch} rows from steps of {PROBE_LEN} tokens a row "
+                            f"({speed:,.0f} tokens/s)")
+            if self.measured:  # a second speed from short steps would only blur the first's
                 return False
-        self.measured[size] = speed
+        self.measured[size, batch] = speed
         return True
 
-    def speeds(self, sizes, attention: int) -> dict:
-        """Training tokens per second of each size of the family with `attention`: the measured size's FLOP/s
-        for all; where two sizes were measured, a seconds-a-token line through both, t = a + b x FLOPs (a: what a
-        token costs beside its products, the larger share of a small model's time on a CPU)."""
-        self.measure(self.size)
-        at = {self.flops(self.model.attention_every, s): v for s, v in self.measured.items()}
+    def speeds(self, sizes, attention: int, batch: int) -> dict:
+        """Training tokens per second of each size of the family with `attention` at `batch` rows a step: the
+        measured size's FLOP/s for all; where two sizes were measured, a seconds-a-token line through both, t = a +
+        b x FLOPs (a: what a token costs beside its products, the larger share of a small model's time on a CPU).
+        A batch the share left no time to measure takes the nearest batch's speeds."""
+        self.measure(self.size, batch)
+        rows = min({b for _, b in self.measured}, key=lambda b: abs(b - batch))
+        at = {self.flops(self.model.attention_every, s): v for (s, b), v in self.measured.items() if b == rows}
         if len(at) >= 2:
             b, a = np.polyfit(list(at), [1 / v for v in at.values()], 1)
             if a > 0 and b > 0:
@@ -588,7 +597,7 @@ def _sized(cfg, timing: Timing, attention: int, batch: int, train_tokens: int, v
     budget, per_step = budget_of(cfg.train), batch * cfg.train.seq_len
     own = "model.d_model" in cfg.given or "model.n_layers" in cfg.given
     sizes = [timing.size] if own else list(LADDER)
-    speeds = timing.speeds(sizes, attention) if "seconds" in budget else dict.fromkeys(sizes, 1.0)
+    speeds = timing.speeds(sizes, attention, batch) if "seconds" in budget else dict.fromkeys(sizes, 1.0)
     spent = (time.perf_counter() - timing.began) / budget["seconds"] if "seconds" in budget else 0.0
     params = {size: timing.params(size) for size in sizes}
     flops = {size: timing.flops(attention, size) for size in sizes} if "flops" in budget else None
@@ -596,8 +605,8 @@ def _sized(cfg, timing: Timing, attention: int, batch: int, train_tokens: int, v
     choices = choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent, facts, params, flops, law)
     size = tuple(next(c.value for c in choices if c.key == key) for key in ("model.n_layers", "model.d_model")) \
         if law is not None and "seconds" in budget and not own else None
-    if size and timing.measure(size):  # the law's choice timed too, and chosen again on both speeds
-        speeds = timing.speeds(sizes, attention)
+    if size and timing.measure(size, batch):  # the law's choice timed too, and chosen again on both speeds
+        speeds = timing.speeds(sizes, attention, batch)
         spent = (time.perf_counter() - timing.began) / budget["seconds"]
         facts.clear()
         choices = choose(train_tokens, val_tokens, budget, speeds, per_step, cfg.given, spent, facts, params, flops,

@@ -72,7 +72,7 @@ def test_under_a_time_budget_the_law_s_choice_is_timed_too(make_cfg, tmp_path, m
     timed, a, b = [], 2e-4, 2e-11  # seconds a token: a share beside the products, and per FLOP
 
     def measure_speed(cfg, size, device, counts, limit):
-        timed.append(size)
+        timed.append((size, cfg.train.batch_size))
         return 1 / (a + b * recipe.flops_of(cfg.model, size, counts)), True
 
     monkeypatch.setattr(recipe, "measure_speed", measure_speed)
@@ -81,7 +81,7 @@ def test_under_a_time_budget_the_law_s_choice_is_timed_too(make_cfg, tmp_path, m
     cfg.given = frozenset()
     unique = 10**6
     recipe.apply_recipe(cfg, SimpleNamespace(rank=0, world_size=1, device="cpu"), unique, 10_000, np.ones(512))
-    assert timed[0] == recipe.Timing.REFERENCE and len(timed) >= 2 and len(set(timed)) == len(timed)
+    assert timed[0][0] == recipe.Timing.REFERENCE and len({s for s, _ in timed}) >= 2 and len(set(timed)) == len(timed)
     model = dataclasses.replace(cfg.model, vocab_size=512)
 
     def flops(size):
