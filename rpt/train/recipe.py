@@ -67,8 +67,7 @@ EVAL_TOKENS = 4096  # of a periodic validation (the whole split when that is sma
 FORWARD_SHARE = 0.4  # a validation token's cost against a training token's (forward only, no optimiser)
 MIN_VALIDATIONS = 4  # periodic validations a run of known steps (a step or token budget) makes at least
 WARMUP_STEPS, WARMUP_SHARE = 50, 0.1  # the learning rate's warm-up: 50 steps, at most a tenth of the run's
-MEASURED_STEPS = 4  # whole windows' steps of the one size measured, at most (until two in a row agree)
-AGREE = 0.25  # two steps' speeds within this of each other agree
+MEASURED_STEPS = 5  # whole windows' steps of the one size measured after the first, at most
 
 
 # The recurrent family where none is given, by the device the run trains on: the family measured best there at the
@@ -317,9 +316,9 @@ def measure_speed(cfg, size, device: torch.device, counts: np.ndarray, limit: fl
     (a two-level head's cost depends on how often the targets fall outside its shortlist): two on PROBE_LEN tokens
     of each row (the first pays the one-time costs), each next on twice as many up to the whole window, taken only
     where twice the last step's time fits in what is left of `limit` s (a short step's time is mostly fixed costs,
-    which under contention swell: scaling it by the tokens misjudged whole windows 20-fold); then whole windows
-    until two in a row agree within AGREE, at most MEASURED_STEPS of them. The speed: the median of the whole
-    windows' steps, else the longest step's."""
+    which under contention swell: scaling it by the tokens misjudged whole windows 20-fold); then up to
+    MEASURED_STEPS more whole windows, as time allows. The speed: the median of the whole windows' steps after the
+    first (which pays that shape's one-time costs), else the longest step's."""
     from rpt.models import RecurrentLM
 
     from rpt.parallel.runner import autocast_for
@@ -354,11 +353,10 @@ def measure_speed(cfg, size, device: torch.device, counts: np.ndarray, limit: fl
         speed = B * t / (last := step(t))
     if t < T:
         return speed, False
-    whole = [speed]
-    while len(whole) < MEASURED_STEPS and last <= limit - (time.perf_counter() - began) and \
-            not (len(whole) >= 2 and abs(whole[-1] / whole[-2] - 1) <= AGREE):
+    whole = [speed]  # the first at the whole window: its shape's one-time costs
+    while len(whole) <= MEASURED_STEPS and last <= limit - (time.perf_counter() - began):
         whole.append(B * T / (last := step(T)))
-    return float(np.median(whole)), True
+    return float(np.median(whole[1:] or whole)), True
 
 
 def contention(cores_busy_elsewhere: float, threads: int, cores: int) -> str | None:
