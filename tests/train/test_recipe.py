@@ -240,7 +240,8 @@ def test_under_a_time_budget_one_size_is_measured_once_a_batch_and_the_larger_ba
     size = (cfg.model.n_layers, cfg.model.d_model)
     model = dataclasses.replace(cfg.model, vocab_size=512)
     reference = recipe.Timing.REFERENCE
-    foreseen = rows_speed[64] * recipe.flops_of(model, reference, np.ones(512)) / recipe.flops_of(model, size, np.ones(512))
+    counts = np.ones(512)
+    foreseen = rows_speed[64] * recipe.flops_of(model, reference, counts) / recipe.flops_of(model, size, counts)
     (said,) = {float(n.replace(",", "")) for note in cfg.notes if "model.d_model" in note
                for n in re.findall(r"\(([\d,]+) tokens", note)}
     assert said == pytest.approx(foreseen * 60 * (1 - recipe.EVAL_SHARE), rel=1e-3)
