@@ -57,17 +57,18 @@ CELLS = [
 SHAPES = [(16, 256), (16, 512), (2, 2048)]
 
 
-def passed_through(q, k, v, i_pre, log_f, reset, state, chunk):
-    """No recurrence at all (h = v): what is left of the cell is its projections, norm and gate, the floor of any
-    form of its recurrence at these widths."""
+def passed_through(q, k, v, gate_a, gate_b, reset, state, chunk):
+    """No recurrence at all (h = v): what is left of the cell is its projections, norm and gate (and gdn's
+    convolution), the floor of any form of its recurrence at these widths."""
     return v * 1.0, state
 
 
-# the chunkwise cells with their recurrence swapped (the cell module's `chunkwise`): compiled by inductor (compiled
+# the chunkwise cells with their recurrence swapped (the `chunkwise` of the op folder's sequence.py): compiled by inductor (compiled
 # before the timing: the compile is outside it), and taken away (the floor); name: (family, swap)
 SWAPS = {"mlstm-compiled": ("mlstm", lambda form: torch.compile(form, dynamic=False)),
          "mlstm-floor": ("mlstm", lambda form: passed_through),
-         "gdn-compiled": ("gdn", lambda form: torch.compile(form, dynamic=False))}
+         "gdn-compiled": ("gdn", lambda form: torch.compile(form, dynamic=False)),
+         "gdn-floor": ("gdn", lambda form: passed_through)}
 CELLS += [(name, dict(CELLS)[family]) for name, (family, _) in SWAPS.items()]
 
 
@@ -78,7 +79,7 @@ def swapped(name):
         yield
         return
     family, swap = SWAPS[name]
-    module = importlib.import_module(f"rpt.models.cells.{family}")
+    module = importlib.import_module(f"rpt.ops.{family}.sequence")
     form = module.chunkwise
     module.chunkwise = swap(form)
     try:

@@ -96,10 +96,10 @@ class GatedDeltaNet(Cell):
 
     def flops_per_token(self):
         """The projections, and the chunkwise form's products per head at L = chunk_size: within a chunk k k^T,
-        q k^T and its read (6 L d), the triangular solve (2 L d), the summary and the reads of the entering state
-        (8 d^2), the hand-on between chunks (2 d^3 / L). The convolution is elementwise work, not counted."""
+        q k^T and its read (6 L d), the triangular solve (2 L d), the entering state's reads by the solve's keys and
+        by q, and the state handed on (6 d^2). The convolution is elementwise work, not counted."""
         H, D, d, L = self.d_hidden, self.d_model, self.head_dim, self.chunk_size
-        return 2 * D * (4 * H + 2 * self.heads) + 2 * H * D + self.heads * (8 * L * d + 8 * d * d + 2 * d ** 3 // L)
+        return 2 * D * (4 * H + 2 * self.heads) + 2 * H * D + self.heads * (8 * L * d + 6 * d * d)
 
 
 def _replaced(own, state):

@@ -7,10 +7,12 @@ the values the step writes, u_t = beta_t (v_t - S'_t^T k_t), depend on the enter
     (I + N) U = beta V - (beta Gamma K) S_0,   N_ts = beta_t exp(gamma_t - gamma_s) k_t . k_s   (s < t)
 
 so one triangular solve per chunk gives U = W_v - W_k S_0 with W_v, W_k free of S_0: (1) for every chunk at
-once. The chunk's effect on the state is then S_0 -> A S_0 + B (A = Gamma_L I - K_d^T W_k [d_k, d_k], B =
-K_d^T W_v, K_d the keys decayed to the chunk's end): (2) K small steps of [d_k, d_k] x [d_k, d_v] products hand
-the state from chunk to chunk. (3) Every output at once: o_t = Gamma_t q_t S_0 + sum_{s <= t} exp(gamma_t -
-gamma_s) (q_t . k_s) u_s. A reset (a document's start) cuts every decay across it, the entering state's
+once. (2) Chunk by chunk, from the state entering it: the values it writes U = W_v - W_k S_0, its outputs o_t =
+Gamma_t q_t S_0 + sum_{s <= t} exp(gamma_t - gamma_s) (q_t . k_s) u_s, and the state it hands on, Gamma_L S_0 +
+K_d^T U (K_d the keys decayed to the chunk's end): three [L, d] x [d, d]-sized products a chunk, 6 d^2 a token a
+head. The chunk's effect as an affine map S_0 -> A S_0 + B (A = Gamma_L I - K_d^T W_k [d_k, d_k], B = K_d^T W_v),
+which context parallelism folds, costs a [d, d] x [d, d] product more a chunk (2 d^3 / L a token), so the
+training form does not build it. A reset (a document's start) cuts every decay across it, the entering state's
 included. A window that L does not divide is padded with steps that change nothing (beta = 0, g = 0, zero
 inputs). `parallel`, the whole window as one chunk, is the quadratic form. Written in torch: its products and
 the triangular solve run on oneDNN / LAPACK on the CPU, and autograd gives the backward.
@@ -54,17 +56,16 @@ def terms(k, v, g, beta, reset: Optional[Tensor]) -> Terms:
     return Terms(D, G, Wv, Wk)
 
 
+def decayed_keys(k, t: Terms) -> Tensor:
+    """The keys decayed to the chunk's end (0 before a reset inside it), [..., d_k, L]."""
+    return (t.D[..., -1, :, None] * k).transpose(-1, -2)
+
+
 def summary(k, t: Terms) -> tuple[Tensor, Tensor]:
     """The chunk's effect on the state entering it, S -> A S + B: A [..., d_k, d_k], B [..., d_k, d_v]."""
-    Kd = (t.D[..., -1, :, None] * k).transpose(-1, -2)  # the keys decayed to the chunk's end, [..., d_k, L]
+    Kd = decayed_keys(k, t)
     A = t.G[..., -1, None, None] * torch.eye(k.shape[-1], dtype=k.dtype, device=k.device) - Kd @ t.Wk
     return A, Kd @ t.Wv
-
-
-def outputs(q, k, t: Terms, S: Tensor) -> Tensor:
-    """Every output of the chunk from the state entering it."""
-    U = t.Wv - t.Wk @ S
-    return t.G[..., None] * (q @ S) + (t.D * (q @ k.transpose(-1, -2))) @ U
 
 
 def at_least_fp32(form):
@@ -79,13 +80,11 @@ def at_least_fp32(form):
 
 
 class Chunked(NamedTuple):
-    """A window cut into K chunks of L steps ([B, H, K, L, ...]), their S_0-free terms and maps: what `run`
-    and `composed` read. T: the window's own length (the rest is padding)."""
+    """A window cut into K chunks of L steps ([B, H, K, L, ...]) and their S_0-free terms: what `run` and
+    `composed` read. T: the window's own length (the rest is padding)."""
     q: Tensor
     k: Tensor
     terms: Terms
-    A: Tensor
-    B: Tensor
     T: int
 
 
@@ -103,29 +102,33 @@ def chunked(q, k, v, g, beta, reset: Optional[Tensor], chunk: int) -> Chunked:
     def cut(x):
         return x.reshape(x.shape[0], x.shape[1], K, L, *x.shape[3:])
     qc, kc, vc, gc, bc = (cut(x) for x in (q, k, v, g, beta))
-    t = terms(kc, vc, gc, bc, None if reset is None else reset.reshape(B, 1, K, L))
-    return Chunked(qc, kc, t, *summary(kc, t), T)
+    return Chunked(qc, kc, terms(kc, vc, gc, bc, None if reset is None else reset.reshape(B, 1, K, L)), T)
 
 
 def run(c: Chunked, S: Tensor):
-    """(2) the state handed from chunk to chunk from S [B, H, d_k, d_v], (3) every output at once. Returns o
-    [B, H, T, d_v] and the state after the window."""
+    """(2) chunk by chunk from S [B, H, d_k, d_v]. Returns o [B, H, T, d_v] and the state after the window."""
     B, H, K, L, _ = c.q.shape
-    A, Bs = c.A.unbind(2), c.B.unbind(2)  # one backward for all K (not K selects)
-    entering = []
+    t = c.terms
+    # what the loop reads, for every chunk at once; unbound once (one backward for all K, not K selects)
+    reads = torch.cat([t.Wk, t.G[..., None] * c.q], dim=-2).unbind(2)  # both multiply the entering state
+    within = (t.D * (c.q @ c.k.transpose(-1, -2))).unbind(2)
+    Kd, Gl, Wv = decayed_keys(c.k, t).unbind(2), t.G[..., -1, None, None].unbind(2), t.Wv.unbind(2)
+    outputs = []
     for j in range(K):
-        entering.append(S)
-        S = A[j] @ S + Bs[j]
-    o = outputs(c.q, c.k, c.terms, torch.stack(entering, dim=2))
-    return o.reshape(B, H, K * L, -1)[:, :, :c.T], S
+        WkS, qS = (reads[j] @ S).split(L, dim=-2)
+        U = Wv[j] - WkS
+        outputs.append(qS + within[j] @ U)
+        S = Gl[j] * S + Kd[j] @ U
+    return torch.stack(outputs, dim=2).reshape(B, H, K * L, -1)[:, :, :c.T], S
 
 
 def composed(c: Chunked) -> tuple[Tensor, Tensor]:
     """The whole window's effect on the state entering it, S -> A S + B: its chunks' maps composed in order."""
-    A, B = c.A[:, :, 0], c.B[:, :, 0]
-    for j in range(1, c.A.shape[2]):
-        A, B = c.A[:, :, j] @ A, c.A[:, :, j] @ B + c.B[:, :, j]
-    return A, B
+    A, B = summary(c.k, c.terms)
+    Aw, Bw = A[:, :, 0], B[:, :, 0]
+    for j in range(1, A.shape[2]):
+        Aw, Bw = A[:, :, j] @ Aw, A[:, :, j] @ Bw + B[:, :, j]
+    return Aw, Bw
 
 
 @at_least_fp32
