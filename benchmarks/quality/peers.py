@@ -125,7 +125,8 @@ CASES = {c.name: c for c in (Case("shakespeare-130", "shakespeare", 130), Case("
                              Case("prose-600", "prose", 600),
                              # the scaling curve's other budgets (issue 59), and a data-limited one at twice 600 s
                              Case("stdlib-150", "stdlib", 150), Case("stdlib-1200", "stdlib", 1200),
-                             Case("shakespeare-1200", "shakespeare", 1200))}
+                             Case("shakespeare-1200", "shakespeare", 1200),
+                             Case("shakespeare-300", "shakespeare", 300))}  # gdn's budgets (issue 71)
 ENGLISH = ("shakespeare", "prose")  # the corpora word_language_model's whitespace vocabulary fits
 
 
