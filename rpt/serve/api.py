@@ -16,27 +16,22 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rpt.data.text import not_utf8_at, shown
 from rpt.errors import RptError
 from rpt.models.loop_exit import Exit
 from rpt.serve.engine import Sampling, Stream
 from rpt.serve.metrics import CONTENT_TYPE, ServeMetrics
+from rpt.serve.protocol import (Choice, CompletionRequest, CompletionResponse, ErrorDetail, ErrorResponse,
+                                ModelCard, ModelList, StreamOptions, Usage, refusal)
 from rpt.serve.scheduler import Busy, Draining, Scheduler
 
 log = logging.getLogger("rpt.serve")
-MAX_TOKENS = 10_000_000  # one stream's most new tokens: its memory does not grow, only its time
-MAX_STOP = 4  # stop strings a request may give (as OpenAI's API)
-MAX_N = 128  # choices per prompt
-# the completions API's fields rpt takes; each extra (top_k, depth, exit, ignore_eos) is rpt's own
-FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
-          "user", "logprobs", "echo", "suffix", "best_of", "presence_penalty", "frequency_penalty", "logit_bias",
-          "top_k", "depth", "exit", "ignore_eos"}
 
 
 class BadRequest(Exception):
@@ -46,9 +41,10 @@ class BadRequest(Exception):
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
         self.headers = headers or {}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        body = ErrorResponse(error=ErrorDetail(message=self.message, type=self.kind, param=self.param, code=self.code))
+        return Response(body.model_dump_json(), status_code=self.status, headers=self.headers,
+                        media_type="application/json")
 
 
 class Outbox:
@@ -145,18 +141,18 @@ def build_app(service: Service) -> Starlette:
             return BadRequest(500, "the server failed on this request (its log holds the traceback)", "server_error",
                               code="internal_error").response()
 
-    def model_card() -> dict:
-        return {"id": service.name, "object": "model", "created": service.created, "owned_by": "rpt"}
+    def model_card() -> ModelCard:
+        return ModelCard(id=service.name, created=service.created)
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return Response(ModelList(data=[model_card()]).model_dump_json(), media_type="application/json")
 
     async def model(request: Request) -> Response:
         name = request.path_params["name"]
         if name != service.name:
             return BadRequest(404, f"the model {name!r} does not exist: this server serves {service.name!r}",
                               param="model", code="model_not_found").response()
-        return JSONResponse(model_card())
+        return Response(model_card().model_dump_json(), media_type="application/json")
 
     async def chat(request: Request) -> Response:
         return BadRequest(404, f"{service.name!r} is a base model (no chat template): rpt serve answers "
@@ -245,123 +241,56 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def parse(body: bytes, service: Service) -> Completion:
+    """The request checked whole (protocol.py's rules, then what needs this server), as the engine's streams'
+    settings and the prompts' token ids."""
     try:
-        req = json.loads(body)
+        raw = json.loads(body)  # (Python's parser: a lone surrogate reaches the prompt's rule, which names it)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(400, f"the body is not valid JSON: {exc}") from None
-    if not isinstance(req, dict):
-        raise BadRequest(400, "the body must be a JSON object")
-    unknown = sorted(set(req) - FIELDS)
-    if unknown:
-        raise BadRequest(400, f"unknown field {unknown[0]!r}: this server takes {', '.join(sorted(FIELDS))}",
-                         param=unknown[0])
-    if req.get("model") not in (None, service.name):
-        raise BadRequest(404, f"the model {req['model']!r} does not exist: this server serves {service.name!r}",
+    try:
+        req = CompletionRequest.model_validate(raw)
+    except ValidationError as exc:
+        message, param = refusal(exc)
+        raise BadRequest(400, message, param=param) from None
+    if req.model not in (None, service.name):
+        raise BadRequest(404, f"the model {req.model!r} does not exist: this server serves {service.name!r}",
                          param="model", code="model_not_found")
-    for name, allowed in (("logprobs", (None,)), ("echo", (None, False)), ("suffix", (None, "")),
-                          ("best_of", (None, 1)), ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
-                          ("logit_bias", (None, {}))):
-        if req.get(name, None) not in allowed:
-            raise BadRequest(400, f"{name} is not supported by rpt serve", param=name)
-    prompts = req.get("prompt")
-    prompts = [prompts] if isinstance(prompts, str) else prompts
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise BadRequest(400, "prompt must be a string or a non-empty list of strings", param="prompt")
-    if any(p == "" for p in prompts):
-        raise BadRequest(400, "a prompt is empty: give at least one character", param="prompt")
-    utf8(prompts, "prompt")
-    n = integer(req, "n", 1, 1, MAX_N)
-    sched = service.scheduler
-    if len(prompts) * n > sched.max_streams + sched.max_queue:
-        raise BadRequest(400, f"{len(prompts)} prompts x n = {n} streams can never be admitted: this server runs "
-                         f"{sched.max_streams} streams and queues {sched.max_queue}", param="n")
-    stop = req.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest(400, f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings "
-                         f"(got {stop!r})", param="stop")
-    utf8(stop, "stop")
-    seed = req.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63):
-        raise BadRequest(400, "seed must be an integer from 0 to 2**63 - 1", param="seed")
-    depth, exit_rule = looped(req, service)
-    top_k = req.get("top_k")
-    top_k = 0 if top_k in (None, -1) else integer(req, "top_k", 0, 0, 1 << 30, "0 or -1 for no limit, or ")
-    base = Sampling(max_tokens=integer(req, "max_tokens", 16, 1, MAX_TOKENS),
-                    temperature=number(req, "temperature", 1.0, 0.0, 2.0),
-                    top_p=number(req, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=max(top_k, 0),
-                    stop=tuple(stop), depth=depth, exit=exit_rule, ignore_eos=boolean(req, "ignore_eos", False))
-    settings = [dataclasses.replace(base, seed=None if seed is None else (seed + j) % 2 ** 63)
-                for j in range(n)]  # choice j of a seeded request: seed + j, so that the choices differ
-    stream = boolean(req, "stream", False)
-    options = req.get("stream_options")
-    if options is not None and not stream:
+    n, sched = req.n or 1, service.scheduler
+    if len(req.prompts) * n > sched.max_streams + sched.max_queue:
+        raise BadRequest(400, f"{len(req.prompts)} prompts x n = {n} streams can never be admitted: this server "
+                         f"runs {sched.max_streams} streams and queues {sched.max_queue}", param="n")
+    if req.stream_options is not None and not req.stream:
         raise BadRequest(400, "stream_options applies to a streamed answer: give it with \"stream\": true",
                          param="stream_options")
-    options = options or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-        raise BadRequest(400, "stream_options takes include_usage and continuous_usage_stats only",
-                         param="stream_options")
-    for name in options:
-        boolean(options, name, False, f"stream_options.{name}")
+    depth, exit_rule = looped(req, service)
+    base = Sampling(max_tokens=16 if req.max_tokens is None else req.max_tokens,
+                    temperature=1.0 if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0),
+                    stop=req.stops, depth=depth, exit=exit_rule, ignore_eos=req.ignore_eos)
+    settings = [dataclasses.replace(base, seed=None if req.seed is None else (req.seed + j) % 2 ** 63)
+                for j in range(n)]  # choice j of a seeded request: seed + j, so that the choices differ
+    options = req.stream_options or StreamOptions()
     encode = service.tokenizer.encode
-    ids = [[service.eot_id] + encode(p, add_special_tokens=False).ids for p in prompts]  # a document starts with EOT
-    return Completion(ids, n, stream, bool(options.get("include_usage")),
-                      bool(options.get("continuous_usage_stats")), settings)
+    ids = [[service.eot_id] + encode(p, add_special_tokens=False).ids for p in req.prompts]  # a document starts with EOT
+    return Completion(ids, n, req.stream, options.include_usage, options.continuous_usage_stats, settings)
 
 
-def utf8(texts: list[str], name: str) -> None:
-    """Refuse a string UTF-8 cannot write (a lone surrogate, e.g. "\\ud83d" without its pair): the tokenizer
-    would fail on it."""
-    for text in texts:
-        at = not_utf8_at(text)
-        if at is not None:
-            raise BadRequest(400, f"{name} is not valid Unicode text: character {at + 1} is {shown(text[at])}; "
-                             "send UTF-8 text (a surrogate pair's two halves together)", param=name)
-
-
-def integer(req: dict, name: str, default: int, low: int, high: int, also: str = "") -> int:
-    value = req.get(name, default)
-    value = default if value is None else value
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise BadRequest(400, f"{name} must be an integer: {also}from {low} to {high:,} (got {value!r})", param=name)
-    return value
-
-
-def number(req: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    value = req.get(name, default)
-    value = default if value is None else value
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
-            (low < value if low_open else low <= value) and value <= high):
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise BadRequest(400, f"{name} must be a number in {interval} (got {value!r})", param=name)
-    return float(value)
-
-
-def boolean(req: dict, name: str, default: bool, param: str | None = None) -> bool:
-    value = req.get(name, default)
-    if not isinstance(value, bool):
-        raise BadRequest(400, f"{param or name} must be true or false (got {value!r})", param=param or name)
-    return value
-
-
-def looped(req: dict, service: Service) -> tuple[int | None, Exit | None]:
+def looped(req: CompletionRequest, service: Service) -> tuple[int | None, Exit | None]:
     """A looped model's `depth` and `exit` (rpt's extra fields); refused for a model without a loop."""
-    depth, rule = req.get("depth"), req.get("exit")
-    if (depth is not None or rule is not None) and service.loop_depth is None:
+    if (req.depth is not None or req.exit is not None) and service.loop_depth is None:
         raise BadRequest(400, "depth and exit apply to a looped model (model.loop_core > 0); this one has no loop",
-                         param="depth" if depth is not None else "exit")
-    if depth is not None:
-        depth = integer(req, "depth", 0, 1, service.loop_depth)
+                         param="depth" if req.depth is not None else "exit")
+    if req.depth is not None and req.depth > service.loop_depth:
+        raise BadRequest(400, f"depth must be an integer from 1 to {service.loop_depth} (got {req.depth})",
+                         param="depth")
+    rule = req.exit
     if rule is not None:
-        if not isinstance(rule, str):
-            raise BadRequest(400, 'exit must be a string "CRITERION:THRESHOLD", e.g. "kl:5e-4"', param="exit")
         try:
             rule = Exit.parse(rule, name="exit")
             service.check_exit(rule)
         except RptError as exc:
             raise BadRequest(400, f"{exc.message}: {exc.fix}" if exc.fix else exc.message, param="exit") from None
-    return depth, rule
+    return req.depth, rule
 
 
 async def run(request: Request, job: Completion, service: Service) -> Response:
@@ -406,15 +335,17 @@ class Answer:
                  model: str):
         self.job, self.streams, self.queue, self.scheduler = job, streams, events, scheduler
         self.index = {s.id: i for i, s in enumerate(streams)}  # prompt p's choice j: p * n + j, as OpenAI's
-        self.head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                     "model": model}
-        self.chunk_head = json.dumps(self.head)[:-1] + ', "choices": [{"text": '  # each event's chunk begins so
+        self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model
         self.sent = {s.id: 0 for s in streams}  # each stream's tokens as of its last event handed out
 
-    def usage(self) -> dict:
+    def usage(self) -> Usage:
         completion = sum(self.sent.values())
         prompt = self.job.prompt_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def body(self, choices: list[Choice], usage: Usage | None) -> str:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                  usage=usage).model_dump_json()
 
     def cancel_open(self) -> None:
         for s in self.streams:
@@ -423,9 +354,8 @@ class Answer:
 
     def chunk(self, stream: Stream, text: str, finish: str | None, tokens: int) -> str:
         self.sent[stream.id] = tokens
-        usage = f', "usage": {json.dumps(self.usage())}' if self.job.continuous_usage else ""
-        return (f'data: {self.chunk_head}{json.dumps(text)}, "index": {self.index[stream.id]}, "logprobs": null, '
-                f'"finish_reason": {json.dumps(finish)}}}]{usage}}}\n\n')
+        choice = Choice(text=text, index=self.index[stream.id], finish_reason=finish)
+        return f"data: {self.body([choice], self.usage() if self.job.continuous_usage else None)}\n\n"
 
     async def events(self):
         """The server-sent events: at each turn, one chunk per stream with the text of all its events waiting (its
@@ -450,7 +380,7 @@ class Answer:
                         self.sent[event[0].id] = event[3]
                 if not open_:  # the last chunks, the usage and the end in one write
                     if self.job.include_usage:
-                        parts.append(f"data: {json.dumps({**self.head, 'choices': [], 'usage': self.usage()})}\n\n")
+                        parts.append(f"data: {self.body([], self.usage())}\n\n")
                     parts.append("data: [DONE]\n\n")
                 out = "".join(parts)
                 if out:
@@ -479,9 +409,9 @@ class Answer:
                 self.cancel_open()
         if not done.done() or done.cancelled():
             return Response(status_code=499)
-        choices = sorted(({"text": "".join(texts[s.id]), "index": self.index[s.id], "logprobs": None,
-                           "finish_reason": s.finish_reason} for s in self.streams), key=lambda c: c["index"])
-        return JSONResponse({**self.head, "choices": choices, "usage": self.usage()})
+        choices = sorted((Choice(text="".join(texts[s.id]), index=self.index[s.id], finish_reason=s.finish_reason)
+                          for s in self.streams), key=lambda c: c.index)
+        return Response(self.body(choices, self.usage()), media_type="application/json")
 
 
 async def disconnected(request: Request) -> None:
