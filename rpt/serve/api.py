@@ -345,7 +345,7 @@ class Answer:
 
     def body(self, choices: list[Choice], usage: Usage | None) -> str:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                  usage=usage).model_dump_json()
+                                  usage=usage).dumped()
 
     def cancel_open(self) -> None:
         for s in self.streams:

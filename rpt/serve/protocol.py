@@ -10,7 +10,7 @@ from __future__ import annotations
 import reprlib
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rpt.data.text import not_utf8_at, shown
 
@@ -122,8 +122,7 @@ class Choice(BaseModel):
 
 
 class CompletionResponse(BaseModel):
-    """A whole answer, or one chunk of a streamed one (OpenAI's chunks have the same shape); `usage` is left out
-    where it is None (a chunk without continuous usage)."""
+    """A whole answer, or one chunk of a streamed one (OpenAI's chunks have the same shape)."""
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -131,12 +130,10 @@ class CompletionResponse(BaseModel):
     choices: list[Choice]
     usage: Optional[Usage] = None
 
-    @model_serializer(mode="wrap")
-    def _without_empty_usage(self, handler):
-        out = handler(self)
-        if out.get("usage") is None:
-            out.pop("usage", None)
-        return out
+    def dumped(self) -> str:
+        """As JSON, `usage` left out where it is None (a chunk without continuous usage; a serialiser of the
+        model's own doubled the cost of a chunk)."""
+        return self.model_dump_json(exclude=None if self.usage is not None else {"usage"})
 
 
 class ErrorDetail(BaseModel):

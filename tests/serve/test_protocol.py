@@ -64,11 +64,11 @@ def test_nulls_are_defaults_and_values_are_kept_as_given():
 def test_the_bodies_parse_as_the_openai_client_s_types():
     usage = Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
     whole = CompletionResponse(id="cmpl-1", created=7, model="tiny", usage=usage,
-                               choices=[Choice(text="hi", index=0, finish_reason="length")]).model_dump_json()
+                               choices=[Choice(text="hi", index=0, finish_reason="length")]).dumped()
     parsed = OpenAICompletion.model_validate_json(whole)
     assert parsed.choices[0].text == "hi" and parsed.usage.total_tokens == 5 and parsed.object == "text_completion"
     chunk = json.loads(CompletionResponse(id="cmpl-1", created=7, model="tiny",
-                                          choices=[Choice(text="h", index=1)]).model_dump_json())
+                                          choices=[Choice(text="h", index=1)]).dumped())
     assert "usage" not in chunk and chunk["choices"][0] == {"text": "h", "index": 1, "logprobs": None,
                                                             "finish_reason": None}
     error = json.loads(ErrorResponse(error=ErrorDetail(message="m", type="invalid_request_error")).model_dump_json())
