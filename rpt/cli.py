@@ -140,22 +140,9 @@ def _add_serve(sub) -> None:
                        description="An OpenAI-compatible server (POST /v1/completions, GET /v1/models, /health, "
                        "/metrics) that generates its streams as one batch, each at constant memory (docs/serving.md).")
     p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--checkpoint", default="best", help=CHECKPOINT_HELP)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
-    p.add_argument("--port", type=port_option(lowest=0), default=8000, help="1-65535, or 0 for any free port (the "
-                   "one taken is printed)")
-    p.add_argument("--max-streams", type=int, default=64, help="streams generated at once (each holds one state)")
-    p.add_argument("--max-queue", type=int, default=64, help="streams that may wait for a slot; beyond, 429")
-    p.add_argument("--max-prompt-bytes", type=int, default=1 << 20, help="the largest request body (413 beyond)")
-    p.add_argument("--token", help="require `Authorization: Bearer TOKEN` on every route but /health "
-                   "(default: the RPT_SERVE_TOKEN environment variable, if set)")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds running streams get to finish on SIGTERM")
-    p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="tokens of each waiting prompt run per engine step: a long prompt runs in pieces")
-    p.add_argument("--prefill-tokens", type=int, default=8192,
-                   help="prompt tokens run per engine step in all (the waiting prompts batched): what a step of the "
-                   "running streams may wait for a new prompt")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    from rpt.serve.config import ServeConfig
+
+    ServeConfig.add_arguments(p, helps={"checkpoint": CHECKPOINT_HELP})
     p.set_defaults(func=_cmd_serve)
 
 
@@ -491,11 +478,10 @@ def _cmd_generate(args) -> None:
 
 
 def _cmd_serve(args) -> None:
+    from rpt.serve.config import ServeConfig
     from rpt.serve.server import serve
 
-    serve(args.run_dir, args.checkpoint, args.host, args.port, args.max_streams, args.max_queue,
-          args.max_prompt_bytes, args.token or os.environ.get("RPT_SERVE_TOKEN") or None, args.device, args.grace,
-          args.prefill_chunk, args.prefill_tokens)
+    serve(args.run_dir, ServeConfig.from_args(args))
 
 
 def _cmd_export(args) -> None:

@@ -21,6 +21,7 @@ from rpt.errors import RptError
 from rpt.net import open_warning
 from rpt.models.lm import ClusteredHead
 from rpt.serve.api import Service, build_app
+from rpt.serve.config import ServeConfig
 from rpt.serve.engine import Engine, Sampling, Stream
 from rpt.serve.metrics import ServeMetrics
 from rpt.serve.scheduler import Scheduler
@@ -125,24 +126,18 @@ def mib(n: float) -> str:
     return f"{n / 2 ** 20:,.1f} MiB" if n >= 2 ** 20 else f"{n / 1024:,.1f} KiB"
 
 
-def serve(run_dir: str, checkpoint: str, host: str, port: int, max_streams: int, max_queue: int,
-          max_prompt_bytes: int, token: str | None, device: str | None, grace: float, prefill_chunk: int,
-          prefill_tokens: int = 8192) -> None:
+def serve(run_dir: str, cfg: ServeConfig) -> None:
     from rpt import kernels
     from rpt.data.tokenizer import eot_id, token_bytes
     from rpt.kernels.cpu.products import RowProducts, row_products
     from rpt.train.run_dir import load_run
 
-    for name, value in (("--max-streams", max_streams), ("--max-prompt-bytes", max_prompt_bytes),
-                        ("--prefill-chunk", prefill_chunk), ("--prefill-tokens", prefill_tokens)):
-        if value < 1:
-            raise RptError(f"{name} {value} must be 1 or more", f"e.g. {name} 64")
-    if max_queue < 0 or grace < 0:
-        raise RptError("--max-queue and --grace must be 0 or more", "e.g. --max-queue 64 --grace 30")
+    host, port, max_streams, token = cfg.host, cfg.port, cfg.max_streams, cfg.token
     check_free(host, port)  # before the model loads and warms up
-    cfg, model, tokenizer, path, _ = load_run(run_dir, checkpoint, device)
+    run_cfg, model, tokenizer, path, _ = load_run(run_dir, cfg.checkpoint, cfg.device)
     eot = eot_id(tokenizer)
-    engine = Engine(model, eot, cfg.data.reset_at_documents, token_bytes(tokenizer), prefill_chunk, prefill_tokens)
+    engine = Engine(model, eot, run_cfg.data.reset_at_documents, token_bytes(tokenizer), cfg.prefill_chunk,
+                    cfg.prefill_tokens)
     ops = kernels.current().loops() if engine.device.type == "cpu" else None
     packed = RowProducts(ops) if ops is not None else None  # the steps' products on packed weights (as `rpt generate`)
     products = (lambda: row_products(model, packed)) if packed is not None else contextlib.nullcontext
@@ -150,12 +145,12 @@ def serve(run_dir: str, checkpoint: str, host: str, port: int, max_streams: int,
         warm_up(engine, eot, max_streams)
     gc.collect()
     gc.freeze()  # what start-up made is never collected: a full collection over it held the GIL 143 ms mid-load
-    plan = memory_plan(engine, max_streams, cfg.model)
+    plan = memory_plan(engine, max_streams, run_cfg.model)
     metrics = ServeMetrics(plan["state_per_stream"], plan["work_per_stream"], plan["fixed_bytes"],
                            plan["prefill_bytes"])
-    scheduler = Scheduler(engine, max_streams, max_queue, metrics, products)
-    m = cfg.model
-    service = Service(Path(run_dir).resolve().name, tokenizer, eot, scheduler, metrics, max_prompt_bytes, token,
+    scheduler = Scheduler(engine, max_streams, cfg.max_queue, metrics, products)
+    m = run_cfg.model
+    service = Service(Path(run_dir).resolve().name, tokenizer, eot, scheduler, metrics, cfg.max_prompt_bytes, token,
                       loop_depth=m.loop_cap if m.loop_core else None, check_exit=lambda rule: rule.check(m, name="exit"))
     app = build_app(service)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
@@ -173,13 +168,13 @@ def serve(run_dir: str, checkpoint: str, host: str, port: int, max_streams: int,
           f"of logits while it decodes; --max-streams {max_streams} hold {mib(plan['limit_bytes'])}; fixed "
           f"{mib(plan['fixed_bytes'])} (weights, runtime: resident now; connections: {mib(HTTP_ALLOWANCE)}), and up "
           f"to {mib(plan['prefill_bytes'])} "
-          f"while prompts are prefilled; --max-queue {max_queue} more wait, whole prompts held", flush=True)
+          f"while prompts are prefilled; --max-queue {cfg.max_queue} more wait, whole prompts held", flush=True)
     print("no context limit: a stream's memory is its state, the same at any length", flush=True)
     print(f"listening on http://{host}:{port}/v1" + (" (bearer token required)" if token else ""), flush=True)
     warning = open_warning(host, token, "the API")
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    Drain(scheduler, grace)
+    Drain(scheduler, cfg.grace)
     try:
         scheduler.run()  # here, on the main thread, until a drain has ended every stream
         time.sleep(0.1)  # the last events reach their responses
