@@ -42,12 +42,10 @@ def generation_speed(model, tokens: int = 200, **generate) -> float:
     out), with the CPU's one-row products where the model runs on the CPU; `generate`: more of model.generate's
     arguments (depth, exit, shared)."""
     from rpt import kernels
-    from rpt.kernels.cpu.products import generating
+    from rpt.models.decoder import Decoder
 
     prompt = torch.zeros(1, dtype=torch.long, device=next(model.parameters()).device)
-    stream = model.generate(prompt, tokens, temperature=0, **generate)
-    if prompt.device.type == "cpu":
-        stream = generating(model, stream, kernels.current())
+    stream = Decoder.on(model, kernels.current()).generate(prompt, tokens, temperature=0, **generate)
     next(stream)
     began = time.perf_counter()
     count = sum(1 for _ in stream)

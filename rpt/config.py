@@ -90,7 +90,7 @@ class ModelConfig(_Section):
     weight_drop: float = 0.0  # DropConnect on the recurrent matrix (lstm): one mask per sequence, AWD-LSTM's
     tie_embeddings: bool = True
     # 0: a softmax over the whole vocabulary. S: a two-level softmax, the S most frequent training tokens and one
-    # entry for the rest in the first, the rest in the second (`ClusteredHead`, rpt/models/lm.py): exact, and
+    # entry for the rest in the first, the rest in the second (`ClusteredHead`, rpt/models/heads.py): exact, and
     # about a third of the cost where the S cover most of the text
     head_shortlist: int = 0
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"

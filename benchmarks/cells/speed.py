@@ -34,7 +34,7 @@ from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
 from rpt.models.lm import build_cell
 from rpt import kernels
-from rpt.kernels.cpu.products import generating
+from rpt.models.decoder import Decoder
 from rpt.runtime.memory import keep_freed_memory
 
 D = 512
@@ -194,8 +194,7 @@ def bench_generation(device, lengths):
                 torch.cuda.reset_peak_memory_stats(device)
             before = memory_bytes(device)
             t = time.perf_counter()
-            tokens = model.generate(prompt, n, temperature=1.0, top_k=50)
-            count = sum(1 for _ in (generating(model, tokens, kernels.current()) if device.type == "cpu" else tokens))
+            count = sum(1 for _ in Decoder.on(model, kernels.current()).generate(prompt, n, temperature=1.0, top_k=50))
             dt = time.perf_counter() - t
             state = model(prompt[None])[1]
             numel = sum(t.numel() for block in state for part in block for t in part)

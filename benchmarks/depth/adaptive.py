@@ -56,14 +56,17 @@ def step_speed(model, tokens: np.ndarray, depth: int, exit=None, shared: bool = 
     """Tokens/s of one row reading `tokens` one at a time, with the greedy head generation uses."""
     from rpt import kernels
     from rpt.kernels.cpu.products import generating
+    from rpt.models.decoder import Decoder
+
+    decoder = Decoder.on(model, kernels.current())
 
     def steps():
         state = None
         for t in torch.from_numpy(tokens.astype(np.int64)):
-            _, state = model.step(t[None], state, depth, exit, shared, (0.0, 0))
-            yield 0
+            h, state = model.step_hidden(t[None], state, depth, exit, shared)
+            yield int(decoder.greedy(h)[0])
 
-    stream = generating(model, steps(), kernels.current())
+    stream = steps() if decoder.products is None else generating(model, steps(), decoder.products)
     next(stream)
     began = time.perf_counter()
     count = sum(1 for _ in stream)

@@ -26,7 +26,7 @@ import torch
 from rpt.data.dataset import PreparedData
 from rpt import kernels
 from rpt.export.hf_export import export_model
-from rpt.kernels.cpu.products import generating
+from rpt.models.decoder import Decoder
 from rpt.models import RecurrentLM
 
 
@@ -76,8 +76,8 @@ def one_cell(cell: str, args, data: PreparedData, tmp: Path) -> dict:
     ours_gen: list[int] = []
 
     def rpt_generate():  # as `rpt generate` runs it: on the CPU, the one-row products of rpt.kernels
-        ours_gen[:] = list(generating(model, model.generate(as_document, new, temperature=0, reset_at=data.eot_id),
-                                      kernels.current()))
+        ours_gen[:] = list(Decoder.on(model, kernels.current()).generate(as_document, new, temperature=0,
+                                                                         reset_at=data.eot_id))
 
     out = {}
 

@@ -128,15 +128,14 @@ def generate_speed(run: Path, prompt: str, tokens: int) -> float:
 
     from rpt import kernels
     from rpt.data.tokenizer import eot_id
-    from rpt.kernels.cpu.products import generating
+    from rpt.models.decoder import Decoder
     from rpt.train.run_dir import load_run
 
     cfg, model, tok, _, _ = load_run(run, "best", "cpu")
     ids = [eot_id(tok)] + tok.encode(prompt, add_special_tokens=False).ids
     best = 0.0
     for _ in range(2):
-        stream = generating(model, model.generate(torch.tensor(ids), tokens, temperature=0,
-                                                  reset_at=None), kernels.current())
+        stream = Decoder.on(model, kernels.current()).generate(torch.tensor(ids), tokens, temperature=0, reset_at=None)
         next(stream)
         began = time.perf_counter()
         count = sum(1 for _ in stream)

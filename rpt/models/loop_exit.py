@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from rpt.errors import RptError
-from rpt.models.lm import ClusteredHead
+from rpt.models.heads import ClusteredHead
 
 CRITERIA = ("kl", "shortlist", "change")
 

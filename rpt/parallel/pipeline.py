@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rpt.comm.gradient_sync import clip_global_norm
-from rpt.models.lm import next_token_loss
+from rpt.models.heads import next_token_loss
 from rpt.models.state import cat_rows, detach_state, rows
 from rpt.parallel.fsdp import LocalGrad, gathered, local
 from rpt.parallel.mesh import Mesh

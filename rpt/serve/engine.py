@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from rpt.models.decoder import Decoder
 from rpt.models.loop_exit import Exit, RowDepths
 from rpt.models.sampling import sample_rows
 from rpt.models.state import cat_rows, map_state, rows
@@ -84,11 +85,13 @@ class Stream:
 
 class Engine:
     def __init__(self, model, eot_id: int, reset_at_documents: bool, token_bytes: list[bytes],
-                 prefill_chunk: int = 256, prefill_tokens: int = 8192):
+                 prefill_chunk: int = 256, prefill_tokens: int = 8192, decoder: Decoder | None = None):
         """`model`: a RecurrentLM in eval mode; `reset_at_documents`: the run's data.reset_at_documents (the
         state starts afresh at each end of text, in a prompt and after it, as in training). A step prefills the
-        waiting prompts together, `prefill_chunk` tokens of each, at most `prefill_tokens` tokens in all."""
+        waiting prompts together, `prefill_chunk` tokens of each, at most `prefill_tokens` tokens in all.
+        `decoder`: what picks each row's token (rpt/models/decoder.py; the model's own with F.linear if none)."""
         self.model, self.eot, self.reset_eot, self.table = model, eot_id, reset_at_documents, token_bytes
+        self.decoder = decoder or Decoder(model)
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         self.device = next(model.parameters()).device
         self.running: list[Stream] = []  # the batch's rows, in order
@@ -198,10 +201,10 @@ class Engine:
         """Each stream's next token from its row of the final hidden states `h`: the most probable where every row
         is greedy (no [rows, vocabulary] logits), else sampled from the logits each row can draw from."""
         if all(s.sampling.temperature <= 0 for s in streams):
-            return self.model.greedy(h).tolist()
+            return self.decoder.greedy(h).tolist()
         ks = [1 if s.sampling.temperature <= 0 else s.sampling.top_k for s in streams]
         k = ks[0] if ks.count(ks[0]) == len(ks) else torch.tensor(ks, device=self.device)
-        return self._sample(self.model.sampling_logits(h, k), streams)
+        return self._sample(self.decoder.sampling_logits(h, k), streams)
 
     def _sample(self, logits: torch.Tensor, streams: list[Stream]) -> list[int]:
         """Each row's next token with its own settings; a sampled row draws its one uniform number from its own

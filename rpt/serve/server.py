@@ -19,7 +19,7 @@ import uvicorn
 
 from rpt.errors import RptError
 from rpt.net import open_warning
-from rpt.models.lm import ClusteredHead
+from rpt.models.decoder import Decoder
 from rpt.serve.api import Service, build_app
 from rpt.serve.config import ServeConfig
 from rpt.serve.engine import Engine, Sampling, Stream
@@ -76,17 +76,15 @@ def memory_plan(engine: Engine, max_streams: int, model_cfg) -> dict:
 
 def warm_up(engine: Engine, eot: int, max_streams: int) -> None:
     """Streams of two tokens through the engine at every batch size the products distinguish (`batch_shapes`), and
-    the two-level head's products at each (ClusteredHead.warm: those that only uncertain rows run too): a first
+    the decoder's products at each (Decoder.warm: a two-level head's that only uncertain rows run too): a first
     request pays no build or first-call cost, and the packings and what oneDNN keeps per shape are made now, so
     that the fixed part measured after this holds them."""
-    head = engine.model.head
     for rows in batch_shapes(max_streams):
         for _ in range(rows):
             engine.add(Stream([eot, eot], Sampling(max_tokens=2, temperature=0), lambda *_: None))
         while engine.active:
             engine.step()
-        if isinstance(head, ClusteredHead):
-            head.warm(rows)
+        engine.decoder.warm(rows)
 
 
 def batch_shapes(max_streams: int) -> list[int]:
@@ -126,20 +124,20 @@ def mib(n: float) -> str:
     return f"{n / 2 ** 20:,.1f} MiB" if n >= 2 ** 20 else f"{n / 1024:,.1f} KiB"
 
 
-def serve(run_dir: str, cfg: ServeConfig) -> None:
+def serve(run_dir: str, serving: ServeConfig) -> None:
     from rpt import kernels
     from rpt.data.tokenizer import eot_id, token_bytes
-    from rpt.kernels.cpu.products import RowProducts, row_products
+    from rpt.kernels.cpu.products import row_products
     from rpt.train.run_dir import load_run
 
-    host, port, max_streams, token = cfg.host, cfg.port, cfg.max_streams, cfg.token
+    host, port, max_streams, token = serving.host, serving.port, serving.max_streams, serving.token
     check_free(host, port)  # before the model loads and warms up
-    run_cfg, model, tokenizer, path, _ = load_run(run_dir, cfg.checkpoint, cfg.device)
+    run_cfg, model, tokenizer, path, _ = load_run(run_dir, serving.checkpoint, serving.device)
     eot = eot_id(tokenizer)
-    engine = Engine(model, eot, run_cfg.data.reset_at_documents, token_bytes(tokenizer), cfg.prefill_chunk,
-                    cfg.prefill_tokens)
-    ops = kernels.current().loops() if engine.device.type == "cpu" else None
-    packed = RowProducts(ops) if ops is not None else None  # the steps' products on packed weights (as `rpt generate`)
+    decoder = Decoder.on(model, kernels.current())  # the steps' products on packed weights (as `rpt generate`)
+    packed = decoder.products
+    engine = Engine(model, eot, run_cfg.data.reset_at_documents, token_bytes(tokenizer), serving.prefill_chunk,
+                    serving.prefill_tokens, decoder)
     products = (lambda: row_products(model, packed)) if packed is not None else contextlib.nullcontext
     with products():
         warm_up(engine, eot, max_streams)
@@ -148,9 +146,9 @@ def serve(run_dir: str, cfg: ServeConfig) -> None:
     plan = memory_plan(engine, max_streams, run_cfg.model)
     metrics = ServeMetrics(plan["state_per_stream"], plan["work_per_stream"], plan["fixed_bytes"],
                            plan["prefill_bytes"])
-    scheduler = Scheduler(engine, max_streams, cfg.max_queue, metrics, products)
+    scheduler = Scheduler(engine, max_streams, serving.max_queue, metrics, products)
     m = run_cfg.model
-    service = Service(Path(run_dir).resolve().name, tokenizer, eot, scheduler, metrics, cfg.max_prompt_bytes, token,
+    service = Service(Path(run_dir).resolve().name, tokenizer, eot, scheduler, metrics, serving.max_prompt_bytes, token,
                       loop_depth=m.loop_cap if m.loop_core else None, check_exit=lambda rule: rule.check(m, name="exit"))
     app = build_app(service)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
@@ -168,13 +166,13 @@ def serve(run_dir: str, cfg: ServeConfig) -> None:
           f"of logits while it decodes; --max-streams {max_streams} hold {mib(plan['limit_bytes'])}; fixed "
           f"{mib(plan['fixed_bytes'])} (weights, runtime: resident now; connections: {mib(HTTP_ALLOWANCE)}), and up "
           f"to {mib(plan['prefill_bytes'])} "
-          f"while prompts are prefilled; --max-queue {cfg.max_queue} more wait, whole prompts held", flush=True)
+          f"while prompts are prefilled; --max-queue {serving.max_queue} more wait, whole prompts held", flush=True)
     print("no context limit: a stream's memory is its state, the same at any length", flush=True)
     print(f"listening on http://{host}:{port}/v1" + (" (bearer token required)" if token else ""), flush=True)
     warning = open_warning(host, token, "the API")
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    Drain(scheduler, cfg.grace)
+    Drain(scheduler, serving.grace)
     try:
         scheduler.run()  # here, on the main thread, until a drain has ended every stream
         time.sleep(0.1)  # the last events reach their responses

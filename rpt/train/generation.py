@@ -30,7 +30,7 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
     out = out or sys.stdout  # (the stream of the moment, not the one of the import)
     from rpt.data.tokenizer import eot_id, token_bytes
     from rpt import kernels
-    from rpt.kernels.cpu.products import generating
+    from rpt.models.decoder import Decoder
 
     rule = Exit.parse(exit) if exit else None
     cfg, model, tokenizer, _, _ = load_run(run_dir, checkpoint, device)
@@ -47,11 +47,10 @@ def generate_text(run_dir: str, prompt: str, max_new_tokens: int, temperature: f
     # may begin or end inside a character, and its lone bytes would print as U+FFFD
     generator = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     pieces = []
-    tokens = model.generate(torch.tensor(ids, device=dev), max_new_tokens, temperature, top_k, top_p, generator,
-                            reset_at=ids[0] if cfg.data.reset_at_documents else None, depth=depth, exit=rule,
-                            shared=shared)
-    if dev.type == "cpu":  # each step's one-row products on rpt's small-batch product
-        tokens = generating(model, tokens, kernels.current())
+    picker = Decoder.on(model, kernels.current())  # on the CPU each step's one-row products, packed
+    tokens = picker.generate(torch.tensor(ids, device=dev), max_new_tokens, temperature, top_k, top_p, generator,
+                              reset_at=ids[0] if cfg.data.reset_at_documents else None, depth=depth, exit=rule,
+                              shared=shared)
     first = next(tokens, None)  # the prompt's forward first: a first use's build message comes before any text
     out.write(prompt)
     for token in [] if first is None else itertools.chain([first], tokens):

@@ -23,6 +23,7 @@ import rpt  # noqa: E402
 from rpt.errors import RptError
 from rpt.export.hf_export import export_model, export_run
 from rpt.models import RecurrentLM
+from rpt.models.decoder import Decoder
 from rpt.train.init_from import load_weights, read_weights
 from rpt.train.run_dir import load_run
 from rpt.train.trainer import Trainer
@@ -157,7 +158,7 @@ def test_a_looped_export_gives_rpt_logits_at_every_depth_and_generates_at_one(ru
     assert (logits[1] - logits[7]).abs().max() > 1e-4  # the depth changes the model
     with torch.no_grad():
         greedy = hf.generate(x[:1, :8], max_new_tokens=6, do_sample=False, num_steps=4)[0, 8:].tolist()
-    ours = list(model.generate(x[0, :8], 6, temperature=0, reset_at=eot, depth=4))
+    ours = list(Decoder(model).generate(x[0, :8], 6, temperature=0, reset_at=eot, depth=4))
     assert greedy == ours
 
 
@@ -226,7 +227,7 @@ def test_transformers_greedy_generate_equals_rpt_generate(runs, name, tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     ids = tok("Is it a verdict?", return_tensors="pt").input_ids
     eot = torch.tensor([[tok.eos_token_id]])
-    ours = list(model.generate(torch.cat([eot, ids], 1)[0], 30, temperature=0, reset_at=int(eot)))  # as rpt generate
+    ours = list(Decoder(model).generate(torch.cat([eot, ids], 1)[0], 30, temperature=0, reset_at=int(eot)))  # as rpt generate
     hf = hf_model(folder)
     out = hf.generate(ids, max_new_tokens=30, do_sample=False, return_dict_in_generate=True, output_logits=True)
     assert out.sequences[0, ids.shape[1]:].tolist() == ours

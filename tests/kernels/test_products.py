@@ -192,10 +192,11 @@ def test_row_products_run_a_bfloat16_weight_on_onednn_at_any_row_count(n):
 @pytest.mark.parametrize("cell", ["lstm", "gru", "modlstm", "mingru", "minlstm"])
 def test_generation_steps_on_the_small_batch_product_equal_the_forward(cell, monkeypatch):
     """In float32 without gradients (generation) every matrix of a step, the head, attention and MLP included,
-    runs rpt's small-batch product; the step-by-step logits still equal the whole-sequence forward's. generating()
-    (around model.generate) uses it and drops the packings when it ends."""
+    runs rpt's small-batch product; the step-by-step logits still equal the whole-sequence forward's. The decoder's
+    generate (Decoder.on) uses it and drops the packings when it ends."""
     from rpt.config import ModelConfig
     from rpt.models import RecurrentLM
+    from rpt.models.decoder import Decoder
 
     ops = kernels.current().loops()
     if ops is None:
@@ -219,5 +220,5 @@ def test_generation_steps_on_the_small_batch_product_equal_the_forward(cell, mon
     made = []
     real = products.RowProducts.__init__
     monkeypatch.setattr(products.RowProducts, "__init__", lambda self, o: real(self, o) or made.append(self))
-    tokens = list(products.generating(model, model.generate(x[0, :3], 5, temperature=0), kernels.current()))
+    tokens = list(Decoder.on(model, kernels.current()).generate(x[0, :3], 5, temperature=0))
     assert len(tokens) == 5 and made and made[0].packs == {}, "generating() did not run the products or kept them"

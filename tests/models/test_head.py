@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
-from rpt.models.lm import ClusteredHead, Head
+from rpt.models.decoder import Decoder, TwoLevelDecoding
+from rpt.models.heads import ClusteredHead, Head
 from rpt.data.dataset import token_counts
 
 V, D, S = 40, 8, 6
@@ -97,7 +98,7 @@ def test_the_model_with_a_shortlist_steps_as_it_runs_and_scores_as_it_samples(ti
     for t in range(9):
         out, state = model.step(x[:, t], state)
         torch.testing.assert_close(out, log_probs[:, t])
-    assert len(list(model.generate(x[0], 5))) == 5
+    assert len(list(Decoder(model).generate(x[0], 5))) == 5
     assert "head.order" in model.state_dict()
 
 
@@ -120,12 +121,13 @@ def test_sampling_leaves_out_the_rarer_tokens_only_where_they_cannot_be_drawn():
     from rpt.models.sampling import sample_next
 
     head = clustered(3)
+    decoding = TwoLevelDecoding(head)
     h = torch.randn(64, D, dtype=torch.float64) * 3
     full = head(h).detach()
     skipped = 0
     for temperature, top_k in ((0.0, 0), (0.8, 2), (1.0, 5), (1.0, 0), (0.7, S + 1)):
         for row in range(64):
-            got = head.for_sampling(h[row:row + 1], 1 if temperature <= 0 else top_k).detach()
+            got = decoding.for_sampling(h[row:row + 1], 1 if temperature <= 0 else top_k).detach()
             if torch.isinf(got).any():  # the rarer tokens left out: the shortlist's values are forward's
                 skipped += 1
                 assert temperature == 0 or 0 < top_k <= S
@@ -140,17 +142,18 @@ def test_sampling_leaves_out_the_rarer_tokens_only_where_they_cannot_be_drawn():
 
 
 def test_greedy_takes_the_argmax_of_the_whole_distribution_without_making_it():
-    """ClusteredHead.greedy: each row's best token over the whole vocabulary (the shortlist's or, where the
+    """TwoLevelDecoding.greedy: each row's best token over the whole vocabulary (the shortlist's or, where the
     rarer-token entry outweighs it, possibly a rarer one), as forward's argmax, whatever rows run beside it."""
     head = clustered(3)
+    decoding = TwoLevelDecoding(head)
     h = torch.randn(256, D, dtype=torch.float64) * 3
     full = head(h).detach()
-    got = head.greedy(h)
+    got = decoding.greedy(h)
     assert torch.equal(got, full.argmax(-1))
-    assert torch.equal(got, head.for_sampling(h, 1).argmax(-1))
+    assert torch.equal(got, decoding.for_sampling(h, 1).argmax(-1))
     rare = ~torch.isin(got, head.order[:S])
     assert 0 < int(rare.sum()) < len(h), "both ways taken"
-    assert torch.equal(torch.cat([head.greedy(h[i:i + 1]) for i in range(len(h))]), got)
+    assert torch.equal(torch.cat([decoding.greedy(h[i:i + 1]) for i in range(len(h))]), got)
 
 
 def screened_head() -> ClusteredHead:
@@ -162,28 +165,28 @@ def screened_head() -> ClusteredHead:
     torch.nn.init.normal_(head.rest.weight, std=0.1)
     torch.nn.init.constant_(head.rest.bias, 4.0)
     head.assign(np.bincount(np.random.default_rng(0).zipf(1.3, size=200_000) % 4096, minlength=4096))
-    if not head._screens(head.weight):
+    if not TwoLevelDecoding(head)._screens(head.weight):
         pytest.skip("no bfloat16 products on this CPU: the screen does not run")
     return head.eval()
 
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_greedy_screen_bounds_each_rows_best_rarer_token_from_above(packed):
-    """ClusteredHead._rarer_may_win: its bfloat16 bound on the best rarer token's log-probability within its level
+    """TwoLevelDecoding._rarer_may_win: its bfloat16 bound on the best rarer token's log-probability within its level
     is never below the exact one (float64), on F.linear and on the server's packed products, and it rules out
     most rows a margin of two nats above it."""
     from rpt.kernels.cpu.products import RowProducts
 
     head = screened_head()
-    if packed:
-        head.linear = RowProducts(None)  # (three rows or more, bfloat16: oneDNN's product only)
+    # (packed: three rows or more, bfloat16: oneDNN's product only)
+    decoding = TwoLevelDecoding(head, RowProducts(None) if packed else F.linear)
     h = torch.randn(200, 256) * 1.25
     tail = head.weight.detach().double()[head.order[head.shortlist:]]
     z = h.double() @ tail.T
     exact = (z.max(-1).values - z.logsumexp(-1)).float()
     with torch.no_grad():
-        assert bool(head._rarer_may_win(h, exact - 1e-5).all())
-        ruled_out = ~head._rarer_may_win(h, exact + 2.0)
+        assert bool(decoding._rarer_may_win(h, exact - 1e-5).all())
+        ruled_out = ~decoding._rarer_may_win(h, exact + 2.0)
     assert int(ruled_out.sum()) > 0.9 * len(h)
 
 
@@ -194,14 +197,15 @@ def test_greedy_with_the_screen_picks_what_the_exact_path_picks():
     h = torch.randn(256, 256) * 1.25
     h[::7] *= 0.2  # flatter rows: there a rarer token may win
     seen = []
-    may_win = head._rarer_may_win
-    head._rarer_may_win = lambda flat, margin: seen.append(may_win(flat, margin)) or seen[-1]
-    got = head.greedy(h)
+    decoding = TwoLevelDecoding(head)
+    may_win = decoding._rarer_may_win
+    decoding._rarer_may_win = lambda flat, margin: seen.append(may_win(flat, margin)) or seen[-1]
+    got = decoding.greedy(h)
     assert seen and int((~seen[0]).sum()) > len(seen[0]) // 2, "the screen rules out rows"
     log_p = copy.deepcopy(head).double()(h.double()).detach()
     want = log_p.argmax(-1)
     near = (log_p.gather(1, want[:, None]) - log_p.gather(1, got[:, None]))[:, 0] < 1e-4
     assert bool(((got == want) | near).all())
     assert 0 < int((~torch.isin(got, head.order[:head.shortlist])).sum()) < len(h), "rarer tokens win somewhere"
-    alone = torch.cat([head.greedy(h[i:i + 1]) for i in range(0, len(h), 16)])
+    alone = torch.cat([decoding.greedy(h[i:i + 1]) for i in range(0, len(h), 16)])
     assert bool(((alone == got[::16]) | near[::16]).all())

@@ -10,6 +10,7 @@ import torch
 
 from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
+from rpt.models.decoder import Decoder
 from rpt.models.sampling import sample_next
 
 CELLS = ["lstm", "gru", "modlstm", "mingru", "minlstm", "mlstm", "gdn"]
@@ -76,7 +77,7 @@ def test_generation_memory_is_constant_in_length():
         state_sizes.append(sum(t.numel() for block in state for part in block for t in part))
     assert state_sizes[0] == state_sizes[1]
     g = torch.Generator(torch.get_default_device()).manual_seed(0)  # the GPU run of these tests too
-    tokens = list(model.generate(torch.tensor([1, 2, 3]), 20, temperature=0.8, top_k=10, top_p=0.9, generator=g))
+    tokens = list(Decoder(model).generate(torch.tensor([1, 2, 3]), 20, temperature=0.8, top_k=10, top_p=0.9, generator=g))
     assert len(tokens) == 20 and all(0 <= t < V for t in tokens)
 
 
@@ -86,12 +87,12 @@ def test_generation_starts_a_new_document_at_the_reset_token(cell):
     training resets it between documents: what follows is what a prompt of that token alone gives."""
     model = lm(cell)  # attention in some blocks: its window starts afresh too
     prompt = torch.tensor([5, 11, 2, 7])
-    first = next(model.generate(prompt, 1, temperature=0))
+    first = next(Decoder(model).generate(prompt, 1, temperature=0))
     assert first not in prompt.tolist()
-    after = list(model.generate(prompt, 12, temperature=0, reset_at=first))[1:]
-    assert after == list(model.generate(torch.tensor([first]), 11, temperature=0, reset_at=first))
-    assert after != list(model.generate(prompt, 12, temperature=0))[1:]  # without the reset the prompt matters
-    in_prompt = list(model.generate(torch.cat([prompt, torch.tensor([first])]), 11, temperature=0, reset_at=first))
+    after = list(Decoder(model).generate(prompt, 12, temperature=0, reset_at=first))[1:]
+    assert after == list(Decoder(model).generate(torch.tensor([first]), 11, temperature=0, reset_at=first))
+    assert after != list(Decoder(model).generate(prompt, 12, temperature=0))[1:]  # without the reset the prompt matters
+    in_prompt = list(Decoder(model).generate(torch.cat([prompt, torch.tensor([first])]), 11, temperature=0, reset_at=first))
     assert in_prompt == after
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rpt.config import ModelConfig
+from rpt.models.decoder import Decoder
 from rpt.models.lm import build_cell
 
 
@@ -55,5 +56,5 @@ def test_a_run_resumes_across_precisions_and_its_model_generates_in_float32(make
     assert summary["steps"] == 6 and summary["precision"] == "bf16" and summary["val_loss"] < 20
     _, model, *_ = load_run(run, "latest", "cpu")
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    tokens = list(model.generate(torch.tensor([0]), 4, temperature=0.0))
+    tokens = list(Decoder(model).generate(torch.tensor([0]), 4, temperature=0.0))
     assert len(tokens) == 4

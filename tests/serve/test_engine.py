@@ -8,6 +8,7 @@ import torch
 
 from rpt.config import ModelConfig
 from rpt.models import RecurrentLM
+from rpt.models.decoder import Decoder
 from rpt.models.loop_exit import Exit, RowDepths
 from rpt.models.sampling import sample_next, sample_rows
 from rpt.models.state import rows
@@ -55,7 +56,7 @@ def stream(prompt, events=None, **sampling) -> Stream:
 
 
 def reference(m, prompt, max_tokens, **kw) -> list[int]:
-    return list(m.generate(torch.tensor(prompt), max_tokens, reset_at=EOT, **kw))
+    return list(Decoder(m).generate(torch.tensor(prompt), max_tokens, reset_at=EOT, **kw))
 
 
 def test_thirty_two_greedy_streams_together_give_rpt_generates_tokens_in_float64():
@@ -88,9 +89,12 @@ def test_in_float32_batched_rows_differ_from_one_row_only_where_the_two_best_log
         best = logits[0].topk(2).values
         assert best[0] - best[1] < TOL, (at, best)
     tokens = torch.tensor([p[-1] for p in ps])
-    batched, _ = m.step(tokens, m.init_state(32), sample_k=1)
+    decoder = Decoder(m)
+    h, _ = m.step_hidden(tokens, m.init_state(32))
+    batched = decoder.sampling_logits(h, 1)
     for row in range(32):
-        alone, _ = m.step(tokens[row:row + 1], m.init_state(1), sample_k=1)
+        h, _ = m.step_hidden(tokens[row:row + 1], m.init_state(1))
+        alone = decoder.sampling_logits(h, 1)
         torch.testing.assert_close(batched[row:row + 1], alone, atol=TOL, rtol=0)
 
 
@@ -233,9 +237,9 @@ def test_a_two_level_head_samples_each_row_as_alone():
     m = model()
     h = torch.randn(16, 32, dtype=torch.float64) * 3
     k = torch.tensor([1, 0, 3, 17, 1, 5, 2, 16] * 2)
-    both = m.head.for_sampling(h, k)
+    both = Decoder(m).sampling_logits(h, k)
     for row in range(16):
-        torch.testing.assert_close(both[row:row + 1], m.head.for_sampling(h[row:row + 1], int(k[row])))
+        torch.testing.assert_close(both[row:row + 1], Decoder(m).sampling_logits(h[row:row + 1], int(k[row])))
     assert torch.isinf(both).any() and not torch.isinf(both).all(dim=-1).any()
 
 

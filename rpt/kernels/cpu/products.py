@@ -89,7 +89,7 @@ def _on_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 class RowProducts:
     """F.linear for generation and serving, with no gradient wanted and a float32 CPU parameter as weight (or a
-    bfloat16 one, on oneDNN only: the two-level head's screen, ClusteredHead._rarer_may_win), on a
+    bfloat16 one, on oneDNN only: the two-level head's screen, TwoLevelDecoding._rarer_may_win), on a
     packing of the weight made at its first use and kept until the weight changes (its in-place version counter
     moves) or dies: on at most two rows rpt's small-batch product, on a step's [rows, features] of up to
     `MANY_ROWS` rows (a server's decode batch) oneDNN's product on its reordered weight; F.linear otherwise (a
@@ -100,6 +100,12 @@ class RowProducts:
 
     def __init__(self, ops):
         self.ops, self.packs = ops, {}  # (id(weight), layout) -> (weakref to it, its _version when packed, packing)
+
+    @classmethod
+    def of(cls, backend: Backend) -> "RowProducts | None":
+        """The backend's packed products, where its native loops are built (None elsewhere)."""
+        ops = backend.loops()
+        return cls(ops) if ops is not None else None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n = x.numel() // weight.shape[-1]
@@ -147,16 +153,11 @@ def row_products(model: nn.Module, products: RowProducts):
             delattr(module, name)
 
 
-def generating(model: nn.Module, tokens: Iterator[int], backend: Backend) -> Iterator[int]:
-    """`tokens = model.generate(...)` with its one-row products on RowProducts (the first `next` builds the native
-    code, before any token is out) until it ends; then the products are F.linear again and the packings go, so no
-    copy of the weights outlives it. (While it is suspended the model computes the same: a call that wants
-    gradients, or has more rows, is F.linear's.)"""
-    ops = backend.loops()
-    if ops is None:
-        yield from tokens
-        return
-    products = RowProducts(ops)
+def generating(model: nn.Module, tokens: Iterator[int], products: RowProducts) -> Iterator[int]:
+    """`tokens = decoder.generate(...)` with the model's one-row products on `products` (the first `next` builds
+    the native code, before any token is out) until it ends; then the products are F.linear again and the packings
+    go, so no copy of the weights outlives it. (While it is suspended the model computes the same: a call that wants
+    gradients, or has more rows, is F.linear's.) A decoder built with the same `products` runs its own on them."""
     try:
         with row_products(model, products):
             yield from tokens
