@@ -63,8 +63,8 @@ def passed_through(q, k, v, gate_a, gate_b, reset, state, chunk):
     return v * 1.0, state
 
 
-# the chunkwise cells with their recurrence swapped (the `chunkwise` of the op folder's sequence.py): compiled by inductor (compiled
-# before the timing: the compile is outside it), and taken away (the floor); name: (family, swap)
+# the chunkwise cells with their recurrence swapped (the `chunkwise` of the op folder's sequence.py): compiled by
+# inductor (compiled before the timing: the compile is outside it), and taken away (the floor); name: (family, swap)
 SWAPS = {"mlstm-compiled": ("mlstm", lambda form: torch.compile(form, dynamic=False)),
          "mlstm-floor": ("mlstm", lambda form: passed_through),
          "gdn-compiled": ("gdn", lambda form: torch.compile(form, dynamic=False)),

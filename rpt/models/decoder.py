@@ -97,7 +97,7 @@ class TwoLevelDecoding:
     def __init__(self, head: ClusteredHead, linear=F.linear):
         self.head, self.linear = head, linear
         self._held = None  # (the key of the matrix it was taken from, the shortlist's rows)
-        self._screen = None  # (the key of the matrix it was taken from, the tail's rows in bfloat16, their largest norm)
+        self._screen = None  # (the matrix's key, the tail's rows in bfloat16, their largest norm)
 
     def _shortlist_weight(self) -> nn.Parameter:
         """The shortlist's rows of the matrix in `order`, kept for inference until the matrix or the order changes
@@ -205,5 +205,6 @@ class TwoLevelDecoding:
         """The rarer tokens' logits [rows, V] in token-id order, the shortlist's at -inf, for inference: one product
         with the whole matrix as it is (its packing is kept; a copy of the tail's rows would be another 30 MB at
         this size)."""
-        return at_least_fp32(self.linear(flat, self.head.weight)).index_fill_(-1, self.head.order[:self.head.shortlist], -math.inf)
+        shortlist = self.head.order[:self.head.shortlist]
+        return at_least_fp32(self.linear(flat, self.head.weight)).index_fill_(-1, shortlist, -math.inf)
 

@@ -255,7 +255,7 @@ def parse(body: bytes, service: Service) -> Completion:
     if req.model not in (None, service.name):
         raise BadRequest(404, f"the model {req.model!r} does not exist: this server serves {service.name!r}",
                          param="model", code="model_not_found")
-    n, sched = req.n or 1, service.scheduler
+    n, sched = req.n, service.scheduler
     if len(req.prompts) * n > sched.max_streams + sched.max_queue:
         raise BadRequest(400, f"{len(req.prompts)} prompts x n = {n} streams can never be admitted: this server "
                          f"runs {sched.max_streams} streams and queues {sched.max_queue}", param="n")
@@ -263,15 +263,14 @@ def parse(body: bytes, service: Service) -> Completion:
         raise BadRequest(400, "stream_options applies to a streamed answer: give it with \"stream\": true",
                          param="stream_options")
     depth, exit_rule = looped(req, service)
-    base = Sampling(max_tokens=16 if req.max_tokens is None else req.max_tokens,
-                    temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0),
-                    stop=req.stops, depth=depth, exit=exit_rule, ignore_eos=req.ignore_eos)
+    base = Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                    top_k=max(req.top_k, 0), stop=req.stops, depth=depth, exit=exit_rule, ignore_eos=req.ignore_eos)
     settings = [dataclasses.replace(base, seed=None if req.seed is None else (req.seed + j) % 2 ** 63)
                 for j in range(n)]  # choice j of a seeded request: seed + j, so that the choices differ
     options = req.stream_options or StreamOptions()
     encode = service.tokenizer.encode
-    ids = [[service.eot_id] + encode(p, add_special_tokens=False).ids for p in req.prompts]  # a document starts with EOT
+    ids = [[service.eot_id] + encode(p, add_special_tokens=False).ids  # a document starts with EOT
+           for p in req.prompts]
     return Completion(ids, n, req.stream, options.include_usage, options.continuous_usage_stats, settings)
 
 

@@ -40,10 +40,10 @@ class CompletionRequest(Strict):
     model: Optional[str] = Field(None, description="the served model's name")
     prompt: Union[Text, Annotated[list[Text], Field(min_length=1)]] = Field(
         description="a string or a non-empty list of strings, each at least one character")
-    max_tokens: Optional[int] = Field(16, ge=1, le=MAX_TOKENS, description=f"an integer from 1 to {MAX_TOKENS:,}")
-    temperature: Optional[float] = Field(1.0, ge=0, le=2, description="a number in [0, 2]")
-    top_p: Optional[float] = Field(1.0, gt=0, le=1, description="a number in (0, 1]")
-    n: Optional[int] = Field(1, ge=1, le=MAX_N, description=f"an integer from 1 to {MAX_N}")
+    max_tokens: int = Field(16, ge=1, le=MAX_TOKENS, description=f"an integer from 1 to {MAX_TOKENS:,}")
+    temperature: float = Field(1.0, ge=0, le=2, description="a number in [0, 2]")
+    top_p: float = Field(1.0, gt=0, le=1, description="a number in (0, 1]")
+    n: int = Field(1, ge=1, le=MAX_N, description=f"an integer from 1 to {MAX_N}")
     stream: bool = Field(False, description="true or false")
     stream_options: Optional[StreamOptions] = Field(
         None, description="an object of include_usage and continuous_usage_stats only")
@@ -51,8 +51,8 @@ class CompletionRequest(Strict):
         None, description=f"a non-empty string or a list of at most {MAX_STOP} non-empty strings")
     seed: Optional[int] = Field(None, ge=0, lt=2 ** 63, description="an integer from 0 to 2**63 - 1")
     user: Optional[str] = Field(None, description="a string")
-    top_k: Optional[int] = Field(None, ge=-1, le=MAX_TOP_K,
-                                 description=f"0 or -1 for no limit, or an integer from 1 to {MAX_TOP_K:,}")
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K,
+                       description=f"0 or -1 for no limit, or an integer from 1 to {MAX_TOP_K:,}")
     depth: Optional[int] = Field(None, ge=1, description="an integer from 1 to the model's most iterations")
     exit: Optional[str] = Field(None, description='a string "CRITERION:THRESHOLD", e.g. "kl:5e-4"')
     ignore_eos: bool = Field(False, description="true or false")
@@ -63,6 +63,11 @@ class CompletionRequest(Strict):
     presence_penalty: object = None
     frequency_penalty: object = None
     logit_bias: object = None
+
+    @field_validator("max_tokens", "temperature", "top_p", "n", "top_k", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value, info):
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @field_validator(*UNSUPPORTED, mode="before")
     @classmethod

@@ -6,8 +6,8 @@ softmax's shortlist where it costs at most half a full softmax: token frequencie
 precision (BF16_FAMILIES: bf16 where the CPU has bf16 units and the family was measured to keep its loss). Then rank
 0 times optimiser steps of one size on this machine, once for each batch shape it plans (random tokens drawn as
 often as the corpus has them: measure_speed), scales that speed by FLOPs to a ladder of sizes and families (their
-parameters and FLOPs asked of the run's cell), reads the corpus's training tokens, and from the budget derives how many passes
-over the data each would make. A corpus the budget passes over many times is over-fitted long before the budget
+parameters and FLOPs asked of the run's cell), reads the corpus's training tokens, and from the budget derives how
+many passes over the data each would make. A corpus the budget passes over many times is over-fitted long before the budget
 ends, so the recipe regularises by the passes (dropout, embedding dropout, weight drop; SGD with momentum for
 AdamW; early stopping armed); a corpus larger than the budget gets none of them, and the widest model that still
 sees enough tokens per parameter (width before depth). Where the plain stack and the stack with sliding-window
@@ -453,7 +453,8 @@ def _choose_here(cfg, device, train_tokens: int, val_tokens: int, counts: np.nda
                  world_size: int = 1) -> tuple[list[Choice], list]:
     """The choices, and remarks on the measuring (where it was cut short or contended). One size is measured
     at each batch shape planned (Timing); every configuration's speed follows from its batch's by FLOPs, and each
-    decision (the family, the batch) is made on the passes of the configuration it leads to, so that every line the recipe prints agrees."""
+    decision (the family, the batch) is made on the passes of the configuration it leads to, so that every line the
+    recipe prints agrees."""
     began = time.perf_counter()
     family, head = cell_choice(cfg, torch.device(device)), head_choice(cfg, counts)
     given_attention = cfg.model.attention_every if "model.attention_every" in cfg.given else 0

@@ -56,7 +56,7 @@ def test_unknown_fields_nested_rules_and_the_body_s_shape():
 def test_nulls_are_defaults_and_values_are_kept_as_given():
     req = CompletionRequest.model_validate({"prompt": ["x", "y"], "max_tokens": None, "temperature": 0, "n": None,
                                             "stop": "END", "echo": False, "best_of": 1})
-    assert req.prompts == ["x", "y"] and req.stops == ("END",) and req.max_tokens is None and req.n is None
+    assert req.prompts == ["x", "y"] and req.stops == ("END",) and req.max_tokens == 16 and req.n == 1
     assert req.temperature == 0.0 and isinstance(req.temperature, float)  # an integer is a number
     assert CompletionRequest.model_validate({"prompt": "x", "stop": ["a", "b"]}).stops == ("a", "b")
 
