@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import typing
 from pathlib import Path
 
@@ -23,6 +24,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs a worker a core: o
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 REPO = Path(__file__).resolve().parents[1]
+SIBLING = str(REPO.parent / "shared") + os.sep  # the peers' folder beside a build machine's checkout
+
+
+def _no_sibling_folder(event: str, args: tuple) -> None:
+    """A user's clone has no ../shared, so no test may read it: any file opened there (in this process; the suite's
+    subprocesses were traced once, benchmarks/results/training.md) fails the test that opens it."""
+    if event == "open" and isinstance(args[0], (str, os.PathLike)) and \
+            os.path.abspath(os.fspath(args[0])).startswith(SIBLING):
+        raise RuntimeError(f"a test opened {args[0]}: tests read only the repository (tests/corpus holds their text)")
+
+
+sys.addaudithook(_no_sibling_folder)
 
 # the matrix-product peak MFU is measured against (rpt/runtime/peak.py), measured once per test process beside the
 # suite's other work: kept out of the machine's own cache, which a real run's MFU reads

@@ -81,3 +81,15 @@ def test_the_benchmarks_index_lists_every_script():
                if p.suffix in (".py", ".sh") and "__pycache__" not in p.parts]
     assert len(scripts) > 20
     assert not [s for s in scripts if s not in index], "scripts missing from benchmarks/README.md"
+
+
+def test_no_test_can_read_the_folder_beside_the_checkout():
+    """tests/conftest.py refuses any file opened under ../shared (a user's clone has none): opening one there fails
+    whether or not the folder exists, and a file of the repository still opens."""
+    import pytest
+
+    with pytest.raises(RuntimeError, match="tests read only the repository"):
+        open(ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt")
+    with pytest.raises(RuntimeError, match="tests read only the repository"):
+        (ROOT / ".." / "shared" / "DESIGN.md").read_text()
+    assert (ROOT / "README.md").read_text()
